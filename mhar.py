@@ -1,0 +1,379 @@
+"""
+MHAR: Multi-Head Attention Residuals, the whole model in one file.
+
+A Transformer keeps one running residual sum: every sublayer reads x = s_0 + s_1 + ... + s_j.
+Attention Residuals (Kimi Team, 2026) let every sublayer read a learned softmax mix over the
+raw outputs of all earlier sublayers instead; MHAR (Luo, Cai, Hu, 2026) splits that read into
+H heads, each with its own softmax over depth for its own slice of the width.
+
+    r_n      = 1 / sqrt(mean(V_n^2) + eps)                   RMS statistic over the full width d
+    l[n, h]  = < q_[h], (r_n V_n * g)_[h] >                  one logit per source n and head h
+    a[:, h]  = softmax_n l[:, h]                             H independent softmaxes over depth
+    out_[h]  = sum_n a[n, h] V_n,[h]                         head h mixes only its slice
+
+The decoder is Qwen3-style: pre-norm, RMSNorm, rotary embeddings, grouped-query attention with
+per-head RMSNorm on queries and keys, SwiGLU MLP, no biases, no dropout, tied embeddings.
+
+Residual modes (Config.residual):
+    baseline  x = x + f(RMSNorm(x)) after every sublayer
+    attnres   every sublayer reads route(s_0..s_j) with H = 1 (Attention Residuals)
+    mhar      the same with H = route_heads heads (default n_kv_head)
+"""
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class Config:
+    vocab_size: int = 50304      # GPT-2's 50257 tokens padded to a multiple of 128
+    seq_len: int = 1024
+    n_layer: int = 12            # blocks; each block is two sublayers (attention, MLP)
+    n_embd: int = 768
+    n_head: int = 12
+    n_kv_head: int = 4           # grouped-query attention: n_head / n_kv_head queries share a key
+    ffn_hidden: int = 2048       # SwiGLU hidden width
+    rope_theta: float = 1e4
+    norm_eps: float = 1e-6
+    residual: str = "mhar"       # "baseline" | "attnres" | "mhar"
+    route_heads: int = 0         # MHAR heads H; 0 = n_kv_head (the paper's default)
+    route_block: int = 1         # Block AttnRes block size in sublayers; 1 = full routing
+    delta: bool = False          # additive (delta) routing for conversion
+    hc_streams: int = 4          # hyper-connection streams
+    fused: bool = False          # route with the Triton kernels of kernel.py
+
+    def __post_init__(self):
+        def check(ok, field, problem, fix):
+            if not ok:
+                raise ValueError(f"Config.{field}: {problem}; {fix}")
+
+        for field in ("vocab_size", "seq_len", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn_hidden",
+                      "route_block", "hc_streams"):
+            value = getattr(self, field)
+            check(isinstance(value, int) and value > 0, field, f"must be a positive integer, got {value!r}",
+                  "set it to a positive integer")
+        check(self.norm_eps > 0, "norm_eps", f"must be positive, got {self.norm_eps}", "use e.g. 1e-6")
+        check(self.rope_theta > 0, "rope_theta", f"must be positive, got {self.rope_theta}", "use e.g. 1e4")
+        check(self.n_embd % self.n_head == 0, "n_head", f"{self.n_head} does not divide n_embd={self.n_embd}",
+              "choose n_head so that n_embd % n_head == 0")
+        check((self.n_embd // self.n_head) % 2 == 0, "n_head", f"head width {self.n_embd // self.n_head} is odd",
+              "rotary embeddings rotate pairs of channels: choose n_head so that n_embd / n_head is even")
+        check(self.n_head % self.n_kv_head == 0, "n_kv_head", f"{self.n_kv_head} does not divide n_head={self.n_head}",
+              "choose n_kv_head so that n_head % n_kv_head == 0")
+        modes = ("baseline", "attnres", "mhar")
+        check(self.residual != "hyper", "residual", "'hyper' (hyper-connections) is not implemented yet",
+              f"use one of {modes}")
+        check(self.residual in modes, "residual", f"unknown mode {self.residual!r}", f"use one of {modes}")
+        check(isinstance(self.route_heads, int) and self.route_heads >= 0, "route_heads",
+              f"must be a non-negative integer, got {self.route_heads!r}", "use 0 for n_kv_head, or a head count")
+        check(self.residual != "attnres" or self.route_heads in (0, 1), "route_heads",
+              f"attnres is single-head routing but route_heads={self.route_heads}",
+              "use residual='mhar' for several heads, or route_heads=1")
+        check(self.residual != "baseline" or self.route_heads == 0, "route_heads",
+              "baseline has no routing", "leave route_heads at 0, or use residual='mhar'")
+        if self.routed:
+            check(self.n_embd % self.heads == 0, "route_heads", f"{self.heads} heads do not divide n_embd={self.n_embd}",
+                  "choose route_heads so that n_embd % route_heads == 0")
+        check(self.route_block == 1, "route_block", "block routing is not implemented yet", "use route_block=1")
+        check(not self.delta, "delta", "delta routing is not implemented yet", "use delta=False")
+        check(not self.fused or self.routed, "fused", "baseline has no routing to fuse",
+              "use fused=False, or residual='attnres'/'mhar'")
+
+    @property
+    def routed(self):
+        return self.residual in ("attnres", "mhar")
+
+    @property
+    def heads(self):
+        """Routing heads H: 1 for attnres, route_heads (or n_kv_head) for mhar, 0 for baseline."""
+        if self.residual == "attnres":
+            return 1
+        if self.residual == "mhar":
+            return self.route_heads or self.n_kv_head
+        return 0
+
+
+# The paper's shapes (Qwen3-style, its Table of model sizes) plus two CPU-sized presets.
+PRESETS = {
+    "tiny":  Config(seq_len=64, n_layer=2, n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=192),       # tests
+    "small": Config(seq_len=256, n_layer=4, n_embd=128, n_head=4, n_kv_head=2, ffn_hidden=384),     # CPU demo
+    "100m":  Config(seq_len=2048, n_layer=12, n_embd=512, n_head=8, n_kv_head=4, ffn_hidden=1536),
+    "350m":  Config(seq_len=1024, n_layer=24, n_embd=1024, n_head=16, n_kv_head=8, ffn_hidden=4096),
+    "1b":    Config(seq_len=1024, n_layer=36, n_embd=1280, n_head=16, n_kv_head=8, ffn_hidden=5120),
+}
+
+
+def preset(name, **overrides):
+    """A preset Config with some fields replaced, e.g. preset("100m", residual="attnres")."""
+    if name not in PRESETS:
+        raise ValueError(f"preset {name!r} is unknown; use one of {sorted(PRESETS)}")
+    return replace(PRESETS[name], **overrides)
+
+
+# ----------------------------------------------------------------------------------------------
+# The route: the readable reference of the method.
+
+def route_weights(V, q, g, heads, eps=1e-6):
+    """α[n, b, t, h]: how much head h of the site reads source n (a softmax over depth n)."""
+    N, B, T, d = V.shape
+    V = V.float()
+    keys = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps) * g.float()      # (N, B, T, d): RMS over the full width
+    logits = (keys.view(N, B, T, heads, -1) * q.float().view(heads, -1)).sum(-1)  # (N, B, T, H): one dot per head slice
+    return logits.softmax(dim=0)                                                   # (N, B, T, H): H softmaxes over depth
+
+
+def route(V, q, g, heads, eps=1e-6):
+    """The multi-head depth route: sources V (N, B, T, d) -> (B, T, d) in V.dtype, float32 inside."""
+    N, B, T, d = V.shape
+    alpha = route_weights(V, q, g, heads, eps)                                     # (N, B, T, H)
+    slices = V.float().view(N, B, T, heads, d // heads)                            # (N, B, T, H, K)
+    out = (alpha.unsqueeze(-1) * slices).sum(0)                                    # (B, T, H, K): head h mixes only its slice
+    return out.reshape(B, T, d).to(V.dtype)
+
+
+class DepthHistory:
+    """The sources of one forward pass, kept as a list and stacked at every site (readable, O(L^2) memory).
+
+    kernel.FusedHistory has the same interface and writes each source once into a shared buffer.
+    """
+
+    def __init__(self, heads, eps, record=None):
+        self.sources, self.heads, self.eps = [], heads, eps
+        self.record = record  # a list that collects every site's α (N, B, T, H), for analysis
+
+    def route(self, source, site):
+        """Append `source` (B, T, d) to the history, then read the history at `site`."""
+        self.sources.append(source)
+        V = torch.stack(self.sources)                                              # (N, B, T, d)
+        if self.record is not None:
+            self.record.append(route_weights(V, site.query, site.norm.weight, self.heads, self.eps))
+        return route(V, site.query, site.norm.weight, self.heads, self.eps)
+
+
+# ----------------------------------------------------------------------------------------------
+# The Transformer.
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+def rotary_tables(seq_len, head_dim, theta):
+    """cos and sin of the rotation angles, (seq_len, head_dim / 2) each."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate channel pairs (i, i + hd/2) of x (B, nh, T, hd) by position-dependent angles."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Pre-norm causal self-attention with grouped-query heads and QK-norm."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_dim = config.n_embd // config.n_head
+        self.norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.q_proj = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
+
+    def forward(self, x, rope):
+        B, T, C = x.size()
+        x = self.norm(x)
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim)).transpose(1, 2)     # (B, nh, T, hd)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)               # (B, nkv, T, hd)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos[:T], sin[:T]), apply_rotary(k, cos[:T], sin[:T])
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)              # (B, nh, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    """Pre-norm SwiGLU feed-forward."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.gate_proj = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.up_proj = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
+        self.down_proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=False)
+
+    def forward(self, x, rope=None):  # rope unused: every sublayer takes the same arguments
+        x = self.norm(x)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RouteSite(nn.Module):
+    """One routing site: a pseudo-query (zero: routing starts as a uniform average) and a key norm."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(config.n_embd))
+        self.norm = RMSNorm(config.n_embd, config.norm_eps)
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        if config.fused:
+            import kernel  # only the fused path needs Triton
+            kernel.check_available()
+        self.embed = nn.Embedding(config.vocab_size, config.n_embd)
+        # 2L sublayers: attention, MLP, attention, MLP, ...; sublayer j's output is source s_{j+1}
+        self.layers = nn.ModuleList([Attention(config) if j % 2 == 0 else MLP(config)
+                                     for j in range(2 * config.n_layer)])
+        # 2L + 1 sites: one in front of each sublayer, one in front of the final norm
+        self.sites = nn.ModuleList([RouteSite(config) for _ in range(2 * config.n_layer + 1)]) if config.routed else None
+        self.norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.embed.weight  # tied input and output embeddings
+        cos, sin = rotary_tables(config.seq_len, config.n_embd // config.n_head, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    def init_weights(self):
+        """How every tensor starts:
+
+        | tensor                                  | init          |
+        |-----------------------------------------|---------------|
+        | embedding (= LM head), every projection | N(0, 0.02^2)  |
+        | every RMSNorm weight (sites' included)  | 1             |
+        | routing queries                         | 0 (uniform α) |
+        """
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, RouteSite):
+                nn.init.zeros_(module.query)
+
+    def forward(self, idx, targets=None):
+        logits = self.lm_head(self.hidden(idx)).float()                            # (B, T, vocab)
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def hidden(self, idx, record=None):
+        """The final normed hidden state (B, T, d); `record`, a list, collects every site's α."""
+        B, T = idx.size()
+        if T > self.config.seq_len:
+            raise ValueError(f"sequence of {T} tokens is longer than Config.seq_len={self.config.seq_len}")
+        rope = (self.rope_cos, self.rope_sin)
+        x = self.embed(idx)                                                        # (B, T, d): source s_0
+        if not self.config.routed:
+            for layer in self.layers:
+                x = x + layer(x, rope)
+            return self.norm(x)
+        if torch.is_autocast_enabled(x.device.type):  # sources are stored in the compute dtype (bf16 on GPUs)
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        history = self.new_history(record)
+        h = history.route(x, self.sites[0])
+        for layer, site in zip(self.layers, self.sites[1:]):
+            h = history.route(layer(h, rope), site)  # sublayer j's raw output is appended as s_{j+1}
+        return self.norm(h)
+
+    def new_history(self, record=None):
+        heads, eps = self.config.heads, self.config.norm_eps
+        if self.config.fused and record is None:
+            from kernel import FusedHistory
+            return FusedHistory(2 * self.config.n_layer + 1, heads, eps)
+        return DepthHistory(heads, eps, record)
+
+    @torch.no_grad()
+    def routing_weights(self, idx):
+        """α of every site for a batch: a list of 2L+1 tensors (N_j, B, T, H), N_j = j + 1."""
+        if not self.config.routed:
+            raise ValueError("routing_weights: residual='baseline' has no routing sites")
+        alphas = []
+        self.hidden(idx, record=alphas)
+        return alphas
+
+    # ------------------------------------------------------------------------------------------
+    # Accounting and training helpers.
+
+    def num_params(self, non_embedding=False):
+        """Parameter count (the tied embedding/LM head counted once)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if non_embedding else n
+
+    def flops_per_token(self):
+        """Training FLOPs per token (forward + backward), the routing included.
+
+        Matmuls: 6 per weight (PaLM appendix B), the tied LM head included. Attention scores and
+        values: 12 * L * d * T (the PaLM convention, causal masking not discounted). Routing: each
+        site reads each of its N_j sources once for the norm, the logit and the mix (~8d flops
+        forward, twice that backward), and the sites read sum_j N_j = (2L+1)(2L+2)/2 sources.
+        """
+        c = self.config
+        matmul = sum(p.numel() for p in self.parameters() if p.dim() == 2)
+        attention = 12 * c.n_layer * c.n_embd * c.seq_len
+        sites = 2 * c.n_layer + 1
+        routing = 24 * c.n_embd * sites * (sites + 1) // 2 if c.routed else 0
+        return 6 * matmul + attention + routing
+
+    # Dense bf16 tensor-core peaks (vendor datasheets); unknown devices get no MFU rather than a wrong one.
+    PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
+
+    def estimate_mfu(self, tokens_per_s, device_name):
+        """Model FLOPs utilization for a throughput on a device named like torch.cuda.get_device_name()."""
+        peak = next((f for name, f in self.PEAK_FLOPS.items() if name in (device_name or "")), None)
+        return None if peak is None else self.flops_per_token() * tokens_per_s / peak
+
+    def param_groups(self):
+        """Parameters by role: {"embedding", "matrices", "norms", "routing"}; each lands in exactly one."""
+        routing = {id(p) for p in self.sites.parameters()} if self.sites is not None else set()
+        groups = {"embedding": [self.embed.weight], "matrices": [], "norms": [], "routing": []}
+        for name, p in self.named_parameters():
+            if p is self.embed.weight:
+                continue
+            role = "routing" if id(p) in routing else "matrices" if p.dim() == 2 else "norms"
+            groups[role].append(p)
+        assert sum(len(ps) for ps in groups.values()) == len(list(self.parameters())), "a parameter has no group"
+        return groups
+
+    def configure_optimizers(self, weight_decay=0.1, learning_rate=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                             device_type="cpu"):
+        """AdamW with the paper's recipe: weight decay on all parameters (DESIGN §5), one group per role."""
+        groups = [{"name": name, "params": ps, "weight_decay": weight_decay, "lr": learning_rate}
+                  for name, ps in self.param_groups().items() if ps]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=device_type == "cuda")
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Append max_new_tokens sampled tokens to idx (B, T); temperature 0 picks the argmax."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.config.seq_len:])
+            logits = logits[:, -1, :]                                              # (B, vocab)
+            if temperature == 0:
+                next_id = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat((idx, next_id), dim=1)
+        return idx
