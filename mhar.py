@@ -16,8 +16,11 @@ per-head RMSNorm on queries and keys, SwiGLU MLP, no biases, no dropout, tied em
 
 Residual modes (Config.residual):
     baseline  x = x + f(RMSNorm(x)) after every sublayer
+    hyper     hyper-connections (Zhu et al., 2024): n residual streams, learned read / mix / write
     attnres   every sublayer reads route(s_0..s_j) with H = 1 (Attention Residuals)
     mhar      the same with H = route_heads heads (default n_kv_head)
+and, for attnres and mhar, route_block = S > 1: Block AttnRes (Kimi Team, 2026), where the
+history holds sums of S consecutive sublayer outputs instead of every output.
 """
 
 import math
@@ -39,7 +42,7 @@ class Config:
     ffn_hidden: int = 2048       # SwiGLU hidden width
     rope_theta: float = 1e4
     norm_eps: float = 1e-6
-    residual: str = "mhar"       # "baseline" | "attnres" | "mhar"
+    residual: str = "mhar"       # "baseline" | "hyper" | "attnres" | "mhar"
     route_heads: int = 0         # MHAR heads H; 0 = n_kv_head (the paper's default)
     route_block: int = 1         # Block AttnRes block size in sublayers; 1 = full routing
     delta: bool = False          # additive (delta) routing for conversion
@@ -64,23 +67,22 @@ class Config:
               "rotary embeddings rotate pairs of channels: choose n_head so that n_embd / n_head is even")
         check(self.n_head % self.n_kv_head == 0, "n_kv_head", f"{self.n_kv_head} does not divide n_head={self.n_head}",
               "choose n_kv_head so that n_head % n_kv_head == 0")
-        modes = ("baseline", "attnres", "mhar")
-        check(self.residual != "hyper", "residual", "'hyper' (hyper-connections) is not implemented yet",
-              f"use one of {modes}")
+        modes = ("baseline", "hyper", "attnres", "mhar")
         check(self.residual in modes, "residual", f"unknown mode {self.residual!r}", f"use one of {modes}")
         check(isinstance(self.route_heads, int) and self.route_heads >= 0, "route_heads",
               f"must be a non-negative integer, got {self.route_heads!r}", "use 0 for n_kv_head, or a head count")
         check(self.residual != "attnres" or self.route_heads in (0, 1), "route_heads",
               f"attnres is single-head routing but route_heads={self.route_heads}",
               "use residual='mhar' for several heads, or route_heads=1")
-        check(self.residual != "baseline" or self.route_heads == 0, "route_heads",
-              "baseline has no routing", "leave route_heads at 0, or use residual='mhar'")
+        check(self.routed or self.route_heads == 0, "route_heads", f"{self.residual} has no routing sites",
+              "leave route_heads at 0, or use residual='mhar'")
+        check(self.routed or self.route_block == 1, "route_block", f"{self.residual} has no routing sites",
+              "leave route_block at 1, or use residual='attnres'/'mhar'")
         if self.routed:
             check(self.n_embd % self.heads == 0, "route_heads", f"{self.heads} heads do not divide n_embd={self.n_embd}",
                   "choose route_heads so that n_embd % route_heads == 0")
-        check(self.route_block == 1, "route_block", "block routing is not implemented yet", "use route_block=1")
         check(not self.delta, "delta", "delta routing is not implemented yet", "use delta=False")
-        check(not self.fused or self.routed, "fused", "baseline has no routing to fuse",
+        check(not self.fused or self.routed, "fused", f"{self.residual} has no routing to fuse",
               "use fused=False, or residual='attnres'/'mhar'")
 
     @property
@@ -138,20 +140,33 @@ def route(V, q, g, heads, eps=1e-6):
 class DepthHistory:
     """The sources of one forward pass, kept as a list and stacked at every site (readable, O(L^2) memory).
 
-    kernel.FusedHistory has the same interface and writes each source once into a shared buffer.
+    With block size S > 1 (Block AttnRes) the history holds b_0 = s_0, then the sum of each completed
+    block of S sublayer outputs, then the partial sum of the current block when it has begun. S = 1
+    keeps every source as it is: full routing. kernel.FusedHistory has the same interface for S = 1 and
+    writes each source once into a shared buffer; `route_fn` = kernel.fused_route fuses each read here.
     """
 
-    def __init__(self, heads, eps, record=None):
-        self.sources, self.heads, self.eps = [], heads, eps
-        self.record = record  # a list that collects every site's α (N, B, T, H), for analysis
+    def __init__(self, heads, eps, block=1, record=None, route_fn=route):
+        self.heads, self.eps, self.block, self.route_fn = heads, eps, block, route_fn
+        self.blocks = []        # completed block representations b_0, b_1, ...
+        self.partial = None     # sum of the current block's outputs so far
+        self.in_block = 0       # how many outputs that sum holds
+        self.record = record    # a list that collects every site's α (N, B, T, H), for analysis
 
-    def route(self, source, site):
-        """Append `source` (B, T, d) to the history, then read the history at `site`."""
-        self.sources.append(source)
-        V = torch.stack(self.sources)                                              # (N, B, T, d)
+    def route(self, source, q, g):
+        """Append `source` (B, T, d) to the history, then read the whole history with query q, norm weight g."""
+        if not self.blocks:
+            self.blocks.append(source)                                             # b_0 = s_0, the embedding
+        else:
+            self.partial = source if self.partial is None else self.partial + source
+            self.in_block += 1
+            if self.in_block == self.block:                                        # the block is complete
+                self.blocks.append(self.partial)
+                self.partial, self.in_block = None, 0
+        V = torch.stack(self.blocks if self.partial is None else self.blocks + [self.partial])  # (N, B, T, d)
         if self.record is not None:
-            self.record.append(route_weights(V, site.query, site.norm.weight, self.heads, self.eps))
-        return route(V, site.query, site.norm.weight, self.heads, self.eps)
+            self.record.append(route_weights(V, q, g, self.heads, self.eps))
+        return self.route_fn(V, q, g, self.heads, self.eps)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,6 +246,39 @@ class RouteSite(nn.Module):
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
 
 
+class HyperConnection(nn.Module):
+    """Hyper-connections (Zhu et al., 2024) around one sublayer, over n residual streams H (B, T, n, d).
+
+    The sublayer reads h = sum_i read[i] H_i and its output y is written back as
+    H'_k = sum_i mix[i, k] H_i + write[k] y. Each of read (n), mix (n x n) and write (n) is a static
+    parameter plus a dynamic, per-token part scale * tanh(RMSNorm(H) W). At init read is one-hot on
+    stream j mod n, mix = I, write = 1 and W = 0: every stream then carries the plain residual sum, so
+    the network starts exactly as the pre-norm baseline.
+    """
+
+    def __init__(self, config, index):
+        super().__init__()
+        n, d = config.hc_streams, config.n_embd
+        self.index = index                                         # which stream the static read starts on
+        self.static_read = nn.Parameter(torch.zeros(n))
+        self.static_mix = nn.Parameter(torch.zeros(n, n))
+        self.static_write = nn.Parameter(torch.zeros(n))
+        self.norm = RMSNorm(d, config.norm_eps)
+        self.dynamic_read_mix = nn.Parameter(torch.zeros(d, n + 1))   # stream i -> (read[i], mix[i, :])
+        self.dynamic_write = nn.Parameter(torch.zeros(d, 1))          # stream i -> write[i]
+        self.read_mix_scale = nn.Parameter(torch.zeros(()))
+        self.write_scale = nn.Parameter(torch.zeros(()))
+
+    def forward(self, streams, layer, rope):
+        normed = self.norm(streams)                                                        # (B, T, n, d)
+        read_mix = self.read_mix_scale * torch.tanh(normed @ self.dynamic_read_mix)        # (B, T, n, n+1)
+        read = self.static_read + read_mix[..., 0]                                         # (B, T, n)
+        mix = self.static_mix + read_mix[..., 1:]                                          # (B, T, n, n)
+        write = self.static_write + self.write_scale * torch.tanh(normed @ self.dynamic_write).squeeze(-1)
+        y = layer(torch.einsum("btn,btnd->btd", read, streams), rope)                      # (B, T, d)
+        return torch.einsum("btik,btid->btkd", mix, streams) + write.unsqueeze(-1) * y.unsqueeze(2)
+
+
 class GPT(nn.Module):
 
     def __init__(self, config):
@@ -245,6 +293,8 @@ class GPT(nn.Module):
                                      for j in range(2 * config.n_layer)])
         # 2L + 1 sites: one in front of each sublayer, one in front of the final norm
         self.sites = nn.ModuleList([RouteSite(config) for _ in range(2 * config.n_layer + 1)]) if config.routed else None
+        self.connections = nn.ModuleList([HyperConnection(config, j) for j in range(2 * config.n_layer)]
+                                         ) if config.residual == "hyper" else None
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.embed.weight  # tied input and output embeddings
@@ -261,6 +311,10 @@ class GPT(nn.Module):
         | embedding (= LM head), every projection | N(0, 0.02^2)  |
         | every RMSNorm weight (sites' included)  | 1             |
         | routing queries                         | 0 (uniform α) |
+        | hyper-connections: static read          | one-hot on stream j mod n |
+        | static mix, static write                | identity, 1 |
+        | dynamic projections                     | 0 |
+        | dynamic scales                          | 0.01 (small, learnable; Zhu et al.) |
         """
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -269,6 +323,16 @@ class GPT(nn.Module):
                 nn.init.ones_(module.weight)
             elif isinstance(module, RouteSite):
                 nn.init.zeros_(module.query)
+            elif isinstance(module, HyperConnection):
+                n = module.static_read.numel()
+                with torch.no_grad():
+                    module.static_read.copy_(F.one_hot(torch.tensor(module.index % n), n))
+                    module.static_mix.copy_(torch.eye(n))
+                    module.static_write.fill_(1.0)
+                    module.dynamic_read_mix.zero_()
+                    module.dynamic_write.zero_()
+                    module.read_mix_scale.fill_(0.01)
+                    module.write_scale.fill_(0.01)
 
     def forward(self, idx, targets=None):
         logits = self.lm_head(self.hidden(idx)).float()                            # (B, T, vocab)
@@ -283,24 +347,34 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {T} tokens is longer than Config.seq_len={self.config.seq_len}")
         rope = (self.rope_cos, self.rope_sin)
         x = self.embed(idx)                                                        # (B, T, d): source s_0
-        if not self.config.routed:
+        if self.config.residual == "baseline":
             for layer in self.layers:
                 x = x + layer(x, rope)
             return self.norm(x)
+        if self.config.residual == "hyper":
+            streams = x.unsqueeze(2).repeat(1, 1, self.config.hc_streams, 1)       # (B, T, n, d): each starts as s_0
+            for layer, connection in zip(self.layers, self.connections):
+                streams = connection(streams, layer, rope)
+            # Zhu et al. sum the streams; the final RMSNorm removes that factor n up to its eps, and the
+            # mean removes it exactly, so the network starts as exactly the baseline
+            return self.norm(streams.mean(2))
         if torch.is_autocast_enabled(x.device.type):  # sources are stored in the compute dtype (bf16 on GPUs)
             x = x.to(torch.get_autocast_dtype(x.device.type))
         history = self.new_history(record)
-        h = history.route(x, self.sites[0])
+        site = self.sites[0]
+        h = history.route(x, site.query, site.norm.weight)
         for layer, site in zip(self.layers, self.sites[1:]):
-            h = history.route(layer(h, rope), site)  # sublayer j's raw output is appended as s_{j+1}
+            h = history.route(layer(h, rope), site.query, site.norm.weight)  # sublayer j's raw output is s_{j+1}
         return self.norm(h)
 
     def new_history(self, record=None):
-        heads, eps = self.config.heads, self.config.norm_eps
-        if self.config.fused and record is None:
-            from kernel import FusedHistory
-            return FusedHistory(2 * self.config.n_layer + 1, heads, eps)
-        return DepthHistory(heads, eps, record)
+        c = self.config
+        if c.fused and record is None:
+            from kernel import FusedHistory, fused_route
+            if c.route_block == 1:
+                return FusedHistory(2 * c.n_layer + 1, c.heads, c.norm_eps)
+            return DepthHistory(c.heads, c.norm_eps, c.route_block, route_fn=fused_route)
+        return DepthHistory(c.heads, c.norm_eps, c.route_block, record)
 
     @torch.no_grad()
     def routing_weights(self, idx):
@@ -323,16 +397,25 @@ class GPT(nn.Module):
         """Training FLOPs per token (forward + backward), the routing included.
 
         Matmuls: 6 per weight (PaLM appendix B), the tied LM head included. Attention scores and
-        values: 12 * L * d * T (the PaLM convention, causal masking not discounted). Routing: each
-        site reads each of its N_j sources once for the norm, the logit and the mix (~8d flops
-        forward, twice that backward), and the sites read sum_j N_j = (2L+1)(2L+2)/2 sources.
+        values: 12 * L * d * T (the PaLM convention, causal masking not discounted). Routing: a site
+        reads each of its sources once for the norm, the logit and the mix (~8d flops forward, twice
+        that backward); full routing reads sum_j (j + 1) = (2L+1)(2L+2)/2 sources. Hyper-connections:
+        per sublayer, the dynamic projections and the read, mix and write over n streams, ~4 d n (n+2)
+        flops forward, twice that backward.
         """
         c = self.config
-        matmul = sum(p.numel() for p in self.parameters() if p.dim() == 2)
+        matmul = sum(p.numel() for name, p in self.named_parameters()
+                     if p.dim() == 2 and not name.startswith("connections."))
         attention = 12 * c.n_layer * c.n_embd * c.seq_len
-        sites = 2 * c.n_layer + 1
-        routing = 24 * c.n_embd * sites * (sites + 1) // 2 if c.routed else 0
-        return 6 * matmul + attention + routing
+        routing = 24 * c.n_embd * sum(self.site_sources(j) for j in range(2 * c.n_layer + 1)) if c.routed else 0
+        n = c.hc_streams
+        hyper = 2 * c.n_layer * 12 * c.n_embd * n * (n + 2) if c.residual == "hyper" else 0
+        return 6 * matmul + attention + routing + hyper
+
+    def site_sources(self, j):
+        """How many sources site j reads: j + 1, or with blocks of S the completed blocks plus a partial."""
+        S = self.config.route_block
+        return 1 + j // S + (j % S > 0)
 
     # Dense bf16 tensor-core peaks (vendor datasheets); unknown devices get no MFU rather than a wrong one.
     PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -343,8 +426,12 @@ class GPT(nn.Module):
         return None if peak is None else self.flops_per_token() * tokens_per_s / peak
 
     def param_groups(self):
-        """Parameters by role: {"embedding", "matrices", "norms", "routing"}; each lands in exactly one."""
-        routing = {id(p) for p in self.sites.parameters()} if self.sites is not None else set()
+        """Parameters by role: {"embedding", "matrices", "norms", "routing"}; each lands in exactly one.
+
+        "routing" holds what a residual mode adds: the sites' queries and norms, or the hyper-connections.
+        """
+        added = self.sites if self.sites is not None else self.connections
+        routing = {id(p) for p in added.parameters()} if added is not None else set()
         groups = {"embedding": [self.embed.weight], "matrices": [], "norms": [], "routing": []}
         for name, p in self.named_parameters():
             if p is self.embed.weight:

@@ -149,11 +149,14 @@ def test_preset_parameter_counts(name, total, non_embedding):
     assert (model.num_params(), model.num_params(non_embedding=True)) == (total, non_embedding)
 
 
-@pytest.mark.parametrize("residual", ["baseline", "attnres", "mhar"])
-def test_causality(residual):
+@pytest.mark.parametrize("residual, overrides", [
+    ("baseline", {}), ("hyper", {}), ("attnres", {}), ("mhar", dict(route_heads=4)),
+    ("mhar", dict(route_heads=4, route_block=3)),
+], ids=["baseline", "hyper", "attnres", "mhar", "mhar-block3"])
+def test_causality(residual, overrides):
     """Changing a later token leaves every earlier position's logits unchanged."""
     torch.manual_seed(0)
-    model = GPT(tiny(residual, route_heads=4 if residual == "mhar" else 0))
+    model = GPT(tiny(residual, **overrides))
     with torch.no_grad():
         for p in model.parameters():  # random queries and norms, so routing is not uniform
             p.add_(0.1 * torch.randn_like(p))
@@ -175,7 +178,9 @@ def test_causality(residual):
     (dict(n_head=3), "n_head"),
     (dict(n_head=64), "n_head"),                                     # head width 1 cannot rotate
     (dict(residual="residual"), "residual"),
-    (dict(residual="hyper"), "residual"),
+    (dict(residual="hyper", route_heads=2), "route_heads"),
+    (dict(residual="baseline", route_block=2), "route_block"),
+    (dict(residual="hyper", fused=True), "fused"),
     (dict(n_layer=0), "n_layer"),
     (dict(n_embd=-64), "n_embd"),
     (dict(vocab_size=0), "vocab_size"),
@@ -184,7 +189,6 @@ def test_causality(residual):
     (dict(norm_eps=0.0), "norm_eps"),
     (dict(rope_theta=-1.0), "rope_theta"),
     (dict(route_block=0), "route_block"),
-    (dict(route_block=2), "route_block"),
     (dict(delta=True), "delta"),
     (dict(hc_streams=0), "hc_streams"),
     (dict(residual="baseline", fused=True), "fused"),
@@ -202,10 +206,12 @@ def test_unknown_preset_and_too_long_sequence():
         model(torch.zeros(1, 33, dtype=torch.long))
 
 
-@pytest.mark.parametrize("residual", ["baseline", "attnres", "mhar"])
-def test_tiny_model_overfits_one_batch(residual):
+@pytest.mark.parametrize("residual, overrides", [
+    ("baseline", {}), ("hyper", {}), ("attnres", {}), ("mhar", {}), ("mhar", dict(route_block=2)),
+], ids=["baseline", "hyper", "attnres", "mhar", "mhar-block2"])
+def test_tiny_model_overfits_one_batch(residual, overrides):
     torch.manual_seed(0)
-    model = GPT(tiny(residual))
+    model = GPT(tiny(residual, **overrides))
     optimizer = model.configure_optimizers(weight_decay=0.0, learning_rate=3e-3)
     idx = torch.randint(0, 128, (4, 32))
     first = None
@@ -229,13 +235,15 @@ def test_routing_is_trained():
         assert site.query.grad.abs().max() > 0
 
 
-def test_optimizer_groups_cover_every_parameter_once():
-    model = GPT(tiny("mhar"))
+@pytest.mark.parametrize("residual", ["baseline", "hyper", "mhar"])
+def test_optimizer_groups_cover_every_parameter_once(residual):
+    model = GPT(tiny(residual))
     optimizer = model.configure_optimizers()
     seen = [id(p) for group in optimizer.param_groups for p in group["params"]]
     assert sorted(seen) == sorted(id(p) for p in model.parameters())
     names = {group["name"]: len(group["params"]) for group in optimizer.param_groups}
-    assert names["routing"] == 2 * len(model.sites) and names["embedding"] == 1
+    added = {"baseline": 0, "hyper": 8 * len(model.layers), "mhar": 2 * len(model.layers) + 2}[residual]
+    assert names.get("routing", 0) == added and names["embedding"] == 1
     assert all(group["weight_decay"] == 0.1 for group in optimizer.param_groups)  # the paper: all parameters
 
 
@@ -273,3 +281,88 @@ def test_readme_python_examples_run():
     namespace = {}
     for block in blocks:
         exec(compile(block, "README.md", "exec"), namespace)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hyper-connections and block routing.
+
+def full_routing_forward(model, idx):
+    """Full routing written out independently of DepthHistory: site j reads stack(s_0..s_j)."""
+    rope = (model.rope_cos, model.rope_sin)
+    sources = [model.embed(idx)]
+    for j, layer in enumerate(model.layers):
+        site = model.sites[j]
+        h = route(torch.stack(sources), site.query, site.norm.weight, model.config.heads, model.config.norm_eps)
+        sources.append(layer(h, rope))
+    site = model.sites[-1]
+    h = route(torch.stack(sources), site.query, site.norm.weight, model.config.heads, model.config.norm_eps)
+    return model.lm_head(model.norm(h)).float()
+
+
+@pytest.mark.parametrize("residual", ["attnres", "mhar"])
+def test_block_size_one_is_full_routing_bitwise(residual):
+    torch.manual_seed(0)
+    model = GPT(tiny(residual, route_block=1))
+    with torch.no_grad():
+        for site in model.sites:
+            site.query.normal_()
+    idx = torch.randint(0, 128, (2, 12))
+    logits, _ = model(idx)
+    grads = torch.autograd.grad(logits.square().sum(), list(model.parameters()))
+    expected = full_routing_forward(model, idx)
+    expected_grads = torch.autograd.grad(expected.square().sum(), list(model.parameters()))
+    assert torch.equal(logits, expected)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+
+
+@pytest.mark.parametrize("S, expected", [
+    (2, [["s0"], ["s0", "s1"], ["s0", "s1+s2"], ["s0", "s1+s2", "s3"], ["s0", "s1+s2", "s3+s4"],
+         ["s0", "s1+s2", "s3+s4", "s5"], ["s0", "s1+s2", "s3+s4", "s5+s6"]]),
+    (3, [["s0"], ["s0", "s1"], ["s0", "s1+s2"], ["s0", "s1+s2+s3"], ["s0", "s1+s2+s3", "s4"],
+         ["s0", "s1+s2+s3", "s4+s5"], ["s0", "s1+s2+s3", "s4+s5+s6"]]),
+    (4, [["s0"], ["s0", "s1"], ["s0", "s1+s2"], ["s0", "s1+s2+s3"], ["s0", "s1+s2+s3+s4"],
+         ["s0", "s1+s2+s3+s4", "s5"], ["s0", "s1+s2+s3+s4", "s5+s6"]]),
+], ids=["S2", "S3", "S4"])
+def test_block_history_reads_completed_blocks_and_the_partial(S, expected):
+    """Seven sites (L = 3): each reads [b_0, ..., b_{n-1}] plus the partial sum of its block."""
+    sources = {f"s{i}": torch.randn(1, 2, 4, dtype=torch.float64) for i in range(7)}
+    seen = []
+    history = mhar.DepthHistory(heads=2, eps=1e-6, block=S, route_fn=lambda V, *args: seen.append(V) or V[0])
+    for i in range(7):
+        history.route(sources[f"s{i}"], torch.zeros(4), torch.ones(4))
+    for V, names in zip(seen, expected):
+        hand_built = torch.stack([sum(sources[part] for part in name.split("+")) for name in names])
+        assert torch.equal(V, hand_built)
+    model = GPT(tiny("mhar", n_layer=3, route_block=S))
+    assert [model.site_sources(j) for j in range(7)] == [len(names) for names in expected]
+    assert [a.shape[0] for a in model.routing_weights(torch.zeros(1, 4, dtype=torch.long))] == [
+        len(names) for names in expected]
+
+
+def test_hyper_connections_start_as_the_baseline():
+    torch.manual_seed(0)
+    baseline, hyper = GPT(tiny("baseline")), GPT(tiny("hyper"))
+    missing, unexpected = hyper.load_state_dict(baseline.state_dict(), strict=False)
+    assert not unexpected and all(key.startswith("connections.") for key in missing)
+    idx = torch.randint(0, 128, (2, 16))
+    deviation = (baseline(idx)[0] - hyper(idx)[0]).abs().max().item()
+    assert deviation <= 1e-6
+
+
+def test_hyper_connection_parameter_count():
+    c = tiny("hyper")
+    n, d = c.hc_streams, c.n_embd
+    # static read, mix, write; the dynamic projections' norm, read/mix and write weights; two scales
+    per_sublayer = n + n * n + n + d + d * (n + 1) + d + 2
+    added = GPT(c).num_params() - GPT(tiny("baseline")).num_params()
+    assert added == 2 * c.n_layer * per_sublayer
+
+
+def test_hyper_connections_learn_their_dynamic_part():
+    torch.manual_seed(0)
+    model = GPT(tiny("hyper"))
+    idx = torch.randint(0, 128, (2, 16))
+    model(idx[:, :-1], idx[:, 1:])[1].backward()
+    connection = model.connections[1]
+    for p in (connection.dynamic_read_mix, connection.dynamic_write, connection.static_mix):  # scales: 0 until W moves
+        assert p.grad.abs().max() > 0
