@@ -20,7 +20,9 @@ Residual modes (Config.residual):
     attnres   every sublayer reads route(s_0..s_j) with H = 1 (Attention Residuals)
     mhar      the same with H = route_heads heads (default n_kv_head)
 and, for attnres and mhar, route_block = S > 1: Block AttnRes (Kimi Team, 2026), where the
-history holds sums of S consecutive sublayer outputs instead of every output.
+history holds sums of S consecutive sublayer outputs instead of every output; delta = True: the
+additive form for converting a trained baseline, h = x + gate * route(null, D_0, D_1, ...) on top of
+the ordinary residual x, with block deltas D_i and a zero gate (so it starts as the baseline exactly).
 """
 
 import math
@@ -81,7 +83,8 @@ class Config:
         if self.routed:
             check(self.n_embd % self.heads == 0, "route_heads", f"{self.heads} heads do not divide n_embd={self.n_embd}",
                   "choose route_heads so that n_embd % route_heads == 0")
-        check(not self.delta, "delta", "delta routing is not implemented yet", "use delta=False")
+        check(not self.delta or self.routed, "delta", f"delta routing needs routing sites, not {self.residual}",
+              "use residual='attnres' or 'mhar' with delta=True")
         check(not self.fused or self.routed, "fused", f"{self.residual} has no routing to fuse",
               "use fused=False, or residual='attnres'/'mhar'")
 
@@ -142,13 +145,16 @@ class DepthHistory:
 
     With block size S > 1 (Block AttnRes) the history holds b_0 = s_0, then the sum of each completed
     block of S sublayer outputs, then the partial sum of the current block when it has begun. S = 1
-    keeps every source as it is: full routing. kernel.FusedHistory has the same interface for S = 1 and
-    writes each source once into a shared buffer; `route_fn` = kernel.fused_route fuses each read here.
+    keeps every source as it is: full routing. Delta routing starts the history with its null source
+    and reads completed blocks only (the partial block is already in the residual stream).
+    kernel.FusedHistory has the same interface for full routing and writes each source once into a
+    shared buffer; `route_fn` = kernel.fused_route fuses each read here.
     """
 
-    def __init__(self, heads, eps, block=1, record=None, route_fn=route):
+    def __init__(self, heads, eps, block=1, null=None, record=None, route_fn=route):
         self.heads, self.eps, self.block, self.route_fn = heads, eps, block, route_fn
-        self.blocks = []        # completed block representations b_0, b_1, ...
+        self.null = null        # delta routing's learnable null source (d,), or None
+        self.blocks = []        # b_0 = s_0, then completed block sums b_1, b_2, ...
         self.partial = None     # sum of the current block's outputs so far
         self.in_block = 0       # how many outputs that sum holds
         self.record = record    # a list that collects every site's α (N, B, T, H), for analysis
@@ -163,7 +169,12 @@ class DepthHistory:
             if self.in_block == self.block:                                        # the block is complete
                 self.blocks.append(self.partial)
                 self.partial, self.in_block = None, 0
-        V = torch.stack(self.blocks if self.partial is None else self.blocks + [self.partial])  # (N, B, T, d)
+        sources = list(self.blocks)
+        if self.null is not None:
+            sources.insert(0, self.null.to(source.dtype).expand_as(source))
+        elif self.partial is not None:
+            sources.append(self.partial)
+        V = torch.stack(sources)                                                   # (N, B, T, d)
         if self.record is not None:
             self.record.append(route_weights(V, q, g, self.heads, self.eps))
         return self.route_fn(V, q, g, self.heads, self.eps)
@@ -238,12 +249,14 @@ class MLP(nn.Module):
 
 
 class RouteSite(nn.Module):
-    """One routing site: a pseudo-query (zero: routing starts as a uniform average) and a key norm."""
+    """One routing site: a pseudo-query (zero: routing starts as a uniform average), a key norm and,
+    for delta routing, the gate (zero: the route is not added until training opens it)."""
 
     def __init__(self, config):
         super().__init__()
         self.query = nn.Parameter(torch.zeros(config.n_embd))
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.gate = nn.Parameter(torch.zeros(())) if config.delta else None
 
 
 class HyperConnection(nn.Module):
@@ -279,6 +292,9 @@ class HyperConnection(nn.Module):
         return torch.einsum("btik,btid->btkd", mix, streams) + write.unsqueeze(-1) * y.unsqueeze(2)
 
 
+ADDED_BY_RESIDUAL = ("sites.", "connections.", "null")  # parameter names a baseline checkpoint lacks
+
+
 class GPT(nn.Module):
 
     def __init__(self, config):
@@ -295,6 +311,7 @@ class GPT(nn.Module):
         self.sites = nn.ModuleList([RouteSite(config) for _ in range(2 * config.n_layer + 1)]) if config.routed else None
         self.connections = nn.ModuleList([HyperConnection(config, j) for j in range(2 * config.n_layer)]
                                          ) if config.residual == "hyper" else None
+        self.null = nn.Parameter(torch.zeros(config.n_embd)) if config.delta else None  # delta's null source
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.embed.weight  # tied input and output embeddings
@@ -302,6 +319,22 @@ class GPT(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()
+
+    @classmethod
+    def from_baseline(cls, state_dict, config):
+        """Identity-preserving conversion: a trained baseline's weights in a delta-routed model.
+
+        The gates start at zero, so the converted model computes exactly what the baseline did.
+        """
+        if not config.delta:
+            raise ValueError("from_baseline: only delta routing starts as the baseline; set Config.delta=True")
+        model = cls(config)
+        missing, unexpected = model.load_state_dict(state_dict, strict=False)
+        missing = [k for k in missing if not k.startswith(ADDED_BY_RESIDUAL)]
+        if missing or unexpected:
+            raise ValueError(f"from_baseline: the checkpoint does not fit this shape (missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}); convert with the baseline's own preset and sizes")
+        return model
 
     def init_weights(self):
         """How every tensor starts:
@@ -311,6 +344,7 @@ class GPT(nn.Module):
         | embedding (= LM head), every projection | N(0, 0.02^2)  |
         | every RMSNorm weight (sites' included)  | 1             |
         | routing queries                         | 0 (uniform α) |
+        | delta routing: gates, null source       | 0 (starts as the baseline) |
         | hyper-connections: static read          | one-hot on stream j mod n |
         | static mix, static write                | identity, 1 |
         | dynamic projections                     | 0 |
@@ -323,6 +357,8 @@ class GPT(nn.Module):
                 nn.init.ones_(module.weight)
             elif isinstance(module, RouteSite):
                 nn.init.zeros_(module.query)
+                if module.gate is not None:
+                    nn.init.zeros_(module.gate)
             elif isinstance(module, HyperConnection):
                 n = module.static_read.numel()
                 with torch.no_grad():
@@ -351,6 +387,14 @@ class GPT(nn.Module):
             for layer in self.layers:
                 x = x + layer(x, rope)
             return self.norm(x)
+        if self.config.delta:  # the baseline's residual x, plus a gated route over [null, D_0, D_1, ...]
+            history = self.new_history(record)
+            source = x                                                             # D_0 = s_0, the embedding
+            for layer, site in zip(self.layers, self.sites):
+                source = layer(x + site.gate * history.route(source, site.query, site.norm.weight), rope)
+                x = x + source  # the history sums the same outputs into block deltas D_i = h_end - h_start
+            site = self.sites[-1]
+            return self.norm(x + site.gate * history.route(source, site.query, site.norm.weight))
         if self.config.residual == "hyper":
             streams = x.unsqueeze(2).repeat(1, 1, self.config.hc_streams, 1)       # (B, T, n, d): each starts as s_0
             for layer, connection in zip(self.layers, self.connections):
@@ -371,10 +415,10 @@ class GPT(nn.Module):
         c = self.config
         if c.fused and record is None:
             from kernel import FusedHistory, fused_route
-            if c.route_block == 1:
+            if c.route_block == 1 and not c.delta:  # one shared buffer for the whole forward
                 return FusedHistory(2 * c.n_layer + 1, c.heads, c.norm_eps)
-            return DepthHistory(c.heads, c.norm_eps, c.route_block, route_fn=fused_route)
-        return DepthHistory(c.heads, c.norm_eps, c.route_block, record)
+            return DepthHistory(c.heads, c.norm_eps, c.route_block, self.null, route_fn=fused_route)
+        return DepthHistory(c.heads, c.norm_eps, c.route_block, self.null, record)
 
     @torch.no_grad()
     def routing_weights(self, idx):
@@ -428,15 +472,14 @@ class GPT(nn.Module):
     def param_groups(self):
         """Parameters by role: {"embedding", "matrices", "norms", "routing"}; each lands in exactly one.
 
-        "routing" holds what a residual mode adds: the sites' queries and norms, or the hyper-connections.
+        "routing" holds what a residual mode adds to the baseline: the sites (and delta's null source),
+        or the hyper-connections.
         """
-        added = self.sites if self.sites is not None else self.connections
-        routing = {id(p) for p in added.parameters()} if added is not None else set()
         groups = {"embedding": [self.embed.weight], "matrices": [], "norms": [], "routing": []}
         for name, p in self.named_parameters():
             if p is self.embed.weight:
                 continue
-            role = "routing" if id(p) in routing else "matrices" if p.dim() == 2 else "norms"
+            role = "routing" if name.startswith(ADDED_BY_RESIDUAL) else "matrices" if p.dim() == 2 else "norms"
             groups[role].append(p)
         assert sum(len(ps) for ps in groups.values()) == len(list(self.parameters())), "a parameter has no group"
         return groups

@@ -189,7 +189,8 @@ def test_causality(residual, overrides):
     (dict(norm_eps=0.0), "norm_eps"),
     (dict(rope_theta=-1.0), "rope_theta"),
     (dict(route_block=0), "route_block"),
-    (dict(delta=True), "delta"),
+    (dict(residual="baseline", delta=True), "delta"),
+    (dict(residual="hyper", delta=True), "delta"),
     (dict(hc_streams=0), "hc_streams"),
     (dict(residual="baseline", fused=True), "fused"),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()))
@@ -366,3 +367,67 @@ def test_hyper_connections_learn_their_dynamic_part():
     connection = model.connections[1]
     for p in (connection.dynamic_read_mix, connection.dynamic_write, connection.static_mix):  # scales: 0 until W moves
         assert p.grad.abs().max() > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Delta routing and identity-preserving conversion.
+
+@pytest.mark.parametrize("S", [1, 2, 3], ids=lambda S: f"S{S}")
+@pytest.mark.parametrize("residual, heads", [("attnres", 0), ("mhar", 2), ("mhar", 4)], ids=["H1", "H2", "H4"])
+def test_converted_baseline_gives_identical_logits(residual, heads, S):
+    torch.manual_seed(0)
+    baseline = GPT(tiny("baseline"))
+    with torch.no_grad():
+        for p in baseline.parameters():  # a "trained" baseline: not the initial weights
+            p.add_(0.05 * torch.randn_like(p))
+    converted = GPT.from_baseline(baseline.state_dict(), tiny(residual, route_heads=heads, route_block=S, delta=True))
+    idx = torch.randint(0, 128, (2, 16))
+    assert (converted(idx)[0] - baseline(idx)[0]).abs().max().item() == 0.0
+
+
+def test_first_step_after_conversion_matches_and_opens_the_gates():
+    torch.manual_seed(0)
+    baseline = GPT(tiny("baseline"))
+    converted = GPT.from_baseline(baseline.state_dict(), tiny("mhar", delta=True, route_block=2))
+    idx = torch.randint(0, 128, (2, 17))
+    base_loss, loss = baseline(idx[:, :-1], idx[:, 1:])[1], converted(idx[:, :-1], idx[:, 1:])[1]
+    assert loss.item() == base_loss.item()
+    loss.backward()
+    assert all(site.gate.grad.abs() > 0 for site in converted.sites)
+
+
+def test_delta_history_reads_null_and_completed_block_deltas():
+    """Sites read [null, D_0, D_1, ...]; each D_i is the sum of its block's sublayer outputs."""
+    torch.manual_seed(0)
+    model = GPT(tiny("mhar", n_layer=3, delta=True, route_block=2))
+    with torch.no_grad():
+        model.null.normal_()
+    seen, outputs = [], []
+    original = mhar.DepthHistory.route
+
+    def spy(history, source, q, g):
+        outputs.append(source)
+        history.route_fn = lambda V, *args: seen.append(V) or mhar.route(V, *args)
+        return original(history, source, q, g)
+
+    mhar.DepthHistory.route = spy
+    try:
+        model(torch.randint(0, 128, (1, 8)))
+    finally:
+        mhar.DepthHistory.route = original
+    null = model.null.expand_as(outputs[0])
+    s = outputs  # s[0] the embedding, s[i] sublayer i's output
+    expected = [[null, s[0]], [null, s[0]], [null, s[0], s[1] + s[2]], [null, s[0], s[1] + s[2]],
+                [null, s[0], s[1] + s[2], s[3] + s[4]], [null, s[0], s[1] + s[2], s[3] + s[4]],
+                [null, s[0], s[1] + s[2], s[3] + s[4], s[5] + s[6]]]
+    assert len(seen) == 7
+    for V, sources in zip(seen, expected):
+        assert torch.equal(V, torch.stack(sources))
+
+
+def test_conversion_refuses_a_checkpoint_of_another_shape():
+    baseline = GPT(tiny("baseline", n_layer=1))
+    with pytest.raises(ValueError, match="does not fit this shape"):
+        GPT.from_baseline(baseline.state_dict(), tiny("mhar", delta=True))
+    with pytest.raises(ValueError, match="delta=True"):
+        GPT.from_baseline(baseline.state_dict(), tiny("mhar"))
