@@ -137,6 +137,8 @@ def test_routing_parameter_counts():
     c = tiny()
     assert counts["attnres"] == counts["mhar"]  # the heads reshape the query: zero extra parameters
     assert counts["mhar"] - counts["baseline"] == (2 * c.n_layer + 1) * 2 * c.n_embd
+    delta = GPT(tiny("mhar", delta=True)).num_params()  # a gate per site and the null source on top
+    assert delta - counts["mhar"] == (2 * c.n_layer + 1) + c.n_embd
 
 
 @pytest.mark.parametrize("name, total, non_embedding", [
