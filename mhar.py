@@ -387,6 +387,13 @@ class GPT(nn.Module):
             for layer in self.layers:
                 x = x + layer(x, rope)
             return self.norm(x)
+        if self.config.residual == "hyper":
+            streams = x.unsqueeze(2).repeat(1, 1, self.config.hc_streams, 1)       # (B, T, n, d): each starts as s_0
+            for layer, connection in zip(self.layers, self.connections):
+                streams = connection(streams, layer, rope)
+            # Zhu et al. sum the streams; the final RMSNorm removes that factor n up to its eps, and the
+            # mean removes it exactly, so the network starts as exactly the baseline
+            return self.norm(streams.mean(2))
         if self.config.delta:  # the baseline's residual x, plus a gated route over [null, D_0, D_1, ...]
             history = self.new_history(record)
             source = x                                                             # D_0 = s_0, the embedding
@@ -395,13 +402,6 @@ class GPT(nn.Module):
                 x = x + source  # the history sums the same outputs into block deltas D_i = h_end - h_start
             site = self.sites[-1]
             return self.norm(x + site.gate * history.route(source, site.query, site.norm.weight))
-        if self.config.residual == "hyper":
-            streams = x.unsqueeze(2).repeat(1, 1, self.config.hc_streams, 1)       # (B, T, n, d): each starts as s_0
-            for layer, connection in zip(self.layers, self.connections):
-                streams = connection(streams, layer, rope)
-            # Zhu et al. sum the streams; the final RMSNorm removes that factor n up to its eps, and the
-            # mean removes it exactly, so the network starts as exactly the baseline
-            return self.norm(streams.mean(2))
         if torch.is_autocast_enabled(x.device.type):  # sources are stored in the compute dtype (bf16 on GPUs)
             x = x.to(torch.get_autocast_dtype(x.device.type))
         history = self.new_history(record)
