@@ -1154,12 +1154,49 @@ def test_loss_decreases_and_beats_the_unigram_entropy(data, tmp_path):
     assert summary["final_val_loss"] < summary["unigram_entropy"] < math.log(VOCAB)
 
 
-@pytest.mark.parametrize("residual", ["baseline", "hyper", "attnres", "mhar"])
-def test_every_residual_mode_trains(data, tmp_path, residual):
-    summary = run(data, tmp_path, "--residual", residual, "--max_steps", "6", "--eval_interval", "6")
+@pytest.mark.parametrize("residual, extra", [
+    ("baseline", []), ("hyper", ["--hc_streams", "2"]), ("attnres", []), ("mhar", []),
+    ("mhar", ["--route_block", "2"]), ("mhar", ["--delta", "--route_block", "2"]),
+], ids=["baseline", "hyper-2streams", "attnres", "mhar", "mhar-block2", "mhar-delta"])
+def test_every_residual_mode_trains(data, tmp_path, residual, extra):
+    summary = run(data, tmp_path, "--residual", residual, *extra, "--max_steps", "6", "--eval_interval", "6")
     log = [e for e in read_log(tmp_path) if "loss" in e]
     assert summary["residual"] == residual and math.isfinite(summary["final_val_loss"])
     assert log[-1]["loss"] < log[0]["loss"]
+    config = json.loads((tmp_path / "config.json").read_text())["config"]
+    assert (config["hc_streams"], config["route_block"], config["delta"]) == (
+        2 if "--hc_streams" in extra else 4, 2 if "--route_block" in extra else 1, "--delta" in extra)
+
+
+def test_conversion_continues_the_baseline_run_exactly(data, tmp_path):
+    """--init_from: the converted model starts with the baseline's logits (difference 0) and validation loss,
+    its first step has the loss of the baseline's own next step, and its routing group has its own lr."""
+    run(data, tmp_path / "baseline", "--residual", "baseline", "--stop_step", "4")
+    source = tmp_path / "baseline-step4.pt"
+    source.write_bytes((tmp_path / "baseline" / "ckpt.pt").read_bytes())
+    run(data, tmp_path / "baseline", "--residual", "baseline", "--resume")
+    run(data, tmp_path / "converted", "--init_from", str(source), "--residual", "mhar", "--route_block", "2",
+        "--routing_lr", "5e-3")
+    baseline, converted = read_log(tmp_path / "baseline"), read_log(tmp_path / "converted")
+    assert converted[0] == {"step": 4, "conversion_max_logit_diff": 0.0}
+    val_at_4 = [e["val_loss"] for e in baseline if e.get("val_loss") is not None and e["step"] == 4]
+    assert converted[1]["step"] == 4 and converted[1]["val_loss"] == val_at_4[0]
+    baseline_loss = {e["step"]: e["loss"] for e in baseline if "loss" in e}
+    first = [e for e in converted if "loss" in e][0]
+    assert first["step"] == 5 and first["loss"] == baseline_loss[5]
+    ckpt = load(tmp_path / "converted")
+    assert ckpt["config"]["delta"] and ckpt["config"]["residual"] == "mhar"
+    groups = {g["name"]: g for g in ckpt["optimizer"]["param_groups"]}
+    assert groups["routing"]["initial_lr"] == 5e-3 and groups["matrices"]["initial_lr"] == 1e-2
+    gates = [v for k, v in ckpt["model"].items() if k.endswith(".gate")]
+    assert len(gates) == 5 and all(g.item() != 0 for g in gates)  # opened by non-zero gradients
+
+
+def test_conversion_refuses_a_routed_checkpoint(data, tmp_path, capsys):
+    run(data, tmp_path / "mhar", "--residual", "mhar", "--max_steps", "2", "--eval_interval", "2")
+    with pytest.raises(SystemExit):
+        run(data, tmp_path / "converted", "--init_from", str(tmp_path / "mhar" / "ckpt.pt"))
+    assert "converts a baseline checkpoint" in capsys.readouterr().err
 
 
 def test_resume_reproduces_the_uninterrupted_run_bitwise(data, tmp_path):

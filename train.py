@@ -39,7 +39,7 @@ import mhar  # noqa: E402
 # The paper's recipe (DESIGN §5): AdamW (0.9, 0.95), eps 1e-8, weight decay 0.1, clip 1.0, peak lr 1e-3,
 # 1000 warmup steps then cosine to 0.1x, 20K steps, eval every 500, the tail-mean of the last 11 evals.
 BETAS, ADAM_EPS = (0.9, 0.95), 1e-8
-RECIPE = dict(residual="mhar", route_heads=0, route_block=1, batch_size=8, lr=1e-3, min_lr_ratio=0.1, weight_decay=0.1,
+RECIPE = dict(residual="mhar", route_heads=0, route_block=1, hc_streams=4, delta=False, batch_size=8, lr=1e-3, min_lr_ratio=0.1, weight_decay=0.1,
               grad_clip=1.0, max_steps=20_000, warmup_steps=1000, eval_interval=500, eval_batches=20,
               log_interval=10, tail_evals=11, seed=0, out_dir="out", dtype="auto", compile=False, fused=False)
 # Per preset: micro-batch (sequences per rank) and global batch (sequences per step). The paper's global
@@ -58,9 +58,11 @@ RUNS = {
 DEFAULT_PRESET = "small"
 # On --resume the flags left out take the checkpoint's values. STRICT ones define the run: another value is
 # an error (start a new --out_dir instead); the MACHINE ones are never taken from the checkpoint.
-STRICT = ("preset", "residual", "route_heads", "route_block", "vocab_size", "seq_len", "seed", "lr",
-          "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip")
-MACHINE = ("resume", "out_dir", "stop_step", "device", "grad_accum")
+STRICT = ("preset", "residual", "route_heads", "route_block", "hc_streams", "delta", "vocab_size", "seq_len", "seed",
+          "lr", "routing_lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip")
+MACHINE = ("resume", "init_from", "out_dir", "stop_step", "device", "grad_accum")
+# --init_from continues a baseline run as a converted one: it takes the run's flags but these.
+CONVERSION = ("residual", "route_heads", "route_block", "hc_streams", "delta", "routing_lr")
 CKPT_KEYS = ("model", "optimizer", "step", "config", "args", "evals", "rng")
 
 
@@ -174,6 +176,24 @@ def set_rng_states(s):
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
+def unwrapped(state):
+    """A model state dict without torch.compile's prefix."""
+    return {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+
+
+def carry_optimizer_state(saved, optimizer):
+    """A baseline run's Adam moments into a converted model's optimizer, group by group: the shared parameters
+    keep their order inside each group (mhar.GPT.param_groups), and the new routing group starts fresh."""
+    state = optimizer.state_dict()
+    groups = {group["name"]: group for group in state["param_groups"]}
+    for old in saved["param_groups"]:
+        new = groups[old["name"]]
+        for i, j in zip(old["params"], new["params"], strict=True):
+            if i in saved["state"]:
+                state["state"][j] = saved["state"][i]
+    optimizer.load_state_dict(state)
+
+
 def save_checkpoint(path, ckpt):
     """Write a temporary file, flush it to disk, then rename it: a crash never leaves half a checkpoint."""
     tmp = f"{path}.tmp"
@@ -213,6 +233,11 @@ def parse_args(argv=None):
     a("--residual", choices=["baseline", "hyper", "attnres", "mhar"], help="residual variant (default mhar)")
     a("--route_heads", type=int, help="routing heads H of mhar; 0 = n_kv_head (default 0)")
     a("--route_block", type=int, help="sublayers per routing block; 1 = full routing (default 1)")
+    a("--hc_streams", type=int, help="residual streams of --residual hyper (default 4)")
+    a("--delta", action="store_true", default=None, help="delta routing: the baseline's residual plus a gated route")
+    a("--init_from", help="convert this baseline checkpoint into a delta-routed model (--residual attnres/mhar) "
+                          "and continue its run from its step")
+    a("--routing_lr", type=float, help="peak learning rate of the parameters routing adds (default: --lr)")
     a("--data", help="a prepare.py folder (train.bin, val.bin, meta.json), or 'synthetic': random tokens, no "
                      "files (default data/pystdlib, prepared when missing)")
     a("--vocab_size", type=int, help="model vocabulary (default: meta.json's padded to a multiple of 64; the "
@@ -243,13 +268,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def resolve(args, world, saved=None):
-    """Fill in every flag left out; `saved` are the resolved flags of the checkpoint being resumed."""
+def resolve(args, world, saved=None, strict=True):
+    """Fill in every flag left out; `saved` are the resolved flags of the checkpoint being resumed (strict:
+    a flag given with another value is an error) or converted (not strict)."""
     given = {k for k, v in vars(args).items() if v is not None}
     for k, v in (saved or {}).items():
         if k in MACHINE or not hasattr(args, k):
             continue
-        if k in given and k in STRICT and getattr(args, k) != v:
+        if k in given and strict and k in STRICT and getattr(args, k) != v:
             die(f"the checkpoint was trained with --{k} {v}, not {getattr(args, k)}: drop the flag, or start "
                 f"a new run in another --out_dir")
         if k not in given:
@@ -273,6 +299,7 @@ def resolve(args, world, saved=None):
         die(f"global batch {args.global_batch} (batch_size x grad_accum x ranks) differs from the checkpoint's "
             f"{global_batch}: choose --batch_size and --grad_accum that multiply to it")
     args.stop_step = min(args.stop_step or args.max_steps, args.max_steps)
+    args.routing_lr = args.routing_lr or args.lr
     return args
 
 
@@ -310,12 +337,22 @@ def train(args):
     if ddp and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
-    ckpt = None
+    ckpt = source = None
     if args.resume is not None:
+        if args.init_from:
+            die("--init_from starts a converted run and --resume continues one: pass one of them")
         if args.resume and args.out_dir is None:
             args.out_dir = os.path.dirname(args.resume) or "."
         ckpt = load_checkpoint(args.resume or os.path.join(args.out_dir or RECIPE["out_dir"], "ckpt.pt"))
-    args = resolve(args, world, ckpt and ckpt["args"])
+        args = resolve(args, world, ckpt["args"])
+    elif args.init_from:
+        source = load_checkpoint(args.init_from)
+        if source["config"]["residual"] != "baseline":
+            die(f"--init_from converts a baseline checkpoint; {args.init_from} is a {source['config']['residual']} run")
+        args.delta = True
+        args = resolve(args, world, {k: v for k, v in source["args"].items() if k not in CONVERSION}, strict=False)
+    else:
+        args = resolve(args, world)
     if args.wandb:
         try:
             import wandb
@@ -342,27 +379,42 @@ def train(args):
             config = mhar.Config(**{**ckpt["config"], "fused": bool(args.fused)})
         else:
             model_flags = dict(residual=args.residual, route_heads=args.route_heads, route_block=args.route_block,
-                               seq_len=args.seq_len, vocab_size=args.vocab_size, fused=bool(args.fused))
+                               hc_streams=args.hc_streams, delta=args.delta, seq_len=args.seq_len,
+                               vocab_size=args.vocab_size, fused=bool(args.fused))
             config = mhar.preset(args.preset, **{k: v for k, v in model_flags.items() if v is not None})
         torch.manual_seed(args.seed)
-        gpt = mhar.GPT(config).to(device)
+        if source:  # the baseline's shape and weights, routing added with closed gates
+            config = dataclasses.replace(config, **{k: v for k, v in source["config"].items() if k not in CONVERSION
+                                                    and k != "fused"})
+            gpt = mhar.GPT.from_baseline(unwrapped(source["model"]), config).to(device)
+        else:
+            gpt = mhar.GPT(config).to(device)
     except (ValueError, TypeError, RuntimeError, ImportError) as e:  # a bad flag, or --fused without a GPU
         die(first_line(e))
     args.residual, args.route_heads, args.route_block = config.residual, config.route_heads, config.route_block
     args.seq_len, args.vocab_size = config.seq_len, config.vocab_size
     optimizer = gpt.configure_optimizers(args.weight_decay, args.lr, BETAS, ADAM_EPS, device.type)
     for group in optimizer.param_groups:
+        if group["name"] == "routing":
+            group["lr"] = args.routing_lr
         group.setdefault("initial_lr", group["lr"])  # the schedule scales each group's own peak
     step, evals, tokens_seen, wandb_id = 0, [], 0, None
     if ckpt:
         try:
-            gpt.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
+            gpt.load_state_dict(unwrapped(ckpt["model"]))
             optimizer.load_state_dict(ckpt["optimizer"])
             set_rng_states(ckpt["rng"])
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
             die(f"the checkpoint does not fit this model: {first_line(e)}")
         step, evals, tokens_seen, wandb_id = ckpt["step"], ckpt["evals"], ckpt.get("tokens", 0), ckpt.get("wandb_id")
         del ckpt
+    baseline = None
+    if source:  # continue the baseline's run: its step, data position and Adam moments
+        carry_optimizer_state(source["optimizer"], optimizer)
+        step, tokens_seen = source["step"], source.get("tokens", 0)
+        baseline = mhar.GPT(mhar.Config(**source["config"])).to(device)  # kept for the identity check below
+        baseline.load_state_dict(unwrapped(source["model"]))
+        del source
     model = torch.compile(gpt) if args.compile else gpt
     if ddp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -416,6 +468,16 @@ def train(args):
         log(f"step {step}/{args.max_steps} | val loss {val_loss:.4f}"
             + (f" (unigram entropy {entropy:.4f})" if entropy else ""))
         checkpoint()
+
+    if baseline is not None:  # the conversion is exact: the baseline's logits, so its validation loss
+        rows = sample_rows(val_tokens, ("val", 0), args.batch_size, 0, args.batch_size, args.seq_len, args.vocab_size)
+        with torch.no_grad(), autocast:
+            x = to_device(rows, device)[0]
+            diff = (gpt(x)[0] - baseline(x)[0]).abs().max().item()
+        record(dict(step=step, conversion_max_logit_diff=diff))
+        log(f"converted {args.init_from} at step {step}: max |logit difference| to the baseline {diff:g}")
+        del baseline
+        run_eval()
 
     # the loop: one optimizer step per iteration; gradients are synchronized on the last micro-step only
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
