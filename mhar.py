@@ -151,13 +151,13 @@ class DepthHistory:
     shared buffer; `route_fn` = kernel.fused_route fuses each read here.
     """
 
-    def __init__(self, heads, eps, block=1, null=None, record=None, route_fn=route):
+    def __init__(self, heads, eps, block=1, null=None, visit=None, route_fn=route):
         self.heads, self.eps, self.block, self.route_fn = heads, eps, block, route_fn
         self.null = null        # delta routing's learnable null source (d,), or None
         self.blocks = []        # b_0 = s_0, then completed block sums b_1, b_2, ...
         self.partial = None     # sum of the current block's outputs so far
         self.in_block = 0       # how many outputs that sum holds
-        self.record = record    # a list that collects every site's α (N, B, T, H), for analysis
+        self.visit = visit      # for analysis: called as visit(V, q, g) at every site
 
     def route(self, source, q, g):
         """Append `source` (B, T, d) to the history, then read the whole history with query q, norm weight g."""
@@ -175,8 +175,8 @@ class DepthHistory:
         elif self.partial is not None:
             sources.append(self.partial)
         V = torch.stack(sources)                                                   # (N, B, T, d)
-        if self.record is not None:
-            self.record.append(route_weights(V, q, g, self.heads, self.eps))
+        if self.visit is not None:
+            self.visit(V, q, g)
         return self.route_fn(V, q, g, self.heads, self.eps)
 
 
@@ -376,8 +376,8 @@ class GPT(nn.Module):
             return logits, None
         return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
-    def hidden(self, idx, record=None):
-        """The final normed hidden state (B, T, d); `record`, a list, collects every site's α."""
+    def hidden(self, idx, visit=None):
+        """The final normed hidden state (B, T, d); `visit(V, q, g)` sees every site's sources and parameters."""
         B, T = idx.size()
         if T > self.config.seq_len:
             raise ValueError(f"sequence of {T} tokens is longer than Config.seq_len={self.config.seq_len}")
@@ -395,7 +395,7 @@ class GPT(nn.Module):
             # mean removes it exactly, so the network starts as exactly the baseline
             return self.norm(streams.mean(2))
         if self.config.delta:  # the baseline's residual x, plus a gated route over [null, D_0, D_1, ...]
-            history = self.new_history(record)
+            history = self.new_history(visit)
             source = x                                                             # D_0 = s_0, the embedding
             for layer, site in zip(self.layers, self.sites):
                 source = layer(x + site.gate * history.route(source, site.query, site.norm.weight), rope)
@@ -404,29 +404,29 @@ class GPT(nn.Module):
             return self.norm(x + site.gate * history.route(source, site.query, site.norm.weight))
         if torch.is_autocast_enabled(x.device.type):  # sources are stored in the compute dtype (bf16 on GPUs)
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        history = self.new_history(record)
+        history = self.new_history(visit)
         site = self.sites[0]
         h = history.route(x, site.query, site.norm.weight)
         for layer, site in zip(self.layers, self.sites[1:]):
             h = history.route(layer(h, rope), site.query, site.norm.weight)  # sublayer j's raw output is s_{j+1}
         return self.norm(h)
 
-    def new_history(self, record=None):
+    def new_history(self, visit=None):
         c = self.config
-        if c.fused and record is None:
+        if c.fused and visit is None:
             from kernel import FusedHistory, fused_route
             if c.route_block == 1 and not c.delta:  # one shared buffer for the whole forward
                 return FusedHistory(2 * c.n_layer + 1, c.heads, c.norm_eps)
             return DepthHistory(c.heads, c.norm_eps, c.route_block, self.null, route_fn=fused_route)
-        return DepthHistory(c.heads, c.norm_eps, c.route_block, self.null, record)
+        return DepthHistory(c.heads, c.norm_eps, c.route_block, self.null, visit)
 
     @torch.no_grad()
     def routing_weights(self, idx):
         """α of every site for a batch: a list of 2L+1 tensors (N_j, B, T, H), N_j = j + 1."""
         if not self.config.routed:
             raise ValueError("routing_weights: residual='baseline' has no routing sites")
-        alphas = []
-        self.hidden(idx, record=alphas)
+        alphas, c = [], self.config
+        self.hidden(idx, visit=lambda V, q, g: alphas.append(route_weights(V, q, g, c.heads, c.norm_eps)))
         return alphas
 
     # ------------------------------------------------------------------------------------------
