@@ -9,7 +9,8 @@ peak memory) and draw the loss curves.
     python compare.py --route_heads 1,2,4,8                         # the H sweep (the paper's U-curve)
     python compare.py --preset 100m --out_dir runs/100m --nproc_per_node 8   # GPUs: each run under torchrun
 
-Any other flag goes to every train.py run unchanged (--preset, --max_steps, --batch_size, ...).
+Any other flag goes to every train.py run unchanged (--preset, --max_steps, --batch_size, ...), but
+--fused, which only the routed runs (attnres, mhar) take.
 Each run is a train.py process of its own (so its peak memory is its own) writing
 runs/compare/<method>-s<seed>/; a finished run is not trained again. The comparison writes
 results.md, results.json and loss_curves.png (with matplotlib) into --out_dir.
@@ -90,7 +91,9 @@ def main(argv=None):
     launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone",
                                     f"--nproc_per_node={args.nproc_per_node}"] if args.nproc_per_node > 1 else [])
     for name, flags in runs_of(args):
-        command = [*launcher, str(HERE / "train.py"), *train_flags, *flags, "--out_dir", str(out_dir / name)]
+        routed = flags[1] in ("attnres", "mhar")  # --fused applies to the routed runs alone
+        shared = [f for f in train_flags if routed or f != "--fused"]
+        command = [*launcher, str(HERE / "train.py"), *shared, *flags, "--out_dir", str(out_dir / name)]
         print(f"=== {name}: {' '.join(command[1:])}", flush=True)
         summary = train_once(command, out_dir / name)
         rows.append(dict(name=name, params=summary["params"], tail_val_loss=summary["tail_val_loss"],

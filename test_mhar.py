@@ -1612,6 +1612,7 @@ def test_compare_sweeps_heads_and_refuses_per_run_flags():
     args, train_flags = compare.parse_args(["--route_heads", "1,2,4", "--baseline_seeds", "3", "--max_steps", "5"])
     assert [name for name, _ in compare.runs_of(args)] == ["mhar-H1-s0", "mhar-H2-s0", "mhar-H4-s0", "baseline-s3"]
     assert train_flags == ["--max_steps", "5"]
+    assert all(flags[:2] == ["--residual", "mhar"] for _, flags in compare.runs_of(args)[:3])
     with pytest.raises(SystemExit):
         compare.parse_args(["--residual", "mhar"])
     with pytest.raises(SystemExit):
