@@ -25,7 +25,6 @@ additive form for converting a trained baseline, h = x + gate * route(null, D_0,
 the ordinary residual x, with block deltas D_i and a zero gate (so it starts as the baseline exactly).
 """
 
-import math
 from dataclasses import dataclass, replace
 
 import torch

@@ -89,7 +89,8 @@ import numpy as np
 import torch
 
 import mhar
-from sample import CheckpointError, load_model, pick_device
+from sample import load_model, pick_device
+from train import CheckpointError
 
 FIGURE_DPI = 110  # README-sized PNGs (tens of KB)
 

@@ -16,17 +16,13 @@ text is noise, and ids past GPT-2's 50,257 (the padding) print as <|id|>.
 """
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
 import mhar
+from train import CheckpointError, first_line, read_checkpoint, unwrapped
 
 GPT2_VOCAB = 50257  # ids 0..50256; the padded ids above cannot be decoded
-
-
-class CheckpointError(Exception):
-    """A missing, unreadable or foreign checkpoint. The message is one line: what is wrong, what to do."""
 
 
 def load_model(path, device="cpu"):
@@ -35,27 +31,12 @@ def load_model(path, device="cpu"):
     The model is built with fused=False: reading the routing weights and sampling run the readable
     route on any device (a checkpoint trained with --fused on a GPU loads on a CPU).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}: train one first (python train.py --out_dir DIR "
-                              f"writes DIR/ckpt.pt)")
+    ckpt = read_checkpoint(path, keys=("model", "config"))
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        reason = (str(e).strip().splitlines() or [""])[0][:120]
-        raise CheckpointError(f"cannot read checkpoint {path}: it is truncated or not a train.py checkpoint "
-                              f"({type(e).__name__}: {reason})") from None
-    missing = [k for k in ("model", "config") if k not in ckpt] if isinstance(ckpt, dict) else ["model", "config"]
-    if missing:
-        raise CheckpointError(f"{path} is not a train.py checkpoint (missing {', '.join(missing)})")
-    try:
-        config = mhar.Config(**{**ckpt["config"], "fused": False})
-        model = mhar.GPT(config)
-        state = {k.removeprefix("_orig_mod.").removeprefix("module."): v for k, v in ckpt["model"].items()}
-        model.load_state_dict(state)
+        model = mhar.GPT(mhar.Config(**{**ckpt["config"], "fused": False}))
+        model.load_state_dict(unwrapped(ckpt["model"]))
     except (TypeError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint {path} does not fit this mhar.py: "
-                              f"{(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}") from None
+        raise CheckpointError(f"checkpoint {path} does not fit this mhar.py: {first_line(e)}") from None
     return model.to(device).eval(), ckpt
 
 

@@ -204,19 +204,32 @@ def save_checkpoint(path, ckpt):
     os.replace(tmp, path)
 
 
-def load_checkpoint(path):
-    """The checkpoint dict, or one clear error for a missing, truncated, foreign or incomplete file."""
+class CheckpointError(Exception):
+    """A missing, unreadable or foreign checkpoint; the message is one line: what is wrong, what to do."""
+
+
+def read_checkpoint(path, keys=CKPT_KEYS):
+    """The checkpoint dict, or CheckpointError for a missing, truncated, foreign or incomplete file."""
     if not os.path.isfile(path):
-        die(f"no checkpoint at {path}: train without --resume first, or pass --resume PATH")
+        raise CheckpointError(f"no checkpoint at {path}: train one first (python train.py --out_dir DIR writes "
+                              f"DIR/ckpt.pt)")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: ranks share the pages
     except Exception as e:
-        die(f"cannot read checkpoint {path}: it is truncated or not a train.py checkpoint "
-            f"({type(e).__name__}: {first_line(e)[:120]})")
-    missing = [k for k in CKPT_KEYS if k not in ckpt] if isinstance(ckpt, dict) else list(CKPT_KEYS)
+        raise CheckpointError(f"cannot read checkpoint {path}: it is truncated or not a train.py checkpoint "
+                              f"({type(e).__name__}: {first_line(e)[:120]})") from None
+    missing = [k for k in keys if k not in ckpt] if isinstance(ckpt, dict) else list(keys)
     if missing:
-        die(f"{path} is not a train.py checkpoint (missing {', '.join(missing)})")
+        raise CheckpointError(f"{path} is not a train.py checkpoint (missing {', '.join(missing)})")
     return ckpt
+
+
+def load_checkpoint(path):
+    """read_checkpoint for a run to resume or convert: its error is the run's one line."""
+    try:
+        return read_checkpoint(path)
+    except CheckpointError as e:
+        die(str(e))
 
 
 # -----------------------------------------------------------------------------
