@@ -2,7 +2,7 @@
 Train an MHAR language model (or one of its baselines) on a CPU, one GPU or several GPUs.
 
     python train.py                                   # CPU demo: prepares the default corpus, trains the
-                                                      # small preset, evaluates, samples (< 10 min, 2 cores)
+                                                      # small preset, evaluates, samples (~5 min, 2 cores)
     python train.py --preset 100m                     # one GPU: the paper's 100M shape and recipe
     torchrun --standalone --nproc_per_node=8 train.py --preset 350m --residual attnres   # DDP
     python train.py --preset 100m --data synthetic --max_steps 50 --compile              # speed only
