@@ -89,8 +89,8 @@ import numpy as np
 import torch
 
 import mhar
-from sample import load_model, pick_device
-from train import CheckpointError
+from sample import load_model
+from train import CheckpointError, pick_device
 
 FIGURE_DPI = 110  # README-sized PNGs (tens of KB)
 

@@ -20,7 +20,7 @@ import sys
 import torch
 
 import mhar
-from train import CheckpointError, first_line, read_checkpoint, unwrapped
+from train import CheckpointError, first_line, pick_device, read_checkpoint, unwrapped
 
 GPT2_VOCAB = 50257  # ids 0..50256; the padded ids above cannot be decoded
 
@@ -38,12 +38,6 @@ def load_model(path, device="cpu"):
     except (TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint {path} does not fit this mhar.py: {first_line(e)}") from None
     return model.to(device).eval(), ckpt
-
-
-def pick_device(name="auto"):
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    return torch.device(name)
 
 
 class Codec:

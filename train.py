@@ -204,6 +204,13 @@ def save_checkpoint(path, ckpt):
     os.replace(tmp, path)
 
 
+def pick_device(name=None):
+    """The named device; "auto" (or None) picks cuda, else mps, else cpu."""
+    if name in (None, "auto"):
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    return torch.device(name)
+
+
 class CheckpointError(Exception):
     """A missing, unreadable or foreign checkpoint; the message is one line: what is wrong, what to do."""
 
@@ -340,10 +347,9 @@ def train(args):
     rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
     master = rank == 0  # logs, evaluates (with the others' help) and saves
     log = print if master else (lambda *a, **k: None)
-    device = args.device or "auto"
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if device == "cuda" and ddp else device)
+    device = pick_device(args.device)
+    if device.type == "cuda" and ddp:
+        device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
