@@ -60,8 +60,9 @@ def runs_of(args):
     else:
         variants = [(m, ["--residual", m]) for m in args.methods]
     runs = [(f"{name}-s{seed}", [*flags, "--seed", str(seed)]) for seed in args.seeds for name, flags in variants]
+    trained = {name for name, _ in runs}
     return runs + [(f"baseline-s{seed}", ["--residual", "baseline", "--seed", str(seed)])
-                   for seed in args.baseline_seeds if seed not in args.seeds or "baseline" not in args.methods]
+                   for seed in args.baseline_seeds if f"baseline-s{seed}" not in trained]
 
 
 def train_once(command, out_dir):

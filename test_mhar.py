@@ -1609,10 +1609,13 @@ def test_compare_trains_each_method_then_writes_the_table_and_the_figure(data, t
 
 def test_compare_sweeps_heads_and_refuses_per_run_flags():
     import compare
-    args, train_flags = compare.parse_args(["--route_heads", "1,2,4", "--baseline_seeds", "3", "--max_steps", "5"])
-    assert [name for name, _ in compare.runs_of(args)] == ["mhar-H1-s0", "mhar-H2-s0", "mhar-H4-s0", "baseline-s3"]
+    args, train_flags = compare.parse_args(["--route_heads", "1,2,4", "--baseline_seeds", "0,3", "--max_steps", "5"])
+    assert [name for name, _ in compare.runs_of(args)] == [
+        "mhar-H1-s0", "mhar-H2-s0", "mhar-H4-s0", "baseline-s0", "baseline-s3"]
     assert train_flags == ["--max_steps", "5"]
     assert all(flags[:2] == ["--residual", "mhar"] for _, flags in compare.runs_of(args)[:3])
+    args, _ = compare.parse_args(["--methods", "baseline,mhar", "--baseline_seeds", "0,1"])
+    assert [name for name, _ in compare.runs_of(args)] == ["baseline-s0", "mhar-s0", "baseline-s1"]
     with pytest.raises(SystemExit):
         compare.parse_args(["--residual", "mhar"])
     with pytest.raises(SystemExit):
