@@ -56,6 +56,8 @@ from pathlib import Path
 import numpy as np
 import tiktoken
 
+from common import one_line
+
 DEFAULT_NAME = "pystdlib"  # data/pystdlib/: the built-in corpus, the standard library's sources
 VOCAB_SIZE = 50257  # GPT-2's vocabulary; under 2**16, so every id fits in uint16
 EOT = 50256  # GPT-2's <|endoftext|>, the last id; written after every document
@@ -253,7 +255,7 @@ def _parquet_documents(path, text_field):
     except PrepareError:
         raise
     except Exception as e:  # pyarrow's errors: not a parquet file, truncated, unreadable
-        raise PrepareError(f"cannot read {path}: {_one_line(e)}") from None
+        raise PrepareError(f"cannot read {path}: {type(e).__name__}: {one_line(e)}") from None
 
 
 def open_hf(dataset, config=None, split="train"):
@@ -267,7 +269,7 @@ def open_hf(dataset, config=None, split="train"):
         return iter(datasets.load_dataset(dataset, config, split=split, streaming=True))
     except Exception as e:
         raise PrepareError(f"cannot open Hugging Face dataset {dataset!r} (config {config}, split {split}): "
-                           f"{_one_line(e)}; check the name, --hf_config, --hf_split and the network") from None
+                           f"{type(e).__name__}: {one_line(e)}; check the name, --hf_config, --hf_split and the network") from None
 
 
 def _hf_documents(rows, dataset, text_field):
@@ -277,7 +279,7 @@ def _hf_documents(rows, dataset, text_field):
         except StopIteration:
             return
         except Exception as e:  # the connection dropped mid-stream, ...
-            raise PrepareError(f"reading Hugging Face dataset {dataset!r} failed: {_one_line(e)}") from None
+            raise PrepareError(f"reading Hugging Face dataset {dataset!r} failed: {type(e).__name__}: {one_line(e)}") from None
         text = _text_of(row, text_field, dataset)
         yield text, len(text.encode("utf-8"))
 
@@ -291,11 +293,6 @@ def _text_of(row, text_field, where):
     if not isinstance(text, str):
         raise PrepareError(f"{where}: field {text_field!r} is {type(text).__name__}, not text")
     return text
-
-
-def _one_line(e):
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
 # -----------------------------------------------------------------------------

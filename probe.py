@@ -89,8 +89,7 @@ import numpy as np
 import torch
 
 import mhar
-from sample import load_model
-from train import CheckpointError, pick_device
+from common import UserError, load_model, pick_device, read_tokens, sample_rows
 
 FIGURE_DPI = 110  # README-sized PNGs (tens of KB)
 
@@ -292,7 +291,6 @@ def validation_batches(ckpt, data, batches, batch_size, seq_len, vocab_size):
     data: a prepare.py folder, "synthetic", or None for the checkpoint's own training data.
     """
     import prepare
-    import train
     notes = []
     if data is None:
         data = (ckpt.get("args") or {}).get("data") or str(Path("data") / prepare.DEFAULT_NAME)
@@ -302,15 +300,14 @@ def validation_batches(ckpt, data, batches, batch_size, seq_len, vocab_size):
     elif not (Path(data) / "val.bin").is_file():
         notes.append(f"no val.bin in {data}: the routing was read on uniform random tokens (pass --data DIR)")
     else:
-        meta_path = Path(data) / "meta.json"
-        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-        if meta.get("vocab_size", 0) > vocab_size:
-            raise ValueError(f"{data} has a vocabulary of {meta['vocab_size']} tokens, more than the model's "
+        files = read_tokens(data, splits=("val",))
+        if files.meta.get("vocab_size", 0) > vocab_size:
+            raise ValueError(f"{data} has a vocabulary of {files.meta['vocab_size']} tokens, more than the model's "
                              f"{vocab_size}: pass the --data the model was trained on")
-        tokens, source = np.memmap(Path(data) / "val.bin", dtype=np.uint16, mode="r"), str(data)
+        tokens, source = files.val, str(data)
         if len(tokens) <= seq_len + 1:
             raise ValueError(f"{data}/val.bin has {len(tokens)} tokens, fewer than one sequence of {seq_len}")
-    rows = [train.sample_rows(tokens, ("val", i), batch_size, 0, batch_size, seq_len, vocab_size)[:, :seq_len]
+    rows = [sample_rows(tokens, ("val", i), batch_size, 0, batch_size, seq_len, vocab_size)[:, :seq_len]
             for i in range(batches)]
     return rows, source, notes
 
@@ -591,7 +588,7 @@ def parse_args(argv=None):
 def main(argv=None):
     try:
         summary, out_dir = probe(parse_args(argv))
-    except (CheckpointError, ValueError) as e:
+    except (UserError, ValueError) as e:
         print(f"probe.py: error: {e}", file=sys.stderr)
         sys.exit(2)
     print(report(summary, out_dir))

@@ -19,25 +19,9 @@ import sys
 
 import torch
 
-import mhar
-from train import CheckpointError, first_line, pick_device, read_checkpoint, unwrapped
+from common import UserError, load_model, pick_device
 
 GPT2_VOCAB = 50257  # ids 0..50256; the padded ids above cannot be decoded
-
-
-def load_model(path, device="cpu"):
-    """(model in eval mode, checkpoint dict) from a train.py ckpt.pt; CheckpointError if it cannot be used.
-
-    The model is built with fused=False: reading the routing weights and sampling run the readable
-    route on any device (a checkpoint trained with --fused on a GPU loads on a CPU).
-    """
-    ckpt = read_checkpoint(path, keys=("model", "config"))
-    try:
-        model = mhar.GPT(mhar.Config(**{**ckpt["config"], "fused": False}))
-        model.load_state_dict(unwrapped(ckpt["model"]))
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint {path} does not fit this mhar.py: {first_line(e)}") from None
-    return model.to(device).eval(), ckpt
 
 
 class Codec:
@@ -113,7 +97,7 @@ def main(argv=None):
         model, _ = load_model(args.ckpt, pick_device(args.device))
         samples = sample(model, Codec(model.config.vocab_size), args.prompt, args.num_samples, args.max_new_tokens,
                          args.temperature, args.top_k or None, args.seed)
-    except (CheckpointError, ValueError) as e:
+    except (UserError, ValueError) as e:
         print(f"sample.py: error: {e}", file=sys.stderr)
         sys.exit(2)
     for i, text in enumerate(samples):

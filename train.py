@@ -16,7 +16,6 @@ ckpt.pt (written atomically at every evaluation) and summary.json.
 """
 import argparse
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -35,6 +34,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import mhar  # noqa: E402
+from common import (CheckpointError, UserError, exit_error, one_line, pick_device, read_checkpoint,  # noqa: E402
+                    read_tokens, sample_rows, unwrapped)
 
 # The paper's recipe (DESIGN §5): AdamW (0.9, 0.95), eps 1e-8, weight decay 0.1, clip 1.0, peak lr 1e-3,
 # 1000 warmup steps then cosine to 0.1x, 20K steps, eval every 500, the tail-mean of the last 11 evals.
@@ -63,17 +64,11 @@ STRICT = ("preset", "residual", "route_heads", "route_block", "hc_streams", "del
 MACHINE = ("resume", "init_from", "out_dir", "stop_step", "device", "grad_accum")
 # --init_from continues a baseline run as a converted one: it takes the run's flags but these.
 CONVERSION = ("residual", "route_heads", "route_block", "hc_streams", "delta", "routing_lr")
-CKPT_KEYS = ("model", "optimizer", "step", "config", "args", "evals", "rng")
 
 
 def die(msg):
     """One line that says what is wrong and what to do, exit status 2 (like argparse)."""
-    print(f"train.py: error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-def first_line(e):
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    exit_error("train.py", msg)
 
 
 # -----------------------------------------------------------------------------
@@ -87,22 +82,6 @@ def lr_factor(step, warmup_steps, max_steps, min_lr_ratio):
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def seed_of(*keys):
-    """A 64-bit seed hashed from keys such as ("train", seed, step): the same in every process and run."""
-    return int.from_bytes(hashlib.blake2b(repr(keys).encode(), digest_size=8).digest(), "little")
-
-
-def sample_rows(tokens, keys, n, lo, hi, seq_len, vocab_size):
-    """Rows lo:hi of the n sequences (seq_len + 1 tokens) drawn for `keys`, int64 (hi - lo, seq_len + 1).
-    All n offsets are drawn and each rank keeps its slice, so how the n rows are split over ranks and
-    micro-steps changes nothing. tokens=None (--data synthetic) draws uniform random tokens."""
-    g = torch.Generator().manual_seed(seed_of(*keys))
-    if tokens is None:
-        return torch.randint(vocab_size, (n, seq_len + 1), generator=g)[lo:hi]
-    starts = torch.randint(len(tokens) - seq_len, (n,), generator=g)[lo:hi].tolist()
-    return torch.from_numpy(np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int64))
-
-
 def to_device(rows, device):
     """(..., T + 1) rows -> inputs and targets (..., T) on the device (pinned: the copy is async on CUDA)."""
     if device.type == "cuda":
@@ -112,7 +91,7 @@ def to_device(rows, device):
 
 
 def open_data(path, rank, ddp):
-    """(folder, train, val, meta): the uint16 token files of prepare.py as memmaps, and its meta.json.
+    """(folder, train, val, meta): the token files of prepare.py as memmaps (common.read_tokens), and meta.json.
     The default corpus is prepared (by rank 0) when it is missing."""
     import prepare
     default = Path("data") / prepare.DEFAULT_NAME
@@ -128,9 +107,11 @@ def open_data(path, rank, ddp):
                 die(f"preparing the default corpus failed: {e}")
         if ddp:
             dist.barrier()
-    meta = json.loads((path / "meta.json").read_text()) if (path / "meta.json").exists() else {}
-    train, val = (np.memmap(path / f"{split}.bin", dtype=np.uint16, mode="r") for split in ("train", "val"))
-    return path, train, val, meta
+    try:
+        tokens = read_tokens(path)
+    except UserError as e:
+        die(str(e))
+    return path, tokens.train, tokens.val, tokens.meta
 
 
 def unigram_entropy(tokens, limit=50_000_000):
@@ -176,11 +157,6 @@ def set_rng_states(s):
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def unwrapped(state):
-    """A model state dict without torch.compile's prefix."""
-    return {k.removeprefix("_orig_mod."): v for k, v in state.items()}
-
-
 def carry_optimizer_state(saved, optimizer):
     """A baseline run's Adam moments into a converted model's optimizer, group by group: the shared parameters
     keep their order inside each group (mhar.GPT.param_groups), and the new routing group starts fresh."""
@@ -202,33 +178,6 @@ def save_checkpoint(path, ckpt):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def pick_device(name=None):
-    """The named device; "auto" (or None) picks cuda, else mps, else cpu."""
-    if name in (None, "auto"):
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    return torch.device(name)
-
-
-class CheckpointError(Exception):
-    """A missing, unreadable or foreign checkpoint; the message is one line: what is wrong, what to do."""
-
-
-def read_checkpoint(path, keys=CKPT_KEYS):
-    """The checkpoint dict, or CheckpointError for a missing, truncated, foreign or incomplete file."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"no checkpoint at {path}: train one first (python train.py --out_dir DIR writes "
-                              f"DIR/ckpt.pt)")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: ranks share the pages
-    except Exception as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: it is truncated or not a train.py checkpoint "
-                              f"({type(e).__name__}: {first_line(e)[:120]})") from None
-    missing = [k for k in keys if k not in ckpt] if isinstance(ckpt, dict) else list(keys)
-    if missing:
-        raise CheckpointError(f"{path} is not a train.py checkpoint (missing {', '.join(missing)})")
-    return ckpt
 
 
 def load_checkpoint(path):
@@ -347,7 +296,10 @@ def train(args):
     rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
     master = rank == 0  # logs, evaluates (with the others' help) and saves
     log = print if master else (lambda *a, **k: None)
-    device = pick_device(args.device)
+    try:
+        device = pick_device(args.device)
+    except UserError as e:
+        die(str(e))
     if device.type == "cuda" and ddp:
         device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}")
     if device.type == "cuda":
@@ -409,7 +361,7 @@ def train(args):
         else:
             gpt = mhar.GPT(config).to(device)
     except (ValueError, TypeError, RuntimeError, ImportError) as e:  # a bad flag, or --fused without a GPU
-        die(first_line(e))
+        die(one_line(e))
     args.residual, args.route_heads, args.route_block = config.residual, config.route_heads, config.route_block
     args.seq_len, args.vocab_size = config.seq_len, config.vocab_size
     optimizer = gpt.configure_optimizers(args.weight_decay, args.lr, BETAS, ADAM_EPS, device.type)
@@ -424,7 +376,7 @@ def train(args):
             optimizer.load_state_dict(ckpt["optimizer"])
             set_rng_states(ckpt["rng"])
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
-            die(f"the checkpoint does not fit this model: {first_line(e)}")
+            die(f"the checkpoint does not fit this model: {one_line(e)}")
         step, evals, tokens_seen, wandb_id = ckpt["step"], ckpt["evals"], ckpt.get("tokens", 0), ckpt.get("wandb_id")
         del ckpt
     baseline = None

@@ -1,0 +1,33 @@
+"""Helpers every test file shares: one relative error, one builder of route inputs, the tiny model."""
+from pathlib import Path
+
+import torch
+
+from mhar import preset
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository
+VOCAB = 64  # the vocabulary of the training tests' corpus (the `data` fixture)
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def rel_err(a, b):
+    """Norm-wise ||a - b|| / ||b|| in float64; exact zeros on both sides count as a match."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def tiny(residual="mhar", **overrides):
+    """The tiny preset with a small vocabulary, so a test model has few parameters."""
+    return preset("tiny", residual=residual, vocab_size=128, seq_len=32, **overrides)
+
+
+def route_inputs(N, B, T, d, dtype=torch.float64, seed=0, device="cpu"):
+    """Sources V (N, B, T, d) of unequal scales, a nonzero query q and norm weight g (d,) in float32 or
+    float64, and an output gradient dout (B, T, d). A zero query would route uniformly and hide the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    V = torch.randn(N, B, T, d, generator=gen, dtype=torch.float64) * (1 + torch.rand(N, 1, 1, 1, generator=gen,
+                                                                                      dtype=torch.float64))
+    q = 0.5 * torch.randn(d, generator=gen, dtype=torch.float64)
+    g = 1 + 0.3 * torch.randn(d, generator=gen, dtype=torch.float64)
+    dout = torch.randn(B, T, d, generator=gen, dtype=torch.float64)
+    param_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return (V.to(device, dtype), q.to(device, param_dtype), g.to(device, param_dtype), dout.to(device, dtype))

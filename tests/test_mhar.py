@@ -1,0 +1,417 @@
+"""mhar.py: the route against independent references, the model, hyper-connections, block and delta
+routing, identity-preserving conversion."""
+import dataclasses
+import re
+
+import pytest
+import torch
+
+import mhar
+from helpers import ROOT, rel_err, route_inputs, tiny
+from mhar import GPT, Config, preset, route, route_weights
+
+# ----------------------------------------------------------------------------------------------
+# The route against independent references.
+
+def route_loop(V, q, g, heads, eps):
+    """An independent reference: one head at a time, one source at a time, in float64."""
+    N, B, T, d = V.shape
+    K = d // heads
+    V, q, g = V.double(), q.double(), g.double()
+    out = torch.zeros(B, T, d, dtype=torch.float64)
+    for h in range(heads):
+        cols = slice(h * K, (h + 1) * K)
+        logits = []
+        for n in range(N):
+            rms = torch.sqrt((V[n] ** 2).mean(-1, keepdim=True) + eps)      # over the full width d
+            key = V[n] / rms * g
+            logits.append((key[..., cols] * q[cols]).sum(-1))
+        alpha = torch.softmax(torch.stack(logits), dim=0)                   # (N, B, T)
+        for n in range(N):
+            out[..., cols] += alpha[n].unsqueeze(-1) * V[n][..., cols]
+    return out
+
+
+@pytest.mark.parametrize("N", [1, 2, 7], ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("heads", [1, 2, 4, 8], ids=lambda h: f"H{h}")
+def test_route_matches_per_head_loop(heads, N):
+    V, q, g = route_inputs(N, 2, 3, 16)[:3]
+    out = route(V, q, g, heads, eps=1e-6)
+    assert out.dtype == torch.float64
+    assert rel_err(out, route_loop(V, q, g, heads, 1e-6)) < 1e-6  # route computes in float32 inside
+
+
+def test_single_head_is_attention_residuals():
+    """H = 1: one softmax over depth of <q, RMSNorm(V_n)>, shared by the whole width."""
+    V, q, g = route_inputs(5, 2, 3, 12)[:3]
+    keys = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+    alpha = torch.softmax(torch.einsum("nbtd,d->nbt", keys, q), dim=0)
+    expected = torch.einsum("nbt,nbtd->btd", alpha, V)
+    assert rel_err(route(V, q, g, 1), expected) < 1e-6
+
+
+def test_route_gradcheck():
+    V, q, g = route_inputs(3, 1, 2, 8)[:3]
+    # route computes in float32; gradcheck needs float64 throughout, so check the float64 formula it implements
+    def route64(V, q, g):
+        keys = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+        N, B, T, d = V.shape
+        alpha = (keys.view(N, B, T, 4, -1) * q.view(4, -1)).sum(-1).softmax(0)
+        return (alpha.unsqueeze(-1) * V.view(N, B, T, 4, -1)).sum(0).reshape(B, T, d)
+    inputs = tuple(t.clone().requires_grad_() for t in (V, q, g))
+    assert torch.autograd.gradcheck(route64, inputs)
+    # ...and that route's own gradients (float32 inside) agree with that float64 formula
+    grads = torch.autograd.grad(route(*inputs, heads=4).sum(), inputs)
+    expected = torch.autograd.grad(route64(*inputs).sum(), inputs)
+    for got, want in zip(grads, expected):
+        assert rel_err(got, want) < 1e-5
+
+
+def test_route_bf16_returns_bf16_and_matches_float32():
+    V, q, g = route_inputs(4, 2, 3, 16, dtype=torch.float32)[:3]
+    Vb = V.bfloat16()
+    out = route(Vb, q, g, 4)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, route(Vb.float(), q, g, 4)) < 1e-2  # only the final rounding to bf16 differs
+
+
+@pytest.mark.parametrize("head", [0, 2, 3], ids=lambda h: f"head{h}")
+def test_route_is_block_diagonal(head):
+    """Changing the sources only inside head h's slice changes only head h's output slice."""
+    heads, d = 4, 16
+    K = d // heads
+    V, q, g = route_inputs(5, 2, 3, d)[:3]
+    W = V.clone()
+    # a permutation inside the slice keeps each source's full-width RMS, so only the slice's content changes
+    W[..., head * K:(head + 1) * K] = V[..., head * K:(head + 1) * K].flip(-1)
+    before, after = route(V, q, g, heads), route(W, q, g, heads)
+    changed = (before - after).abs().amax(dim=(0, 1)).view(heads, K).amax(-1)
+    assert changed[head] > 1e-2
+    # the other heads move only by float32 rounding of the RMS sum, whose terms were reordered
+    assert torch.all(changed[torch.arange(heads) != head] < 1e-6)
+
+
+def test_route_weights_sum_to_one():
+    V, q, g = route_inputs(6, 2, 3, 16)[:3]
+    alpha = route_weights(V, q, g, 4)
+    assert alpha.shape == (6, 2, 3, 4)
+    torch.testing.assert_close(alpha.sum(0), torch.ones(2, 3, 4, dtype=torch.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# The model.
+
+@pytest.mark.parametrize("residual", ["attnres", "mhar"])
+def test_zero_queries_route_uniformly(residual):
+    torch.manual_seed(0)
+    model = GPT(tiny(residual))
+    alphas = model.routing_weights(torch.randint(0, 128, (2, 10)))
+    assert len(alphas) == 2 * model.config.n_layer + 1
+    for j, alpha in enumerate(alphas):
+        assert alpha.shape == (j + 1, 2, 10, model.config.heads)
+        torch.testing.assert_close(alpha, torch.full_like(alpha, 1.0 / (j + 1)))
+
+
+def test_routing_parameter_counts():
+    counts = {r: GPT(tiny(r)).num_params() for r in ("baseline", "attnres", "mhar")}
+    c = tiny()
+    assert counts["attnres"] == counts["mhar"]  # the heads reshape the query: zero extra parameters
+    assert counts["mhar"] - counts["baseline"] == (2 * c.n_layer + 1) * 2 * c.n_embd
+    delta = GPT(tiny("mhar", delta=True)).num_params()  # a gate per site and the null source on top
+    assert delta - counts["mhar"] == (2 * c.n_layer + 1) + c.n_embd
+
+
+@pytest.mark.parametrize("name, total, non_embedding", [
+    ("100m", 63_518_720, 37_763_072), ("350m", 429_051_904, 377_540_608), ("1b", 949_224_320, 884_835_200),
+], ids=["100m", "350m", "1b"])
+def test_preset_parameter_counts(name, total, non_embedding):
+    """The paper's shapes with GPT-2's vocabulary (DESIGN §3: ≈63.5M / 37.8M, ≈429M, ≈949M)."""
+    with torch.device("meta"):
+        model = GPT(preset(name, residual="baseline"))
+    assert (model.num_params(), model.num_params(non_embedding=True)) == (total, non_embedding)
+
+
+@pytest.mark.parametrize("residual, overrides", [
+    ("baseline", {}), ("hyper", {}), ("attnres", {}), ("mhar", dict(route_heads=4)),
+    ("mhar", dict(route_heads=4, route_block=3)),
+], ids=["baseline", "hyper", "attnres", "mhar", "mhar-block3"])
+def test_causality(residual, overrides):
+    """Changing a later token leaves every earlier position's logits unchanged."""
+    torch.manual_seed(0)
+    model = GPT(tiny(residual, **overrides))
+    with torch.no_grad():
+        for p in model.parameters():  # random queries and norms, so routing is not uniform
+            p.add_(0.1 * torch.randn_like(p))
+    idx = torch.randint(0, 128, (2, 12))
+    changed = idx.clone()
+    changed[:, 7] = (idx[:, 7] + 1) % 128
+    a, _ = model(idx)
+    b, _ = model(changed)
+    torch.testing.assert_close(a[:, :7], b[:, :7], rtol=0, atol=0)
+    assert (a[:, 7:] - b[:, 7:]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(residual="mhar", route_heads=5), "route_heads"),          # 5 does not divide n_embd=64
+    (dict(residual="attnres", route_heads=4), "route_heads"),
+    (dict(residual="baseline", route_heads=2), "route_heads"),
+    (dict(residual="mhar", route_heads=-1), "route_heads"),
+    (dict(n_kv_head=3), "n_kv_head"),
+    (dict(n_head=3), "n_head"),
+    (dict(n_head=64), "n_head"),                                     # head width 1 cannot rotate
+    (dict(residual="residual"), "residual"),
+    (dict(residual="hyper", route_heads=2), "route_heads"),
+    (dict(residual="baseline", route_block=2), "route_block"),
+    (dict(residual="hyper", fused=True), "fused"),
+    (dict(n_layer=0), "n_layer"),
+    (dict(n_embd=-64), "n_embd"),
+    (dict(vocab_size=0), "vocab_size"),
+    (dict(seq_len=0), "seq_len"),
+    (dict(ffn_hidden=0), "ffn_hidden"),
+    (dict(norm_eps=0.0), "norm_eps"),
+    (dict(rope_theta=-1.0), "rope_theta"),
+    (dict(route_block=0), "route_block"),
+    (dict(residual="baseline", delta=True), "delta"),
+    (dict(residual="hyper", delta=True), "delta"),
+    (dict(hc_streams=0), "hc_streams"),
+    (dict(residual="baseline", fused=True), "fused"),
+], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()))
+def test_impossible_config_raises(overrides, field):
+    with pytest.raises(ValueError, match=rf"^Config\.{field}: "):
+        preset("tiny", **overrides)
+
+
+def test_unknown_preset_and_too_long_sequence():
+    with pytest.raises(ValueError, match="preset 'huge' is unknown"):
+        preset("huge")
+    model = GPT(tiny())
+    with pytest.raises(ValueError, match="seq_len=32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+
+
+@pytest.mark.parametrize("residual, overrides", [
+    ("baseline", {}), ("hyper", {}), ("attnres", {}), ("mhar", {}), ("mhar", dict(route_block=2)),
+], ids=["baseline", "hyper", "attnres", "mhar", "mhar-block2"])
+def test_tiny_model_overfits_one_batch(residual, overrides):
+    torch.manual_seed(0)
+    model = GPT(tiny(residual, **overrides))
+    optimizer = model.configure_optimizers(weight_decay=0.0, learning_rate=3e-3)
+    idx = torch.randint(0, 128, (4, 32))
+    first = None
+    for _ in range(40):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        first = first if first is not None else loss.item()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert first > 4.5 and loss.item() < 0.5 * first, (first, loss.item())
+
+
+def test_routing_is_trained():
+    """The queries get gradients (zero queries are not a fixed point), except site 0's: one source, α = 1."""
+    torch.manual_seed(0)
+    model = GPT(tiny("mhar"))
+    idx = torch.randint(0, 128, (2, 16))
+    model(idx[:, :-1], idx[:, 1:])[1].backward()
+    assert model.sites[0].query.grad.abs().max() == 0
+    for site in model.sites[1:]:
+        assert site.query.grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("residual", ["baseline", "hyper", "mhar"])
+def test_optimizer_groups_cover_every_parameter_once(residual):
+    model = GPT(tiny(residual))
+    optimizer = model.configure_optimizers()
+    seen = [id(p) for group in optimizer.param_groups for p in group["params"]]
+    assert sorted(seen) == sorted(id(p) for p in model.parameters())
+    names = {group["name"]: len(group["params"]) for group in optimizer.param_groups}
+    added = {"baseline": 0, "hyper": 8 * len(model.layers), "mhar": 2 * len(model.layers) + 2}[residual]
+    assert names.get("routing", 0) == added and names["embedding"] == 1
+    assert all(group["weight_decay"] == 0.1 for group in optimizer.param_groups)  # the paper: all parameters
+
+
+def test_flops_count_the_routing_and_mfu_needs_a_known_device():
+    baseline, routed = GPT(tiny("baseline")), GPT(tiny("mhar"))
+    c = routed.config
+    sites = 2 * c.n_layer + 1
+    # routing vectors are no matmul weights: the difference is the routing term alone
+    assert routed.flops_per_token() - baseline.flops_per_token() == 24 * c.n_embd * sites * (sites + 1) // 2
+    assert routed.estimate_mfu(1e6, "cpu") is None
+    assert routed.estimate_mfu(1e6, "NVIDIA H100 80GB HBM3") == pytest.approx(routed.flops_per_token() * 1e6 / 989e12)
+
+
+def test_generate_is_deterministic_for_a_seed():
+    model = GPT(tiny())
+    idx = torch.randint(0, 128, (1, 4))
+    torch.manual_seed(1)
+    a = model.generate(idx, 8, temperature=0.8, top_k=5)
+    torch.manual_seed(1)
+    b = model.generate(idx, 8, temperature=0.8, top_k=5)
+    assert a.shape == (1, 12) and torch.equal(a, b) and torch.equal(a[:, :4], idx)
+    greedy = model.generate(idx, 3, temperature=0)
+    assert torch.equal(greedy, model.generate(idx, 3, temperature=0))
+
+
+def test_config_round_trips_through_a_dict():
+    config = preset("small", residual="attnres")
+    assert Config(**dataclasses.asdict(config)) == config
+
+
+def test_readme_python_examples_run():
+    """Every ```python block of the README runs as written, in order, in one namespace."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    assert blocks, "the README has no python example"
+    namespace = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), namespace)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hyper-connections and block routing.
+
+def full_routing_forward(model, idx):
+    """Full routing written out independently of DepthHistory: site j reads stack(s_0..s_j)."""
+    rope = (model.rope_cos, model.rope_sin)
+    sources = [model.embed(idx)]
+    for j, layer in enumerate(model.layers):
+        site = model.sites[j]
+        h = route(torch.stack(sources), site.query, site.norm.weight, model.config.heads, model.config.norm_eps)
+        sources.append(layer(h, rope))
+    site = model.sites[-1]
+    h = route(torch.stack(sources), site.query, site.norm.weight, model.config.heads, model.config.norm_eps)
+    return model.lm_head(model.norm(h)).float()
+
+
+@pytest.mark.parametrize("residual", ["attnres", "mhar"])
+def test_block_size_one_is_full_routing_bitwise(residual):
+    torch.manual_seed(0)
+    model = GPT(tiny(residual, route_block=1))
+    with torch.no_grad():
+        for site in model.sites:
+            site.query.normal_()
+    idx = torch.randint(0, 128, (2, 12))
+    logits, _ = model(idx)
+    grads = torch.autograd.grad(logits.square().sum(), list(model.parameters()))
+    expected = full_routing_forward(model, idx)
+    expected_grads = torch.autograd.grad(expected.square().sum(), list(model.parameters()))
+    assert torch.equal(logits, expected)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+
+
+@pytest.mark.parametrize("S, expected", [
+    (2, [["s0"], ["s0", "s1"], ["s0", "s1+s2"], ["s0", "s1+s2", "s3"], ["s0", "s1+s2", "s3+s4"],
+         ["s0", "s1+s2", "s3+s4", "s5"], ["s0", "s1+s2", "s3+s4", "s5+s6"]]),
+    (3, [["s0"], ["s0", "s1"], ["s0", "s1+s2"], ["s0", "s1+s2+s3"], ["s0", "s1+s2+s3", "s4"],
+         ["s0", "s1+s2+s3", "s4+s5"], ["s0", "s1+s2+s3", "s4+s5+s6"]]),
+    (4, [["s0"], ["s0", "s1"], ["s0", "s1+s2"], ["s0", "s1+s2+s3"], ["s0", "s1+s2+s3+s4"],
+         ["s0", "s1+s2+s3+s4", "s5"], ["s0", "s1+s2+s3+s4", "s5+s6"]]),
+], ids=["S2", "S3", "S4"])
+def test_block_history_reads_completed_blocks_and_the_partial(S, expected):
+    """Seven sites (L = 3): each reads [b_0, ..., b_{n-1}] plus the partial sum of its block."""
+    sources = {f"s{i}": torch.randn(1, 2, 4, dtype=torch.float64) for i in range(7)}
+    seen = []
+    history = mhar.DepthHistory(heads=2, eps=1e-6, block=S, route_fn=lambda V, *args: seen.append(V) or V[0])
+    for i in range(7):
+        history.route(sources[f"s{i}"], torch.zeros(4), torch.ones(4))
+    for V, names in zip(seen, expected):
+        hand_built = torch.stack([sum(sources[part] for part in name.split("+")) for name in names])
+        assert torch.equal(V, hand_built)
+    model = GPT(tiny("mhar", n_layer=3, route_block=S))
+    assert [model.site_sources(j) for j in range(7)] == [len(names) for names in expected]
+    assert [a.shape[0] for a in model.routing_weights(torch.zeros(1, 4, dtype=torch.long))] == [
+        len(names) for names in expected]
+
+
+def test_hyper_connections_start_as_the_baseline():
+    torch.manual_seed(0)
+    baseline, hyper = GPT(tiny("baseline")), GPT(tiny("hyper"))
+    missing, unexpected = hyper.load_state_dict(baseline.state_dict(), strict=False)
+    assert not unexpected and all(key.startswith("connections.") for key in missing)
+    idx = torch.randint(0, 128, (2, 16))
+    deviation = (baseline(idx)[0] - hyper(idx)[0]).abs().max().item()
+    assert deviation <= 1e-6
+
+
+def test_hyper_connection_parameter_count():
+    c = tiny("hyper")
+    n, d = c.hc_streams, c.n_embd
+    # static read, mix, write; the dynamic projections' norm, read/mix and write weights; two scales
+    per_sublayer = n + n * n + n + d + d * (n + 1) + d + 2
+    added = GPT(c).num_params() - GPT(tiny("baseline")).num_params()
+    assert added == 2 * c.n_layer * per_sublayer
+
+
+def test_hyper_connections_learn_their_dynamic_part():
+    torch.manual_seed(0)
+    model = GPT(tiny("hyper"))
+    idx = torch.randint(0, 128, (2, 16))
+    model(idx[:, :-1], idx[:, 1:])[1].backward()
+    connection = model.connections[1]
+    for p in (connection.dynamic_read_mix, connection.dynamic_write, connection.static_mix):  # scales: 0 until W moves
+        assert p.grad.abs().max() > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Delta routing and identity-preserving conversion.
+
+@pytest.mark.parametrize("S", [1, 2, 3], ids=lambda S: f"S{S}")
+@pytest.mark.parametrize("residual, heads", [("attnres", 0), ("mhar", 2), ("mhar", 4)], ids=["H1", "H2", "H4"])
+def test_converted_baseline_gives_identical_logits(residual, heads, S):
+    torch.manual_seed(0)
+    baseline = GPT(tiny("baseline"))
+    with torch.no_grad():
+        for p in baseline.parameters():  # a "trained" baseline: not the initial weights
+            p.add_(0.05 * torch.randn_like(p))
+    converted = GPT.from_baseline(baseline.state_dict(), tiny(residual, route_heads=heads, route_block=S, delta=True))
+    idx = torch.randint(0, 128, (2, 16))
+    assert (converted(idx)[0] - baseline(idx)[0]).abs().max().item() == 0.0
+
+
+def test_first_step_after_conversion_matches_and_opens_the_gates():
+    torch.manual_seed(0)
+    baseline = GPT(tiny("baseline"))
+    converted = GPT.from_baseline(baseline.state_dict(), tiny("mhar", delta=True, route_block=2))
+    idx = torch.randint(0, 128, (2, 17))
+    base_loss, loss = baseline(idx[:, :-1], idx[:, 1:])[1], converted(idx[:, :-1], idx[:, 1:])[1]
+    assert loss.item() == base_loss.item()
+    loss.backward()
+    assert all(site.gate.grad.abs() > 0 for site in converted.sites)
+
+
+def test_delta_history_reads_null_and_completed_block_deltas():
+    """Sites read [null, D_0, D_1, ...]; each D_i is the sum of its block's sublayer outputs."""
+    torch.manual_seed(0)
+    model = GPT(tiny("mhar", n_layer=3, delta=True, route_block=2))
+    with torch.no_grad():
+        model.null.normal_()
+    seen, outputs = [], []
+    original = mhar.DepthHistory.route
+
+    def spy(history, source, q, g):
+        outputs.append(source)
+        history.route_fn = lambda V, *args: seen.append(V) or mhar.route(V, *args)
+        return original(history, source, q, g)
+
+    mhar.DepthHistory.route = spy
+    try:
+        model(torch.randint(0, 128, (1, 8)))
+    finally:
+        mhar.DepthHistory.route = original
+    null = model.null.expand_as(outputs[0])
+    s = outputs  # s[0] the embedding, s[i] sublayer i's output
+    expected = [[null, s[0]], [null, s[0]], [null, s[0], s[1] + s[2]], [null, s[0], s[1] + s[2]],
+                [null, s[0], s[1] + s[2], s[3] + s[4]], [null, s[0], s[1] + s[2], s[3] + s[4]],
+                [null, s[0], s[1] + s[2], s[3] + s[4], s[5] + s[6]]]
+    assert len(seen) == 7
+    for V, sources in zip(seen, expected):
+        assert torch.equal(V, torch.stack(sources))
+
+
+def test_conversion_refuses_a_checkpoint_of_another_shape():
+    baseline = GPT(tiny("baseline", n_layer=1))
+    with pytest.raises(ValueError, match="does not fit this shape"):
+        GPT.from_baseline(baseline.state_dict(), tiny("mhar", delta=True))
+    with pytest.raises(ValueError, match="delta=True"):
+        GPT.from_baseline(baseline.state_dict(), tiny("mhar"))
+
+
