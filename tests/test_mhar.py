@@ -108,7 +108,7 @@ def test_zero_queries_route_uniformly(residual):
     alphas = model.routing_weights(torch.randint(0, 128, (2, 10)))
     assert len(alphas) == 2 * model.config.n_layer + 1
     for j, alpha in enumerate(alphas):
-        assert alpha.shape == (j + 1, 2, 10, model.config.heads)
+        assert alpha.shape == (j + 1, 2, 10, model.config.depth_heads)
         torch.testing.assert_close(alpha, torch.full_like(alpha, 1.0 / (j + 1)))
 
 
@@ -125,7 +125,7 @@ def test_routing_parameter_counts():
     ("100m", 63_518_720, 37_763_072), ("350m", 429_051_904, 377_540_608), ("1b", 949_224_320, 884_835_200),
 ], ids=["100m", "350m", "1b"])
 def test_preset_parameter_counts(name, total, non_embedding):
-    """The paper's shapes with GPT-2's vocabulary (DESIGN §3: ≈63.5M / 37.8M, ≈429M, ≈949M)."""
+    """The paper's shapes with GPT-2's vocabulary (README, Presets: ≈63.5M / 37.8M, ≈429M, ≈949M)."""
     with torch.device("meta"):
         model = GPT(preset(name, residual="baseline"))
     assert (model.num_params(), model.num_params(non_embedding=True)) == (total, non_embedding)
@@ -152,33 +152,31 @@ def test_causality(residual, overrides):
 
 
 @pytest.mark.parametrize("overrides, field", [
-    (dict(residual="mhar", route_heads=5), "route_heads"),          # 5 does not divide n_embd=64
-    (dict(residual="attnres", route_heads=4), "route_heads"),
-    (dict(residual="baseline", route_heads=2), "route_heads"),
-    (dict(residual="mhar", route_heads=-1), "route_heads"),
-    (dict(n_kv_head=3), "n_kv_head"),
-    (dict(n_head=3), "n_head"),
-    (dict(n_head=64), "n_head"),                                     # head width 1 cannot rotate
     (dict(residual="residual"), "residual"),
-    (dict(residual="hyper", route_heads=2), "route_heads"),
-    (dict(residual="baseline", route_block=2), "route_block"),
-    (dict(residual="hyper", fused=True), "fused"),
-    (dict(n_layer=0), "n_layer"),
-    (dict(n_embd=-64), "n_embd"),
-    (dict(vocab_size=0), "vocab_size"),
-    (dict(seq_len=0), "seq_len"),
-    (dict(ffn_hidden=0), "ffn_hidden"),
-    (dict(norm_eps=0.0), "norm_eps"),
-    (dict(rope_theta=-1.0), "rope_theta"),
+    (dict(n_head=3), "n_head"),                                      # 3 does not divide n_embd=64
+    (dict(n_head=64), "n_head"),                                     # head width 1 cannot rotate
+    (dict(n_kv_head=3), "n_kv_head"),
+    (dict(residual="mhar", route_heads=5), "route_heads"),          # 5 does not divide n_embd=64
+    (dict(residual="mhar", route_heads=-1), "route_heads"),
     (dict(route_block=0), "route_block"),
+    (dict(residual="baseline", route_block=2), "route_block"),
     (dict(residual="baseline", delta=True), "delta"),
     (dict(residual="hyper", delta=True), "delta"),
-    (dict(hc_streams=0), "hc_streams"),
     (dict(residual="baseline", fused=True), "fused"),
+    (dict(residual="hyper", fused=True), "fused"),
+    (dict(hc_streams=0), "hc_streams"),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()))
 def test_impossible_config_raises(overrides, field):
     with pytest.raises(ValueError, match=rf"^Config\.{field}: "):
         preset("tiny", **overrides)
+
+
+@pytest.mark.parametrize("residual", ["attnres", "baseline", "hyper"])
+def test_route_heads_is_mhar_only(residual):
+    """route_heads is mhar's H: a preset's value does not trip the modes that ignore it."""
+    config = preset("tiny", residual=residual, route_heads=5)  # 5 would not divide n_embd for mhar
+    assert config.depth_heads == {"attnres": 1}.get(residual, 0)
+    assert preset("tiny", route_heads=0).depth_heads == config.n_kv_head
 
 
 def test_unknown_preset_and_too_long_sequence():
@@ -271,14 +269,14 @@ def test_readme_python_examples_run():
 
 def full_routing_forward(model, idx):
     """Full routing written out independently of DepthHistory: site j reads stack(s_0..s_j)."""
-    rope = (model.rope_cos, model.rope_sin)
+    rope = (model.rope_cos[:idx.size(1)], model.rope_sin[:idx.size(1)])  # the positions 0..T-1
     sources = [model.embed(idx)]
     for j, layer in enumerate(model.layers):
         site = model.sites[j]
-        h = route(torch.stack(sources), site.query, site.norm.weight, model.config.heads, model.config.norm_eps)
+        h = route(torch.stack(sources), site.query, site.norm_weight, model.config.depth_heads, model.config.norm_eps)
         sources.append(layer(h, rope))
     site = model.sites[-1]
-    h = route(torch.stack(sources), site.query, site.norm.weight, model.config.heads, model.config.norm_eps)
+    h = route(torch.stack(sources), site.query, site.norm_weight, model.config.depth_heads, model.config.norm_eps)
     return model.lm_head(model.norm(h)).float()
 
 
@@ -309,13 +307,11 @@ def test_block_size_one_is_full_routing_bitwise(residual):
 def test_block_history_reads_completed_blocks_and_the_partial(S, expected):
     """Seven sites (L = 3): each reads [b_0, ..., b_{n-1}] plus the partial sum of its block."""
     sources = {f"s{i}": torch.randn(1, 2, 4, dtype=torch.float64) for i in range(7)}
-    seen = []
-    history = mhar.DepthHistory(heads=2, eps=1e-6, block=S, route_fn=lambda V, *args: seen.append(V) or V[0])
-    for i in range(7):
-        history.route(sources[f"s{i}"], torch.zeros(4), torch.ones(4))
-    for V, names in zip(seen, expected):
+    history = mhar.BlockHistory([torch.zeros(4)] * 7, [torch.ones(4)] * 7, heads=2, eps=1e-6, block=S)
+    for i, names in enumerate(expected):
+        history.append(sources[f"s{i}"])
         hand_built = torch.stack([sum(sources[part] for part in name.split("+")) for name in names])
-        assert torch.equal(V, hand_built)
+        assert torch.equal(history.stack(), hand_built)
     model = GPT(tiny("mhar", n_layer=3, route_block=S))
     assert [model.site_sources(j) for j in range(7)] == [len(names) for names in expected]
     assert [a.shape[0] for a in model.routing_weights(torch.zeros(1, 4, dtype=torch.long))] == [
@@ -384,27 +380,35 @@ def test_delta_history_reads_null_and_completed_block_deltas():
     model = GPT(tiny("mhar", n_layer=3, delta=True, route_block=2))
     with torch.no_grad():
         model.null.normal_()
-    seen, outputs = [], []
-    original = mhar.DepthHistory.route
-
-    def spy(history, source, q, g):
-        outputs.append(source)
-        history.route_fn = lambda V, *args: seen.append(V) or mhar.route(V, *args)
-        return original(history, source, q, g)
-
-    mhar.DepthHistory.route = spy
-    try:
-        model(torch.randint(0, 128, (1, 8)))
-    finally:
-        mhar.DepthHistory.route = original
-    null = model.null.expand_as(outputs[0])
-    s = outputs  # s[0] the embedding, s[i] sublayer i's output
+    idx = torch.randint(0, 128, (1, 8))
+    s = [model.embed(idx)]  # s[0] the embedding, s[i] sublayer i's output, caught by hooks
+    hooks = [layer.register_forward_hook(lambda module, args, out: s.append(out)) for layer in model.layers]
+    seen = []
+    model.hidden(idx, visit=lambda V, q, g: seen.append(V))
+    for hook in hooks:
+        hook.remove()
+    null = model.null.expand_as(s[0])
     expected = [[null, s[0]], [null, s[0]], [null, s[0], s[1] + s[2]], [null, s[0], s[1] + s[2]],
                 [null, s[0], s[1] + s[2], s[3] + s[4]], [null, s[0], s[1] + s[2], s[3] + s[4]],
                 [null, s[0], s[1] + s[2], s[3] + s[4], s[5] + s[6]]]
     assert len(seen) == 7
     for V, sources in zip(seen, expected):
         assert torch.equal(V, torch.stack(sources))
+
+
+def test_checkpoint_of_the_old_layout_loads():
+    """Checkpoints written before the sites' g was renamed (sites.j.norm.weight) load unchanged."""
+    torch.manual_seed(0)
+    model = GPT(tiny("mhar", delta=True))
+    with torch.no_grad():
+        for site in model.sites:
+            site.norm_weight.uniform_(0.5, 1.5)
+    old = {key.replace(".norm_weight", ".norm.weight"): value for key, value in model.state_dict().items()}
+    assert "sites.0.norm.weight" in old and "sites.0.norm_weight" not in old
+    loaded = GPT(tiny("mhar", delta=True))
+    loaded.load_state_dict(old)  # strict: every key found
+    for a, b in zip(loaded.sites, model.sites):
+        assert torch.equal(a.norm_weight, b.norm_weight)
 
 
 def test_conversion_refuses_a_checkpoint_of_another_shape():
