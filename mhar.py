@@ -496,9 +496,12 @@ class GPT(nn.Module):
         return 6 * matmul + attention + routing + hyper
 
     def site_sources(self, j):
-        """How many sources site j reads: j + 1, or with blocks of S the completed blocks and a
-        partial."""
+        """How many sources site j reads: j + 1 with full routing; with blocks of S, b_0 and the
+        completed blocks, plus the current block's partial sum once it has begun; with delta
+        routing, the null source, D_0 and the completed blocks only."""
         S = self.config.route_block
+        if self.config.delta:
+            return 2 + j // S
         return 1 + j // S + (j % S > 0)
 
     # Dense bf16 tensor-core peaks (vendor datasheets); unknown devices get no MFU, not a wrong one.

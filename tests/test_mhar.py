@@ -355,14 +355,25 @@ def test_optimizer_groups_cover_every_parameter_once(residual):
     assert all(group["weight_decay"] == 0.1 for group in optimizer.param_groups)  # the paper: all parameters
 
 
-def test_flops_count_the_routing_and_mfu_needs_a_known_device():
-    baseline, routed = GPT(tiny("baseline")), GPT(tiny("mhar"))
-    c = routed.config
-    sites = 2 * c.n_layer + 1
-    # routing vectors are no matmul weights: the difference is the routing term alone
-    assert routed.flops_per_token() - baseline.flops_per_token() == 24 * c.n_embd * sites * (sites + 1) // 2
+@pytest.mark.parametrize("overrides", [
+    dict(), dict(route_block=2), dict(route_block=3), dict(route_block=4),
+    dict(delta=True), dict(delta=True, route_block=2), dict(delta=True, route_block=4),
+], ids=["full", "block2", "block3", "block4", "delta", "delta-block2", "delta-block4"])
+def test_site_counts_and_flops_follow_what_the_history_reads(overrides):
+    """site_sources(j) and the routing FLOPs against the sources each site reads on the readable
+    path; with 9 sites and blocks of 4, delta routing reads 2,2,2,2,3,3,3,3,4 sources."""
+    routed, baseline = GPT(tiny("mhar", n_layer=4, **overrides)), GPT(tiny("baseline", n_layer=4))
+    read = [alpha.shape[0] for alpha in routed.routing_weights(torch.zeros(1, 3, dtype=torch.long))]
+    assert [routed.site_sources(j) for j in range(9)] == read
+    if overrides == dict(delta=True, route_block=4):
+        assert read == [2, 2, 2, 2, 3, 3, 3, 3, 4]
+    # a site reads each of its sources once for the norm, the logit and the mix: ~8d flops forward,
+    # twice that backward; routing vectors are no matmul weights, so this is the whole difference
+    d = routed.config.n_embd
+    assert routed.flops_per_token() - baseline.flops_per_token() == 24 * d * sum(read)
     assert routed.estimate_mfu(1e6, "cpu") is None
-    assert routed.estimate_mfu(1e6, "NVIDIA H100 80GB HBM3") == pytest.approx(routed.flops_per_token() * 1e6 / 989e12)
+    mfu = routed.estimate_mfu(1e6, "NVIDIA H100 80GB HBM3")
+    assert mfu == pytest.approx(routed.flops_per_token() * 1e6 / 989e12)
 
 
 def sample_loop(model, idx, steps, temperature, top_k=None):
