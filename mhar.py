@@ -47,11 +47,14 @@ class Config:
     n_embd: int = 768
     n_head: int = 12
     n_kv_head: int = 4           # grouped-query attention: n_head / n_kv_head queries share a key
+    head_dim: int = 0            # attention head width; 0 = n_embd // n_head (Qwen3-0.6B: 128 != 1024/16)
     ffn_hidden: int = 2048       # SwiGLU hidden width
-    rope_theta: float = 1e4
+    rope_theta: float = 1e4      # Qwen3 checkpoints use 1e6
     norm_eps: float = 1e-6
+    tie_embeddings: bool = True  # the LM head is the input embedding (untied from Qwen3-4B up)
     residual: str = "mhar"       # "attnres" | "mhar" | "baseline" | "hyper"
     route_heads: int = 0         # mhar's heads H, 0 = n_kv_head (attnres: H = 1; others: unused)
+    query_init_std: float = 0.0  # routing queries start at 0 (uniform α); > 0: N(0, std^2)
     route_block: int = 1         # Block AttnRes block size in sublayers; 1 = full routing
     delta: bool = False          # additive (delta) routing for conversion
     hc_streams: int = 4          # hyper-connection streams
@@ -64,8 +67,9 @@ class Config:
         modes = ("attnres", "mhar", "baseline", "hyper")
         check(self.residual in modes, f"residual: unknown {self.residual!r}; use one of {modes}")
         d, H, unrouted = self.n_embd, self.depth_heads, f"{self.residual} has no routing sites"
-        check(self.n_embd % self.n_head == 0, f"n_head: {self.n_head} heads do not divide n_embd={d}")
-        check(d // self.n_head % 2 == 0, "n_head: rotary embeddings need an even head width n_embd/n_head")
+        check(self.head_dim or d % self.n_head == 0, f"n_head: {self.n_head} heads do not divide "
+              f"n_embd={d}; or set head_dim")
+        check((self.head_dim or d // self.n_head) % 2 == 0, "head_dim: rotary needs an even head width")
         check(self.n_head % self.n_kv_head == 0, f"n_kv_head: must divide n_head={self.n_head}")
         check(not self.routed or H > 0 and d % H == 0, f"route_heads: H={H} must divide n_embd={d}")
         check(self.route_block >= 1, "route_block: must be >= 1; 1 is full routing")
@@ -73,6 +77,11 @@ class Config:
         check(not self.delta or self.routed, f"delta: {unrouted}; use mhar or attnres")
         check(not self.fused or self.routed, f"fused: {unrouted}; there is nothing to fuse")
         check(self.hc_streams >= 1, "hc_streams: hyper-connections need at least one stream")
+
+    @property
+    def head_width(self):
+        """The attention head width: head_dim, or n_embd // n_head when head_dim is 0."""
+        return self.head_dim or self.n_embd // self.n_head
 
     @property
     def routed(self):
@@ -89,14 +98,19 @@ class Config:
         return self.depth_heads
 
 
-# The paper's shapes (Qwen3-style, its table of model sizes) plus two CPU-sized presets:
-# tiny for the tests, small for the CPU demo.
+# The paper's shapes (Qwen3-style, its table of model sizes) with H = 8 routing heads, the later
+# version's choice at every scale ("We adopt H = 8 for large-scale models"); its earlier version
+# used H = n_kv_head (route_heads=0) and random queries (query_init_std=0.02). Two CPU-sized
+# presets keep H = n_kv_head: tiny for the tests, small for the CPU demo.
 PRESETS = {
     "tiny":  Config(seq_len=64, n_layer=2, n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=192),
     "small": Config(seq_len=256, n_layer=4, n_embd=128, n_head=4, n_kv_head=2, ffn_hidden=384),
-    "100m":  Config(seq_len=2048, n_layer=12, n_embd=512, n_head=8, n_kv_head=4, ffn_hidden=1536),
-    "350m":  Config(seq_len=1024, n_layer=24, n_embd=1024, n_head=16, n_kv_head=8, ffn_hidden=4096),
-    "1b":    Config(seq_len=1024, n_layer=36, n_embd=1280, n_head=16, n_kv_head=8, ffn_hidden=5120),
+    "100m":  Config(seq_len=2048, n_layer=12, n_embd=512, n_head=8, n_kv_head=4, ffn_hidden=1536,
+                    route_heads=8),
+    "350m":  Config(seq_len=1024, n_layer=24, n_embd=1024, n_head=16, n_kv_head=8, ffn_hidden=4096,
+                    route_heads=8),
+    "1b":    Config(seq_len=1024, n_layer=36, n_embd=1280, n_head=16, n_kv_head=8, ffn_hidden=5120,
+                    route_heads=8),
 }
 
 
@@ -184,7 +198,7 @@ class Attention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
-        self.head_dim = config.n_embd // config.n_head
+        self.head_dim = config.head_width
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
         self.q_proj = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
         self.k_proj = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
@@ -195,7 +209,7 @@ class Attention(nn.Module):
 
     def forward(self, x, rope):
         """x (B, T, d); rope: the rotary (cos, sin) of the T positions, (T, hd/2) each."""
-        B, T, C = x.size()
+        B, T, _ = x.size()
         x = self.norm(x)
         hd = self.head_dim
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, hd)).transpose(1, 2)     # (B, nh, T, hd)
@@ -203,7 +217,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_head, hd).transpose(1, 2)               # (B, nkv, T, hd)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)   # (B, nh, T, hd)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * hd))
 
 
 class MLP(nn.Module):
@@ -272,8 +286,9 @@ class GPT(nn.Module):
         self.null = nn.Parameter(torch.zeros(config.n_embd)) if config.delta else None
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.embed.weight  # tied input and output embeddings
-        cos, sin = rotary_tables(config.seq_len, config.n_embd // config.n_head, config.rope_theta)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight  # tied input and output embeddings
+        cos, sin = rotary_tables(config.seq_len, config.head_width, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()
@@ -283,9 +298,9 @@ class GPT(nn.Module):
 
         | tensor                                  | init          |
         |-----------------------------------------|---------------|
-        | embedding (= LM head), every projection | N(0, 0.02^2)  |
+        | embedding, LM head, every projection    | N(0, 0.02^2)  |
         | every RMSNorm weight, the sites' g      | 1             |
-        | routing queries                         | 0 (uniform α) |
+        | routing queries                         | 0 (uniform α), or N(0, query_init_std^2) |
         | delta routing: gates, null source       | 0 (starts as the baseline) |
         | hyper-connections: static read          | one-hot on stream j mod n |
         | static mix, static write                | identity, 1 |
@@ -298,7 +313,10 @@ class GPT(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
             elif isinstance(module, RouteSite):
-                nn.init.zeros_(module.query)
+                if self.config.query_init_std > 0:  # the paper's earlier protocol
+                    nn.init.normal_(module.query, std=self.config.query_init_std)
+                else:
+                    nn.init.zeros_(module.query)
                 nn.init.ones_(module.norm_weight)
                 if module.gate is not None:
                     nn.init.zeros_(module.gate)
@@ -471,24 +489,24 @@ class GPT(nn.Module):
     # Accounting and training helpers.
 
     def num_params(self, non_embedding=False):
-        """Parameter count (the tied embedding/LM head counted once)."""
+        """Parameter count (a tied embedding and LM head counted once); non_embedding leaves out
+        the input embedding, a lookup (an untied LM head is a matmul and stays in)."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed.weight.numel() if non_embedding else n
 
     def flops_per_token(self):
         """Training FLOPs per token (forward + backward), the routing included.
 
-        Matmuls: 6 per weight (PaLM, Chowdhery et al., 2022, arXiv:2204.02311, appendix B), the tied
-        LM head included. Attention scores and values: 12 * L * d * T (the same convention, causal
-        masking not discounted). Routing: a site reads each of its sources once for the norm, the
-        logit and the mix (~8d flops forward, twice that backward). Hyper-connections: per sublayer,
-        the dynamic projections and the read, mix and write over n streams, ~4 d n (n+2) flops
-        forward, twice that backward.
+        Matmuls: 6 per weight (PaLM, Chowdhery et al., 2022, arXiv:2204.02311, appendix B), the LM
+        head included, the embedding (a lookup) not. Attention scores and values: 12 * L * n_head *
+        head_dim * T (the same convention, causal masking not discounted). Routing: a site reads
+        each of its sources once for the norm, the logit and the mix (~8d flops forward, twice that
+        backward). Hyper-connections: per sublayer, the dynamic projections and the read, mix and
+        write over n streams, ~4 d n (n+2) flops forward, twice that backward.
         """
         c = self.config
-        matmul = sum(p.numel() for name, p in self.named_parameters()
-                     if p.dim() == 2 and not name.startswith("connections."))
-        attention = 12 * c.n_layer * c.n_embd * c.seq_len
+        matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        attention = 12 * c.n_layer * c.n_head * c.head_width * c.seq_len
         sources = sum(self.site_sources(j) for j in range(2 * c.n_layer + 1)) if c.routed else 0
         routing = 24 * c.n_embd * sources
         n = c.hc_streams

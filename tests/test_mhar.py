@@ -140,9 +140,13 @@ def attention_loop(attn, x, positions, theta):
     return torch.cat(heads, -1) @ W["o_proj"].T
 
 
+# Qwen3-style head widths that are not n_embd / n_head: 6 heads of 8 (48 != 64), 2 heads of 32
+WIDE_HEADS = dict(n_head=6, n_kv_head=2, head_dim=8, tie_embeddings=False, rope_theta=1e6)
+
+
 def random_attention(**overrides):
     torch.manual_seed(0)
-    config = tiny("baseline", n_head=4, n_kv_head=2, **overrides)
+    config = tiny("baseline", **{"n_head": 4, "n_kv_head": 2, **overrides})
     attn = mhar.Attention(config)
     with torch.no_grad():
         for p in attn.parameters():
@@ -150,10 +154,12 @@ def random_attention(**overrides):
     return config, attn
 
 
-def test_attention_matches_per_head_loop():
-    config, attn = random_attention()
+@pytest.mark.parametrize("overrides", [{}, WIDE_HEADS, dict(n_head=2, n_kv_head=1, head_dim=32)],
+                         ids=["4x16", "6x8", "2x32"])
+def test_attention_matches_per_head_loop(overrides):
+    config, attn = random_attention(**overrides)
     x = torch.randn(2, 9, config.n_embd)
-    cos, sin = mhar.rotary_tables(config.seq_len, config.n_embd // config.n_head, config.rope_theta)
+    cos, sin = mhar.rotary_tables(config.seq_len, config.head_width, config.rope_theta)
     out = attn(x, (cos[:9], sin[:9]))
     expected = attention_loop(attn, x, torch.arange(9), config.rope_theta)
     assert rel_err(out, expected) < 1e-5
@@ -163,7 +169,7 @@ def test_attention_depends_on_relative_positions_only():
     """Rotary on queries and keys: shifting every position by 5 leaves the output unchanged."""
     config, attn = random_attention()
     x = torch.randn(2, 9, config.n_embd)
-    cos, sin = mhar.rotary_tables(config.seq_len, config.n_embd // config.n_head, config.rope_theta)
+    cos, sin = mhar.rotary_tables(config.seq_len, config.head_width, config.rope_theta)
     at_zero, shifted = attn(x, (cos[:9], sin[:9])), attn(x, (cos[5:14], sin[5:14]))
     assert rel_err(shifted, at_zero) < 1e-5
 
@@ -215,12 +221,14 @@ def model_loop(model, idx):
     return x @ model.lm_head.weight.double().T
 
 
-@pytest.mark.parametrize("residual", ["baseline", "hyper", "attnres", "mhar"])
-def test_model_matches_the_float64_reference(residual):
+@pytest.mark.parametrize("residual, overrides", [
+    ("baseline", {}), ("hyper", {}), ("attnres", {}), ("mhar", {}), ("mhar", WIDE_HEADS),
+], ids=["baseline", "hyper", "attnres", "mhar", "mhar-6x8-untied-theta1e6"])
+def test_model_matches_the_float64_reference(residual, overrides):
     """The exact check behind test_tiny_model_overfits_one_batch: random weights (non-zero queries,
     non-identity hyper-connections), logits against model_loop."""
     torch.manual_seed(0)
-    model = perturbed(GPT(tiny(residual)), scale=0.1)
+    model = perturbed(GPT(tiny(residual, **overrides)), scale=0.1)
     idx = torch.randint(0, 128, (2, 9))
     assert rel_err(model(idx)[0], model_loop(model, idx)) < 1e-5
 
@@ -257,8 +265,8 @@ def test_preset_parameter_counts(name, total, non_embedding):
 
 @pytest.mark.parametrize("residual, overrides", [
     ("baseline", {}), ("hyper", {}), ("attnres", {}), ("mhar", dict(route_heads=4)),
-    ("mhar", dict(route_heads=4, route_block=3)),
-], ids=["baseline", "hyper", "attnres", "mhar", "mhar-block3"])
+    ("mhar", dict(route_heads=4, route_block=3)), ("mhar", WIDE_HEADS),
+], ids=["baseline", "hyper", "attnres", "mhar", "mhar-block3", "mhar-6x8-untied"])
 def test_causality(residual, overrides):
     """Changing a later token leaves every earlier position's logits unchanged."""
     torch.manual_seed(0)
@@ -278,7 +286,8 @@ def test_causality(residual, overrides):
 @pytest.mark.parametrize("overrides, field", [
     (dict(residual="residual"), "residual"),
     (dict(n_head=3), "n_head"),                                      # 3 does not divide n_embd=64
-    (dict(n_head=64), "n_head"),                                     # head width 1 cannot rotate
+    (dict(n_head=64), "head_dim"),                                   # head width 1 cannot rotate
+    (dict(n_head=6, head_dim=7), "head_dim"),
     (dict(n_kv_head=3), "n_kv_head"),
     (dict(residual="mhar", route_heads=5), "route_heads"),          # 5 does not divide n_embd=64
     (dict(residual="mhar", route_heads=-1), "route_heads"),
@@ -303,6 +312,67 @@ def test_route_heads_is_mhar_only(residual):
     assert preset("tiny", route_heads=0).depth_heads == config.n_kv_head
 
 
+def test_presets_route_with_eight_heads_and_the_earlier_protocol_stays_reachable():
+    """The paper's later version adopts H = 8 at every scale; its earlier one H = n_kv_head with
+    random queries; the CPU presets keep H = n_kv_head."""
+    for name in ("100m", "350m", "1b"):
+        assert preset(name).depth_heads == 8 and preset(name, residual="attnres").depth_heads == 1
+        assert preset(name, residual="baseline").depth_heads == 0       # route_heads=8 is mhar's
+        assert preset(name, route_heads=0).depth_heads == preset(name).n_kv_head
+    assert preset("tiny").depth_heads == 2 and preset("small").depth_heads == 2
+    assert preset("100m").query_init_std == 0.0
+    torch.manual_seed(0)
+    model = GPT(tiny(query_init_std=0.02))
+    queries = torch.stack([site.query for site in model.sites]).detach()              # (5, 64)
+    assert 0.017 < queries.std().item() < 0.023 and queries.mean().abs() < 0.004
+    torch.manual_seed(0)
+    assert all(site.query.abs().max() == 0 for site in GPT(tiny()).sites)
+
+
+def test_head_width_other_than_n_embd_over_n_head():
+    config = preset("tiny", n_head=6, head_dim=8)                       # 6 x 8 = 48 != n_embd 64
+    attn = GPT(config).layers[0]
+    assert attn.q_proj.weight.shape == (48, 64) and attn.o_proj.weight.shape == (64, 48)
+    assert attn.k_proj.weight.shape == (16, 64)                         # 2 KV heads of 8
+
+
+def test_untied_differs_from_tied_only_by_the_lm_head():
+    tied, untied = GPT(tiny()), GPT(tiny(tie_embeddings=False))
+    V, d = tied.config.vocab_size, tied.config.n_embd
+    assert tied.lm_head.weight is tied.embed.weight and untied.lm_head.weight is not untied.embed.weight
+    names = {name for name, _ in untied.named_parameters()} - {name for name, _ in tied.named_parameters()}
+    assert names == {"lm_head.weight"}
+    assert untied.num_params() - tied.num_params() == V * d
+    assert untied.num_params(non_embedding=True) - tied.num_params(non_embedding=True) == V * d
+    assert untied.flops_per_token() == tied.flops_per_token()           # the LM head is a matmul in both
+    groups = {name: len(ps) for name, ps in untied.param_groups().items()}
+    assert groups["matrices"] - len(tied.param_groups()["matrices"]) == 1 and groups["embedding"] == 1
+    untied.load_state_dict(tied.state_dict())                            # the same weights: the same logits
+    idx = torch.randint(0, V, (2, 8))
+    assert torch.equal(untied(idx)[0], tied(idx)[0])
+
+
+@pytest.mark.parametrize("residual, overrides", [
+    ("baseline", {}), ("baseline", WIDE_HEADS), ("hyper", {}), ("mhar", dict(delta=True)),
+], ids=["baseline", "baseline-6x8-untied", "hyper", "delta"])
+def test_flops_match_torch_flop_counter(residual, overrides):
+    """flops_per_token against torch.utils.flop_counter over a forward and backward of seq_len
+    tokens, attention on its math path so that its matmuls are counted (the full T x T scores,
+    as the PaLM convention counts them). The counter sees every matmul (the LM head, not the
+    embedding lookup) and einsum; what it cannot see, elementwise work, is added from its formula:
+    the hyper-connection write (2nd flops forward, twice that backward) and the routing."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    model = GPT(tiny(residual, **overrides))
+    c = model.config
+    idx = torch.randint(0, c.vocab_size, (2, c.seq_len))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(idx, idx)[1].backward()
+    write = 2 * c.n_layer * 6 * c.hc_streams * c.n_embd if residual == "hyper" else 0
+    routing = 24 * c.n_embd * sum(map(model.site_sources, range(len(model.sites)))) if c.routed else 0
+    assert model.flops_per_token() == counter.get_total_flops() / idx.numel() + write + routing
+
+
 def test_unknown_preset_and_too_long_sequence():
     with pytest.raises(ValueError, match="preset 'huge' is unknown"):
         preset("huge")
@@ -313,7 +383,8 @@ def test_unknown_preset_and_too_long_sequence():
 
 @pytest.mark.parametrize("residual, overrides", [
     ("baseline", {}), ("hyper", {}), ("attnres", {}), ("mhar", {}), ("mhar", dict(route_block=2)),
-], ids=["baseline", "hyper", "attnres", "mhar", "mhar-block2"])
+    ("mhar", WIDE_HEADS),
+], ids=["baseline", "hyper", "attnres", "mhar", "mhar-block2", "mhar-6x8-untied"])
 def test_tiny_model_overfits_one_batch(residual, overrides):
     """Training works: 40 steps on one batch take the loss below a tenth of its start (about 0.034x
     measured in every mode). Learning cannot tell a broken rotary or hyper-connection from a right
