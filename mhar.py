@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Config:
     delta: bool = False          # additive (delta) routing for conversion
     hc_streams: int = 4          # hyper-connection streams
     fused: bool = False          # route with the Triton kernels of kernel.py
+    checkpointing: bool = False  # recompute each sublayer's activations in backward (saves memory)
 
     def __post_init__(self):  # the mistakes a user can make, each with its fix
         def check(ok, message):
@@ -361,9 +363,16 @@ class GPT(nn.Module):
         """The routed Transformer (attnres, mhar): each sublayer reads a route over the raw outputs
         before it and appends its own; the final site reads all 2L + 1 sources."""
         history.append(x.to(compute_dtype(x)))  # s_0, stored like the sublayer outputs (bf16 on GPUs)
-        for j, layer in enumerate(self.layers):
-            history.append(layer(history.read(j), rope))             # sublayer j's output: s_{j+1}
+        for j in range(len(self.layers)):
+            history.append(self.sublayer(j, history.read(j), rope))  # sublayer j's output: s_{j+1}
         return history.read(len(self.layers))
+
+    def sublayer(self, j, x, rope):
+        """Sublayer j (attention for even j, MLP for odd j) on its input x (B, T, d). With
+        config.checkpointing it keeps only x and recomputes its activations in backward."""
+        if self.config.checkpointing and torch.is_grad_enabled():
+            return checkpoint(self.layers[j], x, rope, use_reentrant=False)
+        return self.layers[j](x, rope)
 
     def new_history(self, visit=None):
         """An empty depth history for one forward pass: readable, or with config.fused the Triton
@@ -411,15 +420,15 @@ class GPT(nn.Module):
 
     def baseline(self, x, rope):
         """The pre-norm residual stream: x = x + f(RMSNorm(x)) after every sublayer."""
-        for layer in self.layers:
-            x = x + layer(x, rope)
+        for j in range(len(self.layers)):
+            x = x + self.sublayer(j, x, rope)
         return x
 
     def hyper_connected(self, x, rope):
         """n residual streams, each starting as s_0; every sublayer reads, mixes and writes them."""
         streams = x.unsqueeze(2).repeat(1, 1, self.config.hc_streams, 1)  # (B, T, n, d)
-        for layer, connection in zip(self.layers, self.connections):
-            streams = connection(streams, lambda h: layer(h, rope))
+        for j, connection in enumerate(self.connections):
+            streams = connection(streams, lambda h: self.sublayer(j, h, rope))
         # Zhu et al. sum the streams; the final RMSNorm removes that factor n up to its eps, and the
         # mean removes it exactly, so the network starts as exactly the baseline
         return streams.mean(2)
@@ -427,8 +436,8 @@ class GPT(nn.Module):
     def delta_routed(self, x, rope, history):
         """Delta routing: the baseline's residual x, plus a gated route over [null, D_0, D_1, ...]."""
         history.append(x)                                            # D_0 = s_0, the embedding
-        for j, (layer, site) in enumerate(zip(self.layers, self.sites)):
-            y = layer(x + site.gate * history.read(j), rope)
+        for j, site in enumerate(self.sites[:-1]):
+            y = self.sublayer(j, x + site.gate * history.read(j), rope)
             history.append(y)  # the history sums the outputs into block deltas D_i = h_end - h_start
             x = x + y
         return x + self.sites[-1].gate * history.read(len(self.layers))

@@ -403,6 +403,38 @@ def test_tiny_model_overfits_one_batch(residual, overrides):
     assert first > 4.5 and loss.item() < 0.1 * first, (first, loss.item())
 
 
+def loss_and_grads(config, idx):
+    """The loss and every parameter gradient of a model with random weights (seed 0)."""
+    torch.manual_seed(0)
+    model = perturbed(GPT(config), scale=0.1)
+    loss = model(idx[:, :-1], idx[:, 1:])[1]
+    loss.backward()
+    return model, loss, [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("residual, overrides", [
+    ("mhar", {}), ("mhar", dict(route_block=2)), ("mhar", dict(delta=True)), ("baseline", {}), ("hyper", {}),
+], ids=["mhar", "mhar-block2", "delta", "baseline", "hyper"])
+def test_checkpointing_gives_the_same_loss_and_gradients(residual, overrides):
+    idx = torch.randint(0, 128, (2, 13))
+    _, loss, grads = loss_and_grads(tiny(residual, **overrides), idx)
+    model, loss_ckpt, grads_ckpt = loss_and_grads(tiny(residual, checkpointing=True, **overrides), idx)
+    assert torch.equal(loss_ckpt, loss) and all(map(torch.equal, grads_ckpt, grads))
+    calls, forward = [], model.layers[0].forward  # the sublayers are recomputed in backward
+    model.layers[0].forward = lambda *args: calls.append(1) or forward(*args)
+    model(idx[:, :-1], idx[:, 1:])[1].backward()
+    assert len(calls) == 2
+
+
+def test_fused_routing_under_checkpointing():
+    """The routing is outside the checkpointed sublayers, so the fused history works under it."""
+    idx = torch.randint(0, 128, (1, 7))
+    _, loss, grads = loss_and_grads(tiny("mhar"), idx)
+    _, loss_fused, grads_fused = loss_and_grads(tiny("mhar", fused=True, checkpointing=True), idx)
+    assert abs(loss_fused.item() - loss.item()) < 1e-5
+    assert all(rel_err(a, b) < 1e-5 for a, b in zip(grads_fused, grads))
+
+
 def test_routing_is_trained():
     """The queries get gradients (zero queries are not a fixed point), except site 0's: one source, α = 1."""
     torch.manual_seed(0)
