@@ -14,7 +14,8 @@ norm weight g, over sources V = [s_0, ..., s_j]:
 
 Sublayer j reads out, and its raw output is appended as s_{j+1}; H = 1 is Attention Residuals.
 The decoder is Qwen3-style: pre-norm, RMSNorm, rotary embeddings, grouped-query attention with
-per-head RMSNorm on queries and keys, SwiGLU MLP, no biases, no dropout, tied embeddings.
+per-head RMSNorm on queries and keys, SwiGLU MLP, no biases, no dropout, tied embeddings (by
+default), and generation with a cache of attention keys and values.
 
 Residual modes (Config.residual):
     attnres   every sublayer reads route(s_0..s_j) with H = 1 (Attention Residuals)
@@ -48,7 +49,7 @@ class Config:
     n_embd: int = 768
     n_head: int = 12
     n_kv_head: int = 4           # grouped-query attention: n_head / n_kv_head queries share a key
-    head_dim: int = 0            # attention head width; 0 = n_embd // n_head (Qwen3-0.6B: 128 != 1024/16)
+    head_dim: int = 0            # head width, 0 = n_embd // n_head (Qwen3-0.6B: 128, not 1024/16)
     ffn_hidden: int = 2048       # SwiGLU hidden width
     rope_theta: float = 1e4      # Qwen3 checkpoints use 1e6
     norm_eps: float = 1e-6
@@ -71,7 +72,7 @@ class Config:
         d, H, unrouted = self.n_embd, self.depth_heads, f"{self.residual} has no routing sites"
         check(self.head_dim or d % self.n_head == 0, f"n_head: {self.n_head} heads do not divide "
               f"n_embd={d}; or set head_dim")
-        check((self.head_dim or d // self.n_head) % 2 == 0, "head_dim: rotary needs an even head width")
+        check(self.head_width % 2 == 0, "head_dim: rotary embeddings need an even head width")
         check(self.n_head % self.n_kv_head == 0, f"n_kv_head: must divide n_head={self.n_head}")
         check(not self.routed or H > 0 and d % H == 0, f"route_heads: H={H} must divide n_embd={d}")
         check(self.route_block >= 1, "route_block: must be >= 1; 1 is full routing")
@@ -209,8 +210,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
 
-    def forward(self, x, rope):
-        """x (B, T, d); rope: the rotary (cos, sin) of the T positions, (T, hd/2) each."""
+    def forward(self, x, rope, cache=None):
+        """x (B, T, d); rope: the rotary (cos, sin) of its T positions, (T, hd/2) each; cache, when
+        generating, holds the keys and values of the positions before them and takes these."""
         B, T, _ = x.size()
         x = self.norm(x)
         hd = self.head_dim
@@ -218,7 +220,12 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, hd)).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, self.n_kv_head, hd).transpose(1, 2)               # (B, nkv, T, hd)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)   # (B, nh, T, hd)
+        if cache is not None:
+            assert T == 1 or cache.length == 0, "a cache takes a prompt, then one token at a time"
+            k, v = cache.extend(k, v)                                  # (B, nkv, T_before + T, hd)
+        # causal over a prompt; one new token after cached ones sees them all
+        causal = k.size(2) == T
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)  # (B, nh, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * hd))
 
 
@@ -232,9 +239,27 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
         self.down_proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=False)
 
-    def forward(self, x, rope=None):  # rope unused: every sublayer takes the same arguments
+    def forward(self, x, rope=None, cache=None):  # every sublayer takes the same arguments
         x = self.norm(x)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class KVCache:
+    """Generation's memory of one attention sublayer: the keys and values of the tokens so far."""
+
+    def __init__(self):
+        self.keys = self.values = None                                 # (B, nkv, T, hd) each
+
+    @property
+    def length(self):
+        return 0 if self.keys is None else self.keys.size(2)
+
+    def extend(self, k, v):
+        """Append the keys and values of new positions; return all of them."""
+        if self.keys is not None:
+            k, v = torch.cat((self.keys, k), dim=2), torch.cat((self.values, v), dim=2)
+        self.keys, self.values = k, v
+        return k, v
 
 
 class RouteSite(nn.Module):
@@ -339,40 +364,45 @@ class GPT(nn.Module):
             return logits, None
         return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
-    def hidden(self, idx, visit=None):
+    def hidden(self, idx, visit=None, cache=None):
         """The final normed hidden state (B, T, d) of tokens idx (B, T).
 
-        visit(V, q, g), for analysis, sees every routing site's sources and parameters."""
+        visit(V, q, g), for analysis, sees every routing site's sources and parameters. cache, when
+        generating, is one KVCache per sublayer holding the tokens before idx, which then takes
+        the positions after them."""
         B, T = idx.size()
-        if T > self.config.seq_len:
-            raise ValueError(f"sequence of {T} tokens is longer than Config.seq_len={self.config.seq_len}")
-        rope = (self.rope_cos[:T], self.rope_sin[:T])                # the positions 0..T-1
+        start = 0 if cache is None else cache[0].length
+        if start + T > self.config.seq_len:
+            raise ValueError(f"sequence of {start + T} tokens is longer than Config.seq_len="
+                             f"{self.config.seq_len}")
+        rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T])  # its positions
         x = self.embed(idx)                                          # (B, T, d): source s_0
         c = self.config
         if c.routed and not c.delta:
-            x = self.routed(x, rope, self.new_history(visit))
+            x = self.routed(x, rope, self.new_history(visit), cache)
         elif c.delta:
-            x = self.delta_routed(x, rope, self.new_history(visit))
+            x = self.delta_routed(x, rope, self.new_history(visit), cache)
         elif c.residual == "hyper":
-            x = self.hyper_connected(x, rope)
+            x = self.hyper_connected(x, rope, cache)
         else:
-            x = self.baseline(x, rope)
+            x = self.baseline(x, rope, cache)
         return self.norm(x)
 
-    def routed(self, x, rope, history):
+    def routed(self, x, rope, history, cache=None):
         """The routed Transformer (attnres, mhar): each sublayer reads a route over the raw outputs
         before it and appends its own; the final site reads all 2L + 1 sources."""
         history.append(x.to(compute_dtype(x)))  # s_0, stored like the sublayer outputs (bf16 on GPUs)
         for j in range(len(self.layers)):
-            history.append(self.sublayer(j, history.read(j), rope))  # sublayer j's output: s_{j+1}
+            history.append(self.sublayer(j, history.read(j), rope, cache))  # s_{j+1}
         return history.read(len(self.layers))
 
-    def sublayer(self, j, x, rope):
+    def sublayer(self, j, x, rope, cache=None):
         """Sublayer j (attention for even j, MLP for odd j) on its input x (B, T, d). With
         config.checkpointing it keeps only x and recomputes its activations in backward."""
+        cache = None if cache is None else cache[j]
         if self.config.checkpointing and torch.is_grad_enabled():
-            return checkpoint(self.layers[j], x, rope, use_reentrant=False)
-        return self.layers[j](x, rope)
+            return checkpoint(self.layers[j], x, rope, cache, use_reentrant=False)
+        return self.layers[j](x, rope, cache)
 
     def new_history(self, visit=None):
         """An empty depth history for one forward pass: readable, or with config.fused the Triton
@@ -418,26 +448,26 @@ class GPT(nn.Module):
     # ------------------------------------------------------------------------------------------
     # The other residual modes: the baseline, hyper-connections, delta routing.
 
-    def baseline(self, x, rope):
+    def baseline(self, x, rope, cache=None):
         """The pre-norm residual stream: x = x + f(RMSNorm(x)) after every sublayer."""
         for j in range(len(self.layers)):
-            x = x + self.sublayer(j, x, rope)
+            x = x + self.sublayer(j, x, rope, cache)
         return x
 
-    def hyper_connected(self, x, rope):
+    def hyper_connected(self, x, rope, cache=None):
         """n residual streams, each starting as s_0; every sublayer reads, mixes and writes them."""
         streams = x.unsqueeze(2).repeat(1, 1, self.config.hc_streams, 1)  # (B, T, n, d)
         for j, connection in enumerate(self.connections):
-            streams = connection(streams, lambda h: self.sublayer(j, h, rope))
+            streams = connection(streams, lambda h: self.sublayer(j, h, rope, cache))
         # Zhu et al. sum the streams; the final RMSNorm removes that factor n up to its eps, and the
         # mean removes it exactly, so the network starts as exactly the baseline
         return streams.mean(2)
 
-    def delta_routed(self, x, rope, history):
+    def delta_routed(self, x, rope, history, cache=None):
         """Delta routing: the baseline's residual x, plus a gated route over [null, D_0, D_1, ...]."""
         history.append(x)                                            # D_0 = s_0, the embedding
         for j, site in enumerate(self.sites[:-1]):
-            y = self.sublayer(j, x + site.gate * history.read(j), rope)
+            y = self.sublayer(j, x + site.gate * history.read(j), rope, cache)
             history.append(y)  # the history sums the outputs into block deltas D_i = h_end - h_start
             x = x + y
         return x + self.sites[-1].gate * history.read(len(self.layers))
@@ -478,11 +508,30 @@ class GPT(nn.Module):
     # Generation.
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Append max_new_tokens sampled tokens to idx (B, T); temperature 0 picks the argmax."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, vocab_limit=None, cache=True):
+        """Append max_new_tokens sampled tokens to idx (B, T); temperature 0 picks the argmax.
+
+        top_k keeps the k most likely tokens; vocab_limit = n never picks an id >= n (the
+        tokenizer's vocabulary: the model's is padded, GPT-2's 50257 ids to 50304). With cache, the
+        attention keys and values are kept and each new token runs through the model alone: the
+        routing is per position, so its sites read only its own sources. Without, the whole window
+        runs again for every token. Both give the same tokens: the window is the last seq_len
+        tokens (rotary positions from 0), so once the sequence outgrows it every step runs the
+        cropped window again with a fresh cache, as the uncached path does.
+        """
+        kv = None                                                      # one KVCache per sublayer
         for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.config.seq_len:])
-            logits = logits[:, -1, :]                                # (B, vocab)
+            window = idx[:, -self.config.seq_len:]
+            if not cache:
+                h = self.hidden(window)
+            elif kv is None or kv[0].length == self.config.seq_len:   # the first step; a full window
+                kv = [KVCache() for _ in self.layers]
+                h = self.hidden(window, cache=kv)
+            else:
+                h = self.hidden(idx[:, -1:], cache=kv)                  # the newest token alone
+            logits = self.lm_head(h[:, -1]).float()                    # (B, vocab)
+            if vocab_limit is not None:
+                logits[:, vocab_limit:] = float("-inf")                # ids the tokenizer lacks
             if temperature == 0:
                 next_id = logits.argmax(-1, keepdim=True)
             else:

@@ -519,6 +519,52 @@ def test_top_k_keeps_only_the_k_most_likely_tokens():
         assert (top3 == out[:, t:t + 1]).any(-1).all(), f"token {t} is not among the 3 most likely"
 
 
+@pytest.mark.parametrize("cache", [True, False], ids=["cached", "uncached"])
+def test_vocab_limit_masks_the_padded_ids(cache):
+    """An untrained model at a high temperature samples nearly uniformly over its 128 ids; with
+    vocab_limit=100 none of many draws is a padded id >= 100. Greedy with vocab_limit=1 picks 0."""
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    idx = torch.randint(0, 100, (8, 2))
+    for seed in range(4):
+        torch.manual_seed(seed)
+        out = model.generate(idx, 10, temperature=10.0, vocab_limit=100, cache=cache)
+        assert out[:, 2:].max() < 100 and out[:, 2:].min() >= 0
+    assert (model.generate(idx, 3, temperature=0, vocab_limit=1, cache=cache)[:, 2:] == 0).all()
+
+
+GENERATE_MODES = [("baseline", {}), ("hyper", {}), ("attnres", {}), ("mhar", {}),
+                  ("mhar", dict(route_block=2)), ("mhar", dict(delta=True, route_block=2))]
+
+
+@pytest.mark.parametrize("residual, overrides", GENERATE_MODES,
+                         ids=["baseline", "hyper", "attnres", "mhar", "mhar-block2", "delta-block2"])
+def test_cached_and_uncached_generation_give_the_reference_tokens(residual, overrides):
+    """A window of 12 tokens, a prompt of 5 and 14 new tokens: the cache fills, then the window
+    slides. Greedy and seeded sampling, with and without the cache, against sample_loop."""
+    torch.manual_seed(0)
+    model = perturbed(GPT(dataclasses.replace(tiny(residual, **overrides), seq_len=12)), scale=0.3)
+    idx = torch.randint(0, 128, (3, 5))
+    greedy = sample_loop(model, idx, 14, temperature=0)
+    torch.manual_seed(1)
+    sampled = sample_loop(model, idx, 14, temperature=1.0, top_k=20)
+    for cache in (True, False):
+        assert torch.equal(model.generate(idx, 14, temperature=0, cache=cache), greedy)
+        torch.manual_seed(1)
+        assert torch.equal(model.generate(idx, 14, temperature=1.0, top_k=20, cache=cache), sampled)
+
+
+def test_the_cache_runs_new_tokens_alone_until_the_window_slides():
+    model = GPT(dataclasses.replace(tiny(), seq_len=12))
+    lengths = []  # the tokens each forward embeds
+    model.embed.register_forward_hook(lambda module, args, out: lengths.append(args[0].size(1)))
+    model.generate(torch.zeros(1, 5, dtype=torch.long), 14)
+    assert lengths == [5] + [1] * 7 + [12] * 6  # the prompt; one token each up to 12; the window
+    lengths.clear()
+    model.generate(torch.zeros(1, 5, dtype=torch.long), 14, cache=False)
+    assert lengths == [5, 6, 7, 8, 9, 10, 11] + [12] * 7
+
+
 def test_config_round_trips_through_a_dict():
     config = preset("small", residual="attnres")
     assert Config(**dataclasses.asdict(config)) == config
