@@ -138,11 +138,11 @@ def route_weights(V, q, g, heads, eps=1e-6):
 
 
 def route(V, q, g, heads, eps=1e-6):
-    """The multi-head depth route: sources V (N, B, T, d) -> (B, T, d) in V.dtype, float32 inside."""
+    """The multi-head depth route: sources V (N, B, T, d) -> (B, T, d) in V.dtype, fp32 inside."""
     N, B, T, d = V.shape
     alpha = route_weights(V, q, g, heads, eps)                       # (N, B, T, H)
     slices = V.float().view(N, B, T, heads, d // heads)              # (N, B, T, H, K)
-    out = (alpha.unsqueeze(-1) * slices).sum(0)                      # (B, T, H, K): head h mixes its slice
+    out = (alpha.unsqueeze(-1) * slices).sum(0)                      # (B, T, H, K): per-head mix
     return out.reshape(B, T, d).to(V.dtype)
 
 
@@ -150,7 +150,7 @@ class DepthHistory:
     """The sources of one forward pass for full routing, readable: a list, stacked at every read.
 
     append(source) adds s_0 (the embedding), then each sublayer's raw output; read(site) routes
-    over everything appended so far with that site's query queries[site] and norm weight norms[site].
+    over everything appended so far with the site's query queries[site] and norm weight norms[site].
     Stacking at every site costs O(L^2) memory; kernel.py's fused history has the same interface and
     writes each source once into a shared buffer.
     """
@@ -215,18 +215,18 @@ class Attention(nn.Module):
         generating, holds the keys and values of the positions before them and takes these."""
         B, T, _ = x.size()
         x = self.norm(x)
-        hd = self.head_dim
-        q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, hd)).transpose(1, 2)     # (B, nh, T, hd)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, hd)).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, hd).transpose(1, 2)               # (B, nkv, T, hd)
+        nh, nkv, hd = self.n_head, self.n_kv_head, self.head_dim
+        q = self.q_norm(self.q_proj(x).view(B, T, nh, hd)).transpose(1, 2)     # (B, nh, T, hd)
+        k = self.k_norm(self.k_proj(x).view(B, T, nkv, hd)).transpose(1, 2)    # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)                 # (B, nkv, T, hd)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             assert T == 1 or cache.length == 0, "a cache takes a prompt, then one token at a time"
             k, v = cache.extend(k, v)                                  # (B, nkv, T_before + T, hd)
         # causal over a prompt; one new token after cached ones sees them all
         causal = k.size(2) == T
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)  # (B, nh, T, hd)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * hd))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, nh * hd))  # y: (B, nh, T, hd)
 
 
 class MLP(nn.Module):
@@ -263,9 +263,9 @@ class KVCache:
 
 
 class RouteSite(nn.Module):
-    """One routing site's parameters: the pseudo-query q (zero: routing starts as a uniform average),
-    the keys' RMSNorm weight g and, for delta routing, the gate (zero: the route is not added until
-    training opens it)."""
+    """One routing site's parameters: the pseudo-query q (zero: routing starts as a uniform
+    average), the keys' RMSNorm weight g and, for delta routing, the gate (zero: the route is not
+    added until training opens it)."""
 
     def __init__(self, config):
         super().__init__()
@@ -286,7 +286,7 @@ def compute_dtype(x):
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-ADDED_BY_RESIDUAL = ("sites.", "connections.", "null")  # parameter names a baseline checkpoint lacks
+ADDED_BY_RESIDUAL = ("sites.", "connections.", "null")  # names a baseline checkpoint lacks
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,7 +306,8 @@ class GPT(nn.Module):
                                      for j in range(2 * config.n_layer)])
         # 2L + 1 sites: one in front of each sublayer, one in front of the final norm
         n_sites, hyper = 2 * config.n_layer + 1, config.residual == "hyper"
-        self.sites = nn.ModuleList([RouteSite(config) for _ in range(n_sites)]) if config.routed else None
+        self.sites = nn.ModuleList([RouteSite(config) for _ in range(n_sites)]
+                                   ) if config.routed else None
         self.connections = nn.ModuleList([HyperConnection(config, j) for j in range(n_sites - 1)]
                                          ) if hyper else None
         # delta routing's null source
@@ -391,7 +392,7 @@ class GPT(nn.Module):
     def routed(self, x, rope, history, cache=None):
         """The routed Transformer (attnres, mhar): each sublayer reads a route over the raw outputs
         before it and appends its own; the final site reads all 2L + 1 sources."""
-        history.append(x.to(compute_dtype(x)))  # s_0, stored like the sublayer outputs (bf16 on GPUs)
+        history.append(x.to(compute_dtype(x)))  # s_0, stored as the sublayer outputs (bf16 on GPUs)
         for j in range(len(self.layers)):
             history.append(self.sublayer(j, history.read(j), rope, cache))  # s_{j+1}
         return history.read(len(self.layers))
@@ -464,11 +465,11 @@ class GPT(nn.Module):
         return streams.mean(2)
 
     def delta_routed(self, x, rope, history, cache=None):
-        """Delta routing: the baseline's residual x, plus a gated route over [null, D_0, D_1, ...]."""
+        """Delta routing: the baseline's residual x plus a gated route over [null, D_0, D_1..]."""
         history.append(x)                                            # D_0 = s_0, the embedding
         for j, site in enumerate(self.sites[:-1]):
             y = self.sublayer(j, x + site.gate * history.read(j), rope, cache)
-            history.append(y)  # the history sums the outputs into block deltas D_i = h_end - h_start
+            history.append(y)  # summed there into block deltas D_i = h_end - h_start
             x = x + y
         return x + self.sites[-1].gate * history.read(len(self.layers))
 
@@ -477,7 +478,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def routing_weights(self, idx):
-        """α of every site for a batch: a list of 2L+1 tensors (N_j, B, T, H), N_j = site_sources(j)."""
+        """α of every site for a batch: 2L+1 tensors (N_j, B, T, H), N_j = site_sources(j)."""
         c = self.config
         if not c.routed:
             raise ValueError(f"routing_weights: residual={c.residual!r} has no routing sites")
@@ -508,7 +509,8 @@ class GPT(nn.Module):
     # Generation.
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, vocab_limit=None, cache=True):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, vocab_limit=None,
+                 cache=True):
         """Append max_new_tokens sampled tokens to idx (B, T); temperature 0 picks the argmax.
 
         top_k keeps the k most likely tokens; vocab_limit = n never picks an id >= n (the
@@ -524,7 +526,7 @@ class GPT(nn.Module):
             window = idx[:, -self.config.seq_len:]
             if not cache:
                 h = self.hidden(window)
-            elif kv is None or kv[0].length == self.config.seq_len:   # the first step; a full window
+            elif kv is None or kv[0].length == self.config.seq_len:   # first step, or cache full
                 kv = [KVCache() for _ in self.layers]
                 h = self.hidden(window, cache=kv)
             else:
@@ -590,7 +592,7 @@ class GPT(nn.Module):
         return None if peak is None else self.flops_per_token() * tokens_per_s / peak
 
     def param_groups(self):
-        """Parameters by role: {"embedding", "matrices", "norms", "routing"}; each lands in exactly one.
+        """Parameters by role: {"embedding", "matrices", "norms", "routing"}, each in exactly one.
 
         "routing" holds what a residual mode adds to the baseline: the sites (and delta's null
         source), or the hyper-connections.
@@ -601,7 +603,7 @@ class GPT(nn.Module):
                 continue
             added = name.startswith(ADDED_BY_RESIDUAL)
             groups["routing" if added else "matrices" if p.dim() == 2 else "norms"].append(p)
-        assert sum(map(len, groups.values())) == len(list(self.parameters())), "a parameter has no group"
+        assert sum(map(len, groups.values())) == len(list(self.parameters())), "a lost parameter"
         return groups
 
     def configure_optimizers(self, weight_decay=0.1, learning_rate=1e-3, betas=(0.9, 0.95),
@@ -678,7 +680,7 @@ class HyperConnection(nn.Module):
         self.static_mix = nn.Parameter(torch.zeros(n, n))
         self.static_write = nn.Parameter(torch.zeros(n))
         self.norm = RMSNorm(d, config.norm_eps)
-        self.dynamic_read_mix = nn.Parameter(torch.zeros(d, n + 1))   # stream i -> (read[i], mix[i, :])
+        self.dynamic_read_mix = nn.Parameter(torch.zeros(d, n + 1))  # stream i: read[i], mix[i, :]
         self.dynamic_write = nn.Parameter(torch.zeros(d, 1))          # stream i -> write[i]
         self.read_mix_scale = nn.Parameter(torch.zeros(()))
         self.write_scale = nn.Parameter(torch.zeros(()))
@@ -686,7 +688,7 @@ class HyperConnection(nn.Module):
     def forward(self, streams, sublayer):
         """streams (B, T, n, d) -> (B, T, n, d); sublayer maps its input (B, T, d) to its output."""
         normed = self.norm(streams)                                               # (B, T, n, d)
-        read_mix = self.read_mix_scale * torch.tanh(normed @ self.dynamic_read_mix)  # (B, T, n, n+1)
+        read_mix = self.read_mix_scale * torch.tanh(normed @ self.dynamic_read_mix)  # (B,T,n,n+1)
         read = self.static_read + read_mix[..., 0]                                # (B, T, n)
         mix = self.static_mix + read_mix[..., 1:]                                 # (B, T, n, n)
         dynamic_write = torch.tanh(normed @ self.dynamic_write).squeeze(-1)       # (B, T, n)
@@ -699,7 +701,7 @@ class HyperConnection(nn.Module):
 # Analysis: seeing every read of a readable history.
 
 class VisitedHistory:
-    """A readable history that shows visit(V, q, g) each site's sources and parameters, then reads."""
+    """A readable history that shows visit(V, q, g) each site's sources and parameters first."""
 
     def __init__(self, history, visit):
         self.history, self.visit = history, visit

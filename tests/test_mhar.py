@@ -113,18 +113,21 @@ def attention_loop(attn, x, positions, theta):
     """Causal grouped-query attention, one head at a time in float64, written independently of
     Attention.forward: RMSNorm on x and on each head's query and key, rotary embeddings as a complex
     rotation of the pairs (i, i + hd/2) by position * theta^(-2i/hd), softmax(q.k / sqrt(hd)) over
-    the positions up to the query's, query head h reading key/value head h // (n_head / n_kv_head)."""
+    the positions up to the query's; query head h reads key/value head h // (n_head / n_kv_head)."""
     B, T, d = x.shape
     hd, nh, nkv = attn.head_dim, attn.n_head, attn.n_kv_head
-    W = {name: getattr(attn, name).weight.double() for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    W = {name: getattr(attn, name).weight.double() for name in ("q_proj", "k_proj", "v_proj",
+                                                                "o_proj")}
     eps = attn.norm.eps
 
     def rms(v, weight):
         return v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
 
     def rotate(v):  # (B, T, hd)
-        angle = positions.double()[:, None] * theta ** (-torch.arange(0, hd, 2).double() / hd)  # (T, hd/2)
-        z = torch.complex(v[..., :hd // 2], v[..., hd // 2:]) * torch.polar(torch.ones_like(angle), angle)
+        frequencies = theta ** (-torch.arange(0, hd, 2).double() / hd)            # (hd/2,)
+        angle = positions.double()[:, None] * frequencies                          # (T, hd/2)
+        z = torch.complex(v[..., :hd // 2], v[..., hd // 2:])
+        z = z * torch.polar(torch.ones_like(angle), angle)
         return torch.cat((z.real, z.imag), -1)
 
     h = rms(x.double(), attn.norm.weight)
@@ -135,7 +138,8 @@ def attention_loop(attn, x, positions, theta):
         k = rotate(rms(h @ W["k_proj"][kv * hd:(kv + 1) * hd].T, attn.k_norm.weight))
         v = h @ W["v_proj"][kv * hd:(kv + 1) * hd].T
         scores = q @ k.transpose(1, 2) / hd ** 0.5                                   # (B, T, T)
-        scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))  # no later positions
+        later = torch.ones(T, T).triu(1).bool()                                   # key after query
+        scores = scores.masked_fill(later, float("-inf"))
         heads.append(scores.softmax(-1) @ v)
     return torch.cat(heads, -1) @ W["o_proj"].T
 
@@ -178,7 +182,7 @@ def test_attention_depends_on_relative_positions_only():
 # The model.
 
 def perturbed(model, scale=0.5):
-    """Random weights well away from the init (whose logits are nearly flat) and non-zero queries."""
+    """Random weights away from the init (whose logits are nearly flat), non-zero queries."""
     with torch.no_grad():
         for p in model.parameters():
             p.add_(scale * torch.randn_like(p))
@@ -194,14 +198,16 @@ def mlp_loop(mlp, x):
 
 
 def model_loop(model, idx):
-    """A whole forward in float64 from the independent pieces of this file: attention_loop, mlp_loop,
-    hyper_connection_loop, route_loop."""
+    """A whole forward in float64 from the independent pieces of this file: attention_loop,
+    mlp_loop, hyper_connection_loop, route_loop."""
     c, T = model.config, idx.size(1)
     x = model.embed.weight.double()[idx]                                              # (B, T, d)
 
     def sublayer(j, h):
         layer = model.layers[j]
-        return attention_loop(layer, h, torch.arange(T), c.rope_theta) if j % 2 == 0 else mlp_loop(layer, h)
+        if j % 2 == 1:
+            return mlp_loop(layer, h)
+        return attention_loop(layer, h, torch.arange(T), c.rope_theta)
 
     if c.residual == "baseline":
         for j in range(2 * c.n_layer):
@@ -214,7 +220,8 @@ def model_loop(model, idx):
     else:  # full routing
         sources = [x]
         for j, site in enumerate(model.sites):
-            x = route_loop(torch.stack(sources), site.query, site.norm_weight, c.depth_heads, c.norm_eps)
+            V = torch.stack(sources)
+            x = route_loop(V, site.query, site.norm_weight, c.depth_heads, c.norm_eps)
             if j < 2 * c.n_layer:
                 sources.append(sublayer(j, x))
     x = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + c.norm_eps) * model.norm.weight.double()
@@ -339,15 +346,17 @@ def test_head_width_other_than_n_embd_over_n_head():
 def test_untied_differs_from_tied_only_by_the_lm_head():
     tied, untied = GPT(tiny()), GPT(tiny(tie_embeddings=False))
     V, d = tied.config.vocab_size, tied.config.n_embd
-    assert tied.lm_head.weight is tied.embed.weight and untied.lm_head.weight is not untied.embed.weight
-    names = {name for name, _ in untied.named_parameters()} - {name for name, _ in tied.named_parameters()}
+    assert tied.lm_head.weight is tied.embed.weight
+    assert untied.lm_head.weight is not untied.embed.weight
+    names = {n for n, _ in untied.named_parameters()} - {n for n, _ in tied.named_parameters()}
     assert names == {"lm_head.weight"}
     assert untied.num_params() - tied.num_params() == V * d
     assert untied.num_params(non_embedding=True) - tied.num_params(non_embedding=True) == V * d
-    assert untied.flops_per_token() == tied.flops_per_token()           # the LM head is a matmul in both
+    assert untied.flops_per_token() == tied.flops_per_token()   # the LM head is a matmul in both
     groups = {name: len(ps) for name, ps in untied.param_groups().items()}
-    assert groups["matrices"] - len(tied.param_groups()["matrices"]) == 1 and groups["embedding"] == 1
-    untied.load_state_dict(tied.state_dict())                            # the same weights: the same logits
+    assert groups["matrices"] - len(tied.param_groups()["matrices"]) == 1
+    assert groups["embedding"] == 1
+    untied.load_state_dict(tied.state_dict())                   # the same weights: the same logits
     idx = torch.randint(0, V, (2, 8))
     assert torch.equal(untied(idx)[0], tied(idx)[0])
 
@@ -369,7 +378,8 @@ def test_flops_match_torch_flop_counter(residual, overrides):
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(idx, idx)[1].backward()
     write = 2 * c.n_layer * 6 * c.hc_streams * c.n_embd if residual == "hyper" else 0
-    routing = 24 * c.n_embd * sum(map(model.site_sources, range(len(model.sites)))) if c.routed else 0
+    sources = sum(map(model.site_sources, range(len(model.sites)))) if c.routed else 0
+    routing = 24 * c.n_embd * sources
     assert model.flops_per_token() == counter.get_total_flops() / idx.numel() + write + routing
 
 
@@ -413,12 +423,14 @@ def loss_and_grads(config, idx):
 
 
 @pytest.mark.parametrize("residual, overrides", [
-    ("mhar", {}), ("mhar", dict(route_block=2)), ("mhar", dict(delta=True)), ("baseline", {}), ("hyper", {}),
+    ("mhar", {}), ("mhar", dict(route_block=2)), ("mhar", dict(delta=True)), ("baseline", {}),
+    ("hyper", {}),
 ], ids=["mhar", "mhar-block2", "delta", "baseline", "hyper"])
 def test_checkpointing_gives_the_same_loss_and_gradients(residual, overrides):
     idx = torch.randint(0, 128, (2, 13))
     _, loss, grads = loss_and_grads(tiny(residual, **overrides), idx)
-    model, loss_ckpt, grads_ckpt = loss_and_grads(tiny(residual, checkpointing=True, **overrides), idx)
+    config = tiny(residual, checkpointing=True, **overrides)
+    model, loss_ckpt, grads_ckpt = loss_and_grads(config, idx)
     assert torch.equal(loss_ckpt, loss) and all(map(torch.equal, grads_ckpt, grads))
     calls, forward = [], model.layers[0].forward  # the sublayers are recomputed in backward
     model.layers[0].forward = lambda *args: calls.append(1) or forward(*args)
@@ -482,7 +494,7 @@ def test_site_counts_and_flops_follow_what_the_history_reads(overrides):
 def sample_loop(model, idx, steps, temperature, top_k=None):
     """An independent sampler: at every step the full forward of the last seq_len tokens, the last
     position's logits, the argmax at temperature 0, else logits / temperature with all but the k
-    largest set to -inf, then torch.multinomial (so it draws from torch's generator as generate does)."""
+    largest set to -inf, then torch.multinomial (drawing from torch's generator as generate does)."""
     for _ in range(steps):
         logits = model(idx[:, -model.config.seq_len:])[0][:, -1]                     # (B, vocab)
         if temperature == 0:
@@ -504,15 +516,17 @@ def test_generate_samples_as_the_reference_sampler():
     torch.manual_seed(1)
     sampled = model.generate(idx, 8, temperature=0.8, top_k=5)
     torch.manual_seed(1)
-    assert sampled.shape == (2, 12) and torch.equal(sampled, sample_loop(model, idx, 8, 0.8, top_k=5))
+    assert sampled.shape == (2, 12)
+    assert torch.equal(sampled, sample_loop(model, idx, 8, 0.8, top_k=5))
     assert torch.equal(model.generate(idx, 8, temperature=0), sample_loop(model, idx, 8, 0))
 
 
 def test_top_k_keeps_only_the_k_most_likely_tokens():
     torch.manual_seed(0)
-    model = GPT(tiny())  # untrained: nearly flat logits, so ignoring top_k would sample almost anything
+    model = GPT(tiny())  # untrained: nearly flat logits; ignoring top_k would sample almost anything
     idx = torch.randint(0, 128, (2, 4))
-    assert torch.equal(model.generate(idx, 6, temperature=1.0, top_k=1), sample_loop(model, idx, 6, 0))
+    top1 = model.generate(idx, 6, temperature=1.0, top_k=1)
+    assert torch.equal(top1, sample_loop(model, idx, 6, 0))
     out = model.generate(idx, 12, temperature=5.0, top_k=3)
     for t in range(4, 16):
         top3 = model(out[:, :t])[0][:, -1].topk(3).indices                         # (B, 3)
@@ -584,14 +598,15 @@ def test_readme_python_examples_run():
 
 def full_routing_forward(model, idx):
     """Full routing written out independently of DepthHistory: site j reads stack(s_0..s_j)."""
+    c = model.config
     rope = (model.rope_cos[:idx.size(1)], model.rope_sin[:idx.size(1)])  # the positions 0..T-1
     sources = [model.embed(idx)]
     for j, layer in enumerate(model.layers):
         site = model.sites[j]
-        h = route(torch.stack(sources), site.query, site.norm_weight, model.config.depth_heads, model.config.norm_eps)
+        h = route(torch.stack(sources), site.query, site.norm_weight, c.depth_heads, c.norm_eps)
         sources.append(layer(h, rope))
     site = model.sites[-1]
-    h = route(torch.stack(sources), site.query, site.norm_weight, model.config.depth_heads, model.config.norm_eps)
+    h = route(torch.stack(sources), site.query, site.norm_weight, c.depth_heads, c.norm_eps)
     return model.lm_head(model.norm(h)).float()
 
 
@@ -622,7 +637,8 @@ def test_block_size_one_is_full_routing_bitwise(residual):
 def test_block_history_reads_completed_blocks_and_the_partial(S, expected):
     """Seven sites (L = 3): each reads [b_0, ..., b_{n-1}] plus the partial sum of its block."""
     sources = {f"s{i}": torch.randn(1, 2, 4, dtype=torch.float64) for i in range(7)}
-    history = mhar.BlockHistory([torch.zeros(4)] * 7, [torch.ones(4)] * 7, heads=2, eps=1e-6, block=S)
+    queries, norms = [torch.zeros(4)] * 7, [torch.ones(4)] * 7
+    history = mhar.BlockHistory(queries, norms, heads=2, eps=1e-6, block=S)
     for i, names in enumerate(expected):
         history.append(sources[f"s{i}"])
         hand_built = torch.stack([sum(sources[part] for part in name.split("+")) for name in names])
@@ -645,25 +661,26 @@ def test_hyper_connections_start_as_the_baseline():
 
 def hyper_connection_loop(connection, streams, sublayer):
     """Hyper-connections written out stream by stream in float64, independently of
-    HyperConnection.forward: h = sum_i read_i H_i, H'_k = sum_i mix[i, k] H_i + write_k y, with read,
-    mix and write static plus scale * tanh(RMSNorm(H_i) W)."""
+    HyperConnection.forward: h = sum_i read_i H_i, H'_k = sum_i mix[i, k] H_i + write_k y, with
+    read, mix and write static plus scale * tanh(RMSNorm(H_i) W)."""
     c = {name: p.double() for name, p in connection.named_parameters()}
     H, n = streams.double(), streams.size(2)
-    normed = [H[:, :, i] / torch.sqrt(H[:, :, i].pow(2).mean(-1, keepdim=True) + connection.norm.eps)
-              * c["norm.weight"] for i in range(n)]                                   # n x (B, T, d)
-    dynamic = [torch.tanh(normed[i] @ c["dynamic_read_mix"]) for i in range(n)]       # n x (B, T, n+1)
+    eps = connection.norm.eps
+    normed = [H[:, :, i] / torch.sqrt(H[:, :, i].pow(2).mean(-1, keepdim=True) + eps)
+              * c["norm.weight"] for i in range(n)]                           # n x (B, T, d)
+    dynamic = [torch.tanh(normed[i] @ c["dynamic_read_mix"]) for i in range(n)]  # n x (B, T, n+1)
     read = [c["static_read"][i] + c["read_mix_scale"] * dynamic[i][..., 0] for i in range(n)]
     mix = [[c["static_mix"][i, k] + c["read_mix_scale"] * dynamic[i][..., 1 + k] for k in range(n)]
            for i in range(n)]
-    write = [c["static_write"][k] + c["write_scale"] * torch.tanh(normed[k] @ c["dynamic_write"])[..., 0]
-             for k in range(n)]
+    write = [c["static_write"][k]
+             + c["write_scale"] * torch.tanh(normed[k] @ c["dynamic_write"])[..., 0] for k in range(n)]
     y = sublayer(sum(read[i].unsqueeze(-1) * H[:, :, i] for i in range(n)))
     return torch.stack([sum(mix[i][k].unsqueeze(-1) * H[:, :, i] for i in range(n))
                         + write[k].unsqueeze(-1) * y for k in range(n)], dim=2)
 
 
 def test_hyper_connection_matches_explicit_loop():
-    """Random, non-symmetric weights (at init the mix is the identity, which hides its orientation)."""
+    """Random, non-symmetric weights (at init the mix is the identity: it hides the orientation)."""
     torch.manual_seed(0)
     config = tiny("hyper")
     d = config.n_embd
@@ -733,7 +750,8 @@ def test_delta_history_reads_null_and_completed_block_deltas():
         model.null.normal_()
     idx = torch.randint(0, 128, (1, 8))
     s = [model.embed(idx)]  # s[0] the embedding, s[i] sublayer i's output, caught by hooks
-    hooks = [layer.register_forward_hook(lambda module, args, out: s.append(out)) for layer in model.layers]
+    hooks = [layer.register_forward_hook(lambda module, args, out: s.append(out))
+             for layer in model.layers]
     seen = []
     model.hidden(idx, visit=lambda V, q, g: seen.append(V))
     for hook in hooks:
@@ -754,7 +772,8 @@ def test_checkpoint_of_the_old_layout_loads():
     with torch.no_grad():
         for site in model.sites:
             site.norm_weight.uniform_(0.5, 1.5)
-    old = {key.replace(".norm_weight", ".norm.weight"): value for key, value in model.state_dict().items()}
+    old = {key.replace(".norm_weight", ".norm.weight"): value
+           for key, value in model.state_dict().items()}
     assert "sites.0.norm.weight" in old and "sites.0.norm_weight" not in old
     loaded = GPT(tiny("mhar", delta=True))
     loaded.load_state_dict(old)  # strict: every key found
