@@ -103,8 +103,9 @@ class Config:
 
 # The paper's shapes (Qwen3-style, its table of model sizes) with H = 8 routing heads, the later
 # version's choice at every scale ("We adopt H = 8 for large-scale models"); its earlier version
-# used H = n_kv_head (route_heads=0) and random queries (query_init_std=0.02). Two CPU-sized
-# presets keep H = n_kv_head: tiny for the tests, small for the CPU demo.
+# used H = n_kv_head (route_heads=0) and random queries: query_init_std=0.02, since its queries
+# are a Linear layer's weight and its weights start from N(0, 0.02^2). Two CPU-sized presets
+# keep H = n_kv_head: tiny for the tests, small for the CPU demo.
 PRESETS = {
     "tiny":  Config(seq_len=64, n_layer=2, n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=192),
     "small": Config(seq_len=256, n_layer=4, n_embd=128, n_head=4, n_kv_head=2, ffn_hidden=384),
