@@ -470,7 +470,7 @@ class GPT(nn.Module):
         history.append(x)                                            # D_0 = s_0, the embedding
         for j, site in enumerate(self.sites[:-1]):
             y = self.sublayer(j, x + site.gate * history.read(j), rope, cache)
-            history.append(y)  # summed there into block deltas D_i = h_end - h_start
+            history.append(y)  # the history sums these into block deltas D_i = h_end - h_start
             x = x + y
         return x + self.sites[-1].gate * history.read(len(self.layers))
 
