@@ -105,7 +105,7 @@ class Tokenizer:
 
     @property
     def dtype(self):
-        """uint16 when every id fits in 16 bits (GPT-2's 50,257), uint32 otherwise (Qwen3's 151,669)."""
+        """uint16 when every id fits in 16 bits (GPT-2's 50,257), uint32 otherwise (Qwen3's ~152K)."""
         return "uint16" if self.vocab_size - 1 <= np.iinfo(np.uint16).max else "uint32"
 
 
