@@ -5,8 +5,8 @@ the paired differences to the baseline and every run's row, and draw the loss cu
     python compare.py                                               # the four methods, small preset, CPU
     python compare.py --methods baseline,mhar --seeds 0,1,2         # three seeds: paired Δ ± standard error
     python compare.py --baseline_seeds 1,2                          # the four, and the baseline's noise level
-    python compare.py --route_heads 1,2,4,8                         # the H sweep (the paper's U-curve) and its baseline
-    python compare.py --route_heads 1,2,4,8 --n_head 8 --n_kv_head 1,2,4,8   # the KV x H grid: a baseline per KV
+    python compare.py --route_heads 1,2,4,8                         # the H sweep (the U-curve), with the baseline
+    python compare.py --route_heads 1,2,4,8 --n_head 8 --n_kv_head 1,2,4,8   # the KV x H grid, a baseline per KV
     python compare.py --preset 100m --out_dir runs/100m --nproc_per_node 8   # GPUs: each run under torchrun
 
 Runs. A run is a method (with --route_heads: mhar once per H, named mhar-H<h>), a model shape and a seed.
@@ -51,7 +51,7 @@ SHAPE_FLAGS = {"n_layer": "L", "n_embd": "d", "n_head": "nh", "n_kv_head": "kv",
 @dataclass
 class Run:
     name: str               # its folder under --out_dir: variant + "-s<seed>"
-    variant: str            # method and shape, without the seed ("mhar-H4-kv2"): a variant's seeds are averaged
+    variant: str            # method and shape without the seed ("mhar-H4-kv2"): its seeds are averaged
     baseline: str           # the variant it is paired with ("baseline-kv2"); None for a baseline
     method: str             # its --residual
     seed: int
@@ -87,7 +87,8 @@ def parse_args(argv=None):
                                  "e.g. --seeds 0,1")
     if not args.seeds:
         exit_error("compare.py", "--seeds needs at least one seed, e.g. --seeds 0")
-    args.methods = (args.methods or ",".join(("baseline", "mhar") if args.route_heads else METHODS)).split(",")
+    default = ("baseline", "mhar") if args.route_heads else METHODS
+    args.methods = (args.methods or ",".join(default)).split(",")
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         exit_error("compare.py", f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}")
@@ -99,17 +100,17 @@ def parse_args(argv=None):
 
 
 def shapes_of(args):
-    """Every combination of the shape axes: [(name suffix, {field: value})], e.g. ("-kv2", {"n_kv_head": 2})."""
+    """Every combination of the shape axes: [(name suffix, {field: value})], e.g. ("-kv2", {"n_kv_head": 2})"""
     cells = [("", {})]
     for name, values in args.shape.items():
-        tag = SHAPE_FLAGS[name] if len(values) > 1 else None  # one value: the same for every run, not in names
+        tag = SHAPE_FLAGS[name] if len(values) > 1 else None  # one value: for every run, not in names
         cells = [(suffix + (f"-{tag}{v}" if tag else ""), {**shape, name: v}) for suffix, shape in cells
                  for v in values]
     return cells
 
 
 def runs_of(args):
-    """Every Run of the comparison: per seed, per shape, the methods in order; then the extra baseline seeds."""
+    """Every Run: per seed, per shape, the methods in order; then the extra baseline seeds."""
     variants = []  # (method name, --residual, its own flags)
     for method in args.methods:
         if method == "mhar" and args.route_heads:
@@ -123,7 +124,8 @@ def runs_of(args):
                    baseline=None if method == "baseline" else "baseline" + suffix,
                    flags=["--residual", method, *flags, *shape_flags, "--seed", str(seed)])
 
-    runs = [run(*variant, *cell, seed) for seed in args.seeds for cell in shapes_of(args) for variant in variants]
+    runs = [run(*variant, *cell, seed)
+            for seed in args.seeds for cell in shapes_of(args) for variant in variants]
     names = {r.name for r in runs}
     runs += [r for seed in args.baseline_seeds for cell in shapes_of(args)
              for r in [run("baseline", "baseline", [], *cell, seed)] if r.name not in names]
@@ -167,7 +169,8 @@ def paired(rows, key="tail_val_loss"):
     pairs = {}
     for r in rows:
         if r["baseline"] is not None and (r["baseline"], r["seed"]) in value:
-            pairs.setdefault(r["variant"], dict(variant=r["variant"], baseline=r["baseline"], seeds=[], deltas=[]))
+            pairs.setdefault(r["variant"], dict(variant=r["variant"], baseline=r["baseline"], seeds=[],
+                                                deltas=[]))
             pairs[r["variant"]]["seeds"].append(r["seed"])
             pairs[r["variant"]]["deltas"].append(r[key] - value[r["baseline"], r["seed"]])
     for p in pairs.values():
@@ -224,7 +227,8 @@ def report(rows):
         losses = [r["tail_val_loss"] for r in rows if r["variant"] == variant]
         if len(losses) > 1:
             parts.append(f"{variant} over {len(losses)} seeds: {statistics.mean(losses):.4f} ± "
-                         f"{statistics.stdev(losses):.4f} (sample standard deviation): the noise between seeds.")
+                         f"{statistics.stdev(losses):.4f} (sample standard deviation): the noise between "
+                         f"seeds.")
     return "\n\n".join(parts)
 
 
@@ -239,7 +243,8 @@ def main(argv=None):
     for run in runs:
         routed = run.method in ("attnres", "mhar")  # --fused applies to the routed runs alone
         shared = [f for f in train_flags if routed or f != "--fused"]
-        command = [*launcher, str(HERE / "train.py"), *shared, *run.flags, "--out_dir", str(out_dir / run.name)]
+        command = [*launcher, str(HERE / "train.py"), *shared, *run.flags,
+                   "--out_dir", str(out_dir / run.name)]
         print(f"=== {run.name}: {' '.join(command[1:])}", flush=True)
         summary = train_once(command, out_dir / run.name)
         rows.append(dict(name=run.name, variant=run.variant, baseline=run.baseline, seed=run.seed,

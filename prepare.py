@@ -219,7 +219,7 @@ def hf_tokenizer(folder):
         tok = tokenizers.Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises plain Exceptions for a broken or foreign file
         raise PrepareError(f"cannot read {path}: {type(e).__name__}: {one_line(e)}") from None
-    tok.encode_special_tokens = True  # "<|endoftext|>" inside a document is text, as tiktoken's encode_ordinary
+    tok.encode_special_tokens = True  # "<|endoftext|>" in a document is text, as in tiktoken's encode_ordinary
     vocab = tok.get_vocab(with_added_tokens=True)
     vocab_size = max(vocab.values()) + 1  # the id range (a vocabulary may skip ids)
     config = {}
@@ -239,8 +239,9 @@ def hf_tokenizer(folder):
     else:
         found = [name for name in EOT_NAMES if name in vocab]
         if not found:
-            raise PrepareError(f"no end-of-text id: {folder / 'config.json'} has no eos_token_id and tokenizer.json "
-                               f"has none of {', '.join(EOT_NAMES)}; add eos_token_id to config.json")
+            raise PrepareError(f"no end-of-text id: {folder / 'config.json'} has no eos_token_id and "
+                               f"tokenizer.json has none of {', '.join(EOT_NAMES)}; add eos_token_id to "
+                               f"config.json")
         eot, eot_source = vocab[found[0]], f"tokenizer.json token {found[0]} (config.json has no eos_token_id)"
 
     def encode_batch(texts):  # fast: ids only, no offsets; spread over the cores by the library
@@ -252,7 +253,8 @@ def hf_tokenizer(folder):
         decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
         meta=dict(tokenizer_path=str(folder.resolve()),
                   tokenizer_sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
-                  model_vocab_size=config.get("vocab_size"), bos=config.get("bos_token_id"), eot_source=eot_source))
+                  model_vocab_size=config.get("vocab_size"), bos=config.get("bos_token_id"),
+                  eot_source=eot_source))
 
 
 def tokenizer_of(meta):
@@ -663,8 +665,8 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
             c = counts[split]
             print(f"{str(path):<{width}} {c['documents']:>9,} documents {c['tokens']:>13,} tokens "
                   f"{path.stat().st_size:>14,} bytes")
-        print(f"{str(final / 'meta.json'):<{width}} tokenizer {tok.name} ({tok.source}), {tok.vocab_size:,} ids "
-              f"as {tok.dtype}, end-of-text {tok.eot}")
+        print(f"{str(final / 'meta.json'):<{width}} tokenizer {tok.name} ({tok.source}), "
+              f"{tok.vocab_size:,} ids as {tok.dtype}, end-of-text {tok.eot}")
         print(f"done in {seconds:.1f} s, {tokens / seconds / 1e6:.2f}M tokens/s on {_cores()} cores")
     return final
 
@@ -680,8 +682,8 @@ def main(argv=None):
     parser.add_argument("--hf_config", help="its config, e.g. sample-10BT")
     parser.add_argument("--hf_split", default="train", help="its split (default: train)")
     parser.add_argument("--text_field", default="text", help="the text field of .jsonl/.parquet/--hf rows (default: text)")
-    parser.add_argument("--tokenizer", metavar="DIR", help="a model folder with tokenizer.json (and config.json for "
-                                                           "its end-of-text id); default: GPT-2's BPE")
+    parser.add_argument("--tokenizer", metavar="DIR", help="a model folder with tokenizer.json (and config.json "
+                                                           "for its end-of-text id); default: GPT-2's BPE")
     parser.add_argument("--name", help=f"output folder name (default: {DEFAULT_NAME}, the first input's name, or the dataset's)")
     parser.add_argument("--out", default="data", help="parent folder of the output (default: data)")
     parser.add_argument("--val_fraction", type=float, default=0.005, help="fraction of documents for val (default: 0.005)")

@@ -304,17 +304,18 @@ def validation_batches(ckpt, data, batches, batch_size, seq_len, vocab_size):
     else:
         files = read_tokens(data, splits=("val",))
         if trained_meta and tokenizer_of(files.meta) != tokenizer_of(trained_meta):
-            raise UserError(f"{data} is tokenized with {describe(files.meta)} but the model was trained on {trained_on}, "
-                            f"tokenized with {describe(trained_meta)}: pass --data {trained_on}, or a folder "
-                            f"prepared with the same tokenizer")
+            raise UserError(f"{data} is tokenized with {describe(files.meta)} but the model was trained on "
+                            f"{trained_on}, tokenized with {describe(trained_meta)}: pass --data {trained_on}, "
+                            f"or a folder prepared with the same tokenizer")
         if files.meta.get("vocab_size", 0) > vocab_size:
-            raise UserError(f"{data} has a vocabulary of {files.meta['vocab_size']} tokens, more than the model's "
-                            f"{vocab_size}: pass the --data the model was trained on")
+            raise UserError(f"{data} has a vocabulary of {files.meta['vocab_size']} tokens, more than the "
+                            f"model's {vocab_size}: pass the --data the model was trained on")
         if trained_on == "synthetic":
-            notes.append(f"the model was trained on uniform random tokens (--data synthetic), read here on {data}")
+            notes.append(f"the model was trained on uniform random tokens (--data synthetic), read here on "
+                         f"{data}")
         elif not trained_meta and Path(data).resolve() != Path(trained_on).resolve():
-            notes.append(f"the model was trained on {trained_on}, whose meta.json is not here: probe.py could not "
-                         f"check that {data} has the same tokenizer")
+            notes.append(f"the model was trained on {trained_on}, whose meta.json is not here: probe.py could "
+                         f"not check that {data} has the same tokenizer")
         tokens, source = files.val, str(data)
         if len(tokens) <= seq_len + 1:
             raise UserError(f"{data}/val.bin has {len(tokens)} tokens, fewer than one sequence of {seq_len}")

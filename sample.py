@@ -39,7 +39,7 @@ class Codec:
         self.vocab_limit = tokenizer.vocab_size if tokenizer is not None else None
         if tokenizer is not None and tokenizer.vocab_size > vocab_size:
             raise UserError(f"the tokenizer ({tokenizer.name}) has {tokenizer.vocab_size:,} ids, more than the "
-                            f"model's {vocab_size:,}: pass the tokenizer the model was trained with (--tokenizer)")
+                            f"model's {vocab_size:,}: pass the tokenizer it was trained with (--tokenizer)")
 
     def encode(self, prompt):
         if self.tokenizer is None:
@@ -88,11 +88,11 @@ def sample(model, codec, prompt="", num_samples=1, max_new_tokens=200, temperatu
     """The prompt and its continuation, as text (or ids), for each sample; deterministic for a seed on a device."""
     device = next(model.parameters()).device
     ids = codec.encode(prompt)
-    shown = 1 if codec.tokenizer is not None and not prompt else 0  # a new document: do not print its end-of-text
+    shown = 1 if codec.tokenizer is not None and not prompt else 0  # a new document: not its end-of-text
     torch.manual_seed(seed)
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
-    idx = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k,       # (samples, prompt + new)
-                         vocab_limit=codec.vocab_limit, cache=True)
+    idx = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k,
+                         vocab_limit=codec.vocab_limit, cache=True)                 # (samples, prompt + new)
     return [codec.decode(row[shown:].tolist()) for row in idx]
 
 
@@ -109,15 +109,16 @@ def parse_args(argv=None):
     p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens, >= 0; 0 = all "
                                                           "(default 200)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--tokenizer", metavar="DIR", help="a model folder with tokenizer.json (default: the one the "
-                                                      "training data's meta.json names, or GPT-2's)")
+    p.add_argument("--tokenizer", metavar="DIR", help="a model folder with tokenizer.json (default: the one "
+                                                      "the training data's meta.json names, or GPT-2's)")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps (default auto)")
     args = p.parse_args(argv)
     for flag, smallest in (("num_samples", 1), ("max_new_tokens", 1), ("top_k", 0)):
         if getattr(args, flag) < smallest:
             exit_error("sample.py", f"--{flag} must be at least {smallest}, got {getattr(args, flag)}")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):  # a negative one favours the unlikeliest
-        exit_error("sample.py", f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):  # < 0 favours the unlikeliest
+        exit_error("sample.py", f"--temperature must be a finite number >= 0 (0 = greedy), "
+                                f"got {args.temperature}")
     return args
 
 
