@@ -153,13 +153,26 @@ def test_prepare_split_is_by_document(tmp_path):
     assert len(val) == 4  # one in every round(1 / 0.1) = 10 documents
 
 
-def test_prepare_two_runs_give_identical_bytes_and_seed_changes_split(tmp_path):
-    _prep_corpus(tmp_path / "corpus", n_extra=32)
-    runs = [prepare.prepare([tmp_path / "corpus"], out=tmp_path / f"out{i}", name="c", val_fraction=0.1,
-                            seed=seed, quiet=True) for i, seed in enumerate([0, 0, 1])]
-    for filename in ("train.bin", "val.bin", "meta.json"):
-        assert (runs[0] / filename).read_bytes() == (runs[1] / filename).read_bytes()
-    assert (runs[0] / "val.bin").read_bytes() != (runs[2] / "val.bin").read_bytes()
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prepare_writes_the_documented_split_byte_for_byte(tmp_path, seed):
+    """The reference, from the docstring: documents in sorted file order (a .jsonl line by line); of every 10
+    (round(1 / 0.1)) consecutive ones, the one that default_rng(seed).integers(10) picks goes to val."""
+    _prep_corpus(tmp_path / "corpus", n_extra=32)  # 40 documents, all different
+    documents = []
+    for path in sorted(p for p in (tmp_path / "corpus").rglob("*") if p.is_file()):
+        if path.suffix == ".jsonl":
+            documents += [json.loads(line)["text"] for line in path.read_text("utf-8").splitlines()]
+        else:
+            documents.append(path.read_text("utf-8"))
+    rng, enc, expected = np.random.default_rng(seed), _prep_local_enc(), {"train": [], "val": []}
+    for start in range(0, len(documents), 10):
+        block = documents[start:start + 10]
+        pick = rng.integers(len(block))
+        for i, text in enumerate(block):
+            expected["val" if i == pick else "train"] += enc.encode_ordinary(text) + [prepare.EOT]
+    folder = prepare.prepare([tmp_path / "corpus"], out=tmp_path / "data", val_fraction=0.1, seed=seed, quiet=True)
+    for split, ids in expected.items():
+        assert (folder / f"{split}.bin").read_bytes() == np.array(ids, dtype=np.uint16).tobytes()
 
 
 def test_prepare_max_tokens_is_exact_and_ends_in_eot(tmp_path):
@@ -401,26 +414,34 @@ def test_prepare_draws_a_bar_on_a_terminal(tmp_path, capsys, monkeypatch):
     assert captured.err.startswith("\rtokenizing [") and "100%" in captured.err
 
 
-def _prep_start_and_wait_for_tmp(tmp_path):
-    """A prepare.py process on a 20 MB .jsonl (seconds of work), once its temporary folder exists."""
+def _prep_blocked_run(tmp_path):
+    """A prepare.py process that has made its temporary folder and waits for the rest of its input: a named
+    pipe that this test holds open. Returns (the process, its --out folder, the pipe's write end)."""
     import subprocess
-    corpus = tmp_path / "big.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"document {i} " * 4000}) + "\n" for i in range(400)))
+    pipe = tmp_path / "stream.jsonl"
+    os.mkfifo(pipe)
     out = tmp_path / "data"
-    proc = subprocess.Popen([sys.executable, str(pathlib.Path(prepare.__file__)), "--input", str(corpus),
-                             "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(pathlib.Path(prepare.__file__)), "--input", str(pipe), "--name",
+                             "stream", "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while not list(out.glob(".big.tmp-*")):
-        assert proc.poll() is None and time.time() < deadline, "prepare.py ended before writing"
-        time.sleep(0.01)
-    return proc, out
+    while True:  # the pipe opens for writing once prepare.py opens it for reading, after making its folder
+        try:
+            fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as e:
+            assert e.errno == errno.ENXIO and proc.poll() is None and time.time() < deadline, "prepare.py ended"
+            time.sleep(0.01)
+    os.write(fd, b'{"text": "a first document"}\n')
+    assert len(list(out.glob(".stream.tmp-*"))) == 1
+    return proc, out, fd
 
 
 def test_prepare_terminated_removes_its_temporary_folder(tmp_path):
     import signal
-    proc, out = _prep_start_and_wait_for_tmp(tmp_path)
+    proc, out, fd = _prep_blocked_run(tmp_path)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
+    os.close(fd)
     assert proc.returncode == 128 + signal.SIGTERM  # 143, the shell's convention
     assert err == "prepare.py: interrupted (SIGTERM); nothing written\n"
     assert not out.exists()  # its temporary folder, and the folder it created for it
@@ -449,10 +470,11 @@ def test_prepare_ctrl_c_removes_its_temporary_folder(tmp_path, capsys, monkeypat
 def test_prepare_removes_the_temporary_folders_of_killed_runs(tmp_path, capsys):
     import signal
     import socket
-    proc, out = _prep_start_and_wait_for_tmp(tmp_path)
+    proc, out, fd = _prep_blocked_run(tmp_path)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    [killed] = out.glob(".big.tmp-*")  # SIGKILL cannot be caught: the folder stays behind
+    os.close(fd)
+    [killed] = out.glob(".stream.tmp-*")  # SIGKILL cannot be caught: the folder stays behind
     live = out / f".other.tmp-{socket.gethostname()}-{os.getpid()}-abc123"  # a run still going: this process
     elsewhere = out / f".other.tmp-another-host-{proc.pid}-abc123"  # on a shared disk: not ours to judge
     for folder in (live, elsewhere):
