@@ -506,3 +506,20 @@ class GPT(nn.Module):
                 next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, next_id), dim=1)
         return idx
+
+    # ------------------------------------------------------------------------------------------
+    # Hugging Face checkpoints: the mapping lives in hf.py (it needs safetensors; transformers never).
+
+    @classmethod
+    def from_pretrained(cls, path, **overrides):
+        """A Hugging Face Qwen3 directory (or hub id, or this project's export) as a GPT: the baseline, or,
+        with residual="mhar" (route_heads, route_block), delta routing that starts as it exactly.
+        dtype=torch.bfloat16 builds it in bf16; see hf.load."""
+        import hf
+        return hf.load(path, **overrides)
+
+    def save_pretrained(self, directory, **options):
+        """Write a Hugging Face directory: a Qwen3 checkpoint transformers loads for a baseline, this
+        project's export for a routed model (from_pretrained reads both); see hf.save."""
+        import hf
+        return hf.save(self, directory, **options)
