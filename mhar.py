@@ -615,6 +615,23 @@ class GPT(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps,
                                  fused=device_type == "cuda")
 
+    # ------------------------------------------------------------------------------------------
+    # Hugging Face checkpoints: the mapping lives in hf.py (it needs safetensors, never transformers).
+
+    @classmethod
+    def from_pretrained(cls, path, **overrides):
+        """A Hugging Face Qwen3 directory (or hub id, or this project's export) as a GPT: the
+        baseline, or with residual="mhar" (route_heads, route_block) delta routing that starts as
+        it exactly; dtype=torch.bfloat16 builds it in bf16. See hf.load."""
+        import hf
+        return hf.load(path, **overrides)
+
+    def save_pretrained(self, directory, **options):
+        """Write a Hugging Face directory: a baseline as a Qwen3 checkpoint transformers loads, a
+        routed model as this project's export (from_pretrained reads both). See hf.save."""
+        import hf
+        return hf.save(self, directory, **options)
+
 
 # ----------------------------------------------------------------------------------------------
 # Block routing (Block AttnRes, Kimi Team, 2026): the history holds block sums.
