@@ -73,7 +73,8 @@ class Config:
         check(self.head_dim or d % self.n_head == 0, f"n_head: {self.n_head} heads do not divide "
               f"n_embd={d}; or set head_dim")
         check(self.head_width % 2 == 0, "head_dim: rotary embeddings need an even head width")
-        check(self.n_head % self.n_kv_head == 0, f"n_kv_head: must divide n_head={self.n_head}")
+        check(self.n_head % self.n_kv_head == 0,
+              f"n_kv_head: {self.n_kv_head} does not divide n_head={self.n_head}; use a divisor of it")
         check(not self.routed or H > 0 and d % H == 0, f"route_heads: H={H} must divide n_embd={d}")
         check(self.route_block >= 1, "route_block: must be >= 1; 1 is full routing")
         check(self.route_block == 1 or self.routed, f"route_block: {unrouted}; use mhar or attnres")
