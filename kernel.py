@@ -1,46 +1,56 @@
 """
-Fused Triton kernels for the multi-head depth route of MHAR (DESIGN §2.2, §4).
+Fused Triton kernels for the multi-head depth route of MHAR.
 
-The readable reference is `mhar.route(V, q, g, heads)`: sources V (N, B, T, d), a pseudo-query q
-and an RMSNorm weight g of width d, H heads of width K = d / H. Per position and source n:
-r_n = rsqrt(mean(V_n²) + eps) over the full width, logits ℓ[n, h] = r_n·<q_h ⊙ g_h, V_n,h>,
-α[:, h] = softmax over n, output slice h = Σ_n α[n, h]·V_n,h.
+The contract is `mhar.route(V, q, g, heads)`: sources V (N, B, T, d), a pseudo-query q and an
+RMSNorm weight g of width d, H heads of width K = d / H. Per position and source n:
 
-Memory traffic, counted in bytes per source element (bf16 storage, E = B·T·d elements per
-source, a site reads N sources). Routing is memory-bound, so these counts are the cost:
+    r_n      = rsqrt(mean(V_n²) + eps)                  over the full width d
+    ℓ[n, h]  = r_n · <(q ⊙ g)_h, V_n,h>                  one logit per source and head
+    α[:, h]  = softmax_n ℓ[:, h]
+    out_h    = Σ_n α[n, h] · V_n,h
 
-  readable eager forward   ≈ 68 B: torch.stack (read 2 + write 2), V.float() twice (2 + 4 each),
-                           then pow, mean, ·r, ·g, ·q, sum over K, α·V, sum over n: each reads
-                           and most write an fp32 copy of all N·E elements; autograd keeps
-                           several of those copies alive for backward (why it runs out of memory).
-  fused forward            = 2 B: each source row is read once; the RMS statistic, norm, logits,
-                           online softmax and mix happen in registers. Per site, not per source:
-                           the output (2 B·E) and α (4·N·B·T·H bytes, a factor d/H below V).
-  fused backward           = 12 B: pass 1 reads the rows (2) for the softmax coupling term, pass 2
-                           reads them again (2) and read-modify-writes the fp32 source-gradient
-                           buffer (4 + 4). Per site: dout (2 B·E), the dq/dg partials (2·4 B·E
-                           written, read again by the torch sum).
+computed in float32 for float32 or bfloat16 sources, returned in the sources' dtype. Routing is
+memory-bound: a site does a few flops per element it reads, so the bytes moved are the cost.
 
-So a whole network (2L + 1 sites, Σ_j N_j = (2L+1)(2L+2)/2 source rows) moves at least
-14 B·E·Σ_j N_j with this one-pass-per-site algorithm: the floor DESIGN §5 quotes
-(2.9 / 5.4 / 14.8 ms on an H100 at the paper's 100M / 350M / 1B kernel-table shapes).
-`FusedHistory` adds one copy per site (2 + 2 B·E) to write each source into the shared buffer.
+Two algorithms, one pair of kernels (`Config.fused_group`):
 
-The backward is bitwise deterministic: every position is owned by one program, which
-read-modify-writes its own rows of the gradient buffer (no atomics), and dq, dg leave as
-per-position partials that torch sums in a fixed order.
+  one pass per site (group 1)   each site reads all its sources once forward; backward reads them
+      again and read-modify-writes an fp32 gradient row per source. A network of S = 2L+1 sites
+      reads Σ_j (j+1) ≈ S²/2 source rows: ≈ 6·S² bytes per source element with bf16 sources.
+  grouped (the default)         q and g are parameters, not activations, so G consecutive sites
+      j0..j0+G-1 can share one read of the sources written before the group. Phase 1 reads
+      sources 0..j0 once and keeps G online-softmax states; the group's leader is then complete,
+      and each later site merges its partial state (normalized output + log-sum-exp) with the few
+      sources written inside the group (phase 2). Backward mirrors it: phase 1 updates each
+      gradient row once for all G sites. ≈ 6·S²/G + 6·S·G bytes per element: best near G ≈ √S.
+
+`traffic()` counts every byte the kernels load and store (exactly: a test compares it with the
+bytes the Triton interpreter sees), and separately the torch ops around them;
+`python kernel.py --traffic` prints both algorithms at the paper's kernel-table shapes.
+
+Autograd without Python-side state. Each launch is a torch custom operator with a functional
+signature (a list of source tensors, passed to the kernel as a table of addresses: no copies),
+so `torch.compile(fullgraph=True)` traces a fused model. The fp32 source-gradient buffer travels
+backward as the gradient of a zero-size-in-memory "carrier" tensor that each launch passes to the
+next; every launch adds its share into the buffer in place, and returns the final gradient of the
+sources it read first (the last launch to touch them in backward) in their own dtype. Nothing is
+zero-filled: the first launch to touch a row in backward writes it instead of adding to it. No
+atomics: every position is owned by one program, and dq, dg come from one per-program partial of
+Σ dℓ·r·V that torch sums in a fixed order, so the backward is bitwise deterministic.
 
 Without a CUDA GPU the kernels run in the Triton interpreter, on CPU tensors, when
 TRITON_INTERPRET=1 is set before this file is imported (slow; for tests). `python kernel.py`
 checks the kernels against `mhar.route`, then benchmarks them when a GPU is present.
 """
+import math
 import os
-from functools import partial
+from collections import namedtuple
 
 import torch
+from torch import Tensor
 
 if __name__ == "__main__" and not torch.cuda.is_available():
-    # `python kernel.py` without a GPU runs its check in the interpreter, which triton.jit
+    # `python kernel.py` without a GPU runs its checks in the interpreter, which triton.jit
     # consults when it decorates the kernels below: switch it on before importing triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -52,223 +62,397 @@ try:
 except ImportError as error:
     raise RuntimeError(f"{UNAVAILABLE}; triton is not installed (pip install triton)") from error
 
-# One program holds a position's whole row of width d as an (H_PAD, K_PAD) fp32 tile, several
-# times over (the source, q·g, dout, the output or the dq/dg accumulator). At 16 warps ptxas
-# (sm_90) keeps an 8192-element tile in registers; at 16384 the backward spills heavily.
-MAX_TILE = 8192
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+SOURCE_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
+# A program keeps a few (G, H, K) fp32 tiles of G sites' states in registers (queries, accumulators,
+# output gradients). ptxas (sm_90, 16 warps) keeps 8 sites at d = 1280 without spilling; twice that
+# spills: a larger group must be split.
+MAX_TILE = 16384
+# Programs per launch: each routes a contiguous block of positions, so that dq and dg leave as one
+# partial per program. 256 fills the 132 SMs of an H100/H200 about twice; fewer partials to sum.
+PROGRAMS = 256
+INTERPRETED_PROGRAMS = 3
+NUM_STAGES = 3          # loads issued ahead by the software pipeline of the loop over sources
 
 
-# N and M stay runtime integers: triton would turn a value of 1 into a constexpr (no `.to`), and
-# specializing on N's divisibility by 16 would compile more variants for no gain.
-@triton.jit(do_not_specialize=["N", "M"])
+# %% The kernels
+#
+# A row of width d is held as two tiles of heads × lanes: the first K1 lanes of every head (K1 the
+# largest power of two ≤ K) and the remaining K2 = K − K1. Every tile dimension must be a power of
+# two, so one (H, K) tile would pad K = 160 (d = 1280, H = 8) to 256 lanes, 37.5 % of them idle;
+# 160 = 128 + 32 has none. The states of the G sites a program routes add a leading dimension.
+# (The loops' arithmetic is written out rather than in @triton.jit helpers: the interpreter
+# re-patches the language at every helper call, which doubles the tests' time.)
+
+@triton.jit
+def _row_tiles(K: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K2_PAD: tl.constexpr,
+               H: tl.constexpr, H_PAD: tl.constexpr):
+    """Offsets and masks of the two tiles that cover a row: (H_PAD, K1) and (H_PAD, K2_PAD)."""
+    heads = tl.arange(0, H_PAD)
+    lanes1 = tl.arange(0, K1)
+    lanes2 = tl.arange(0, K2_PAD)
+    cols1 = heads[:, None] * K + lanes1[None, :]
+    cols2 = heads[:, None] * K + K1 + lanes2[None, :]
+    mask1 = (heads[:, None] < H) & (lanes1[None, :] < K1)
+    mask2 = (heads[:, None] < H) & (lanes2[None, :] < K2)
+    return cols1, cols2, mask1, mask2
+
+
+# N, M and the row indices stay runtime integers: triton would turn a value of 1 into a constexpr,
+# and specializing on their divisibility by 16 would compile more variants for no gain.
+@triton.jit(do_not_specialize=["N", "M", "per_program"])
 def _route_forward_kernel(
-    sources_ptr,        # [rows, M, D] source buffer (fp32 or bf16); rows [0, N) are read
-    q_ptr,              # [D] pseudo-query of the site
-    g_ptr,              # [D] RMSNorm weight of the site
-    out_ptr,            # [M, D] routed output, written in the sources' dtype
-    alpha_ptr,          # [N, M, H] fp32 routing weights, written: the only thing backward keeps
-    N,                  # number of sources this site reads
-    M,                  # number of positions B·T (= the number of programs)
+    table_ptr,          # int64 addresses: the N sources, then per site its output and lse (and, with
+                        # INIT, the output and lse of the partial state it starts from)
+    qg_ptr,             # [G, D] fp32: q ⊙ g of each site (g folded into the query once)
+    N,                  # number of sources to read
+    M,                  # number of positions B·T
+    per_program,        # positions routed by each program
     eps,                # RMSNorm epsilon
-    D: tl.constexpr,    # width d
-    H: tl.constexpr,    # heads
-    K: tl.constexpr,    # head width d / H
-    H_PAD: tl.constexpr,  # next power of two >= H
-    K_PAD: tl.constexpr,  # next power of two >= K
-    N_PAD: tl.constexpr,  # next power of two >= N: the logits of all sources stay in registers
+    SOURCE: tl.constexpr,   # element type of sources and outputs: tl.float32 or tl.bfloat16
+    D: tl.constexpr,        # width d
+    H: tl.constexpr,        # heads
+    K: tl.constexpr,        # head width d / H
+    K1: tl.constexpr,       # lanes of the first tile: the largest power of two <= K
+    K2: tl.constexpr,       # lanes of the second tile: K - K1 (0: none)
+    K2_PAD: tl.constexpr,   # next power of two >= K2 (1 when K2 = 0)
+    H_PAD: tl.constexpr,    # next power of two >= H
+    G: tl.constexpr,        # sites routed together
+    G_PAD: tl.constexpr,    # next power of two >= G
+    INIT: tl.constexpr,     # each site continues from a partial state instead of starting empty
+    NUM_STAGES: tl.constexpr,
 ):
-    position = tl.program_id(0).to(tl.int64)
-    row_stride = M.to(tl.int64) * D                  # int64: rows · B·T·d passes 2^31 at large batches
-    alpha_stride = M.to(tl.int64) * H
+    program = tl.program_id(0)
+    first = program.to(tl.int64) * per_program      # int64 positions: pos · d passes 2^31 at large B·T
+    last = tl.minimum(first + per_program, M)
+    cols1, cols2, mask1, mask2 = _row_tiles(K, K1, K2, K2_PAD, H, H_PAD)
+    sites = tl.arange(0, G_PAD)
     heads = tl.arange(0, H_PAD)
-    lanes = tl.arange(0, K_PAD)
-    rows = tl.arange(0, N_PAD)                       # source indices
-    # The row of width d seen as H head slices of width K; K need not be a power of two.
-    cols = heads[:, None] * K + lanes[None, :]                           # (H_PAD, K_PAD)
-    mask = (heads[:, None] < H) & (lanes[None, :] < K)
-    # ℓ[n, h] = r_n·<q_h ⊙ g_h, V_n,h>: fold g into the query once instead of norming every source.
-    qg = (tl.load(q_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-          * tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32))
+    site_mask = sites < G
+    state_mask = site_mask[:, None] & (heads[None, :] < H)                         # (G_PAD, H_PAD)
+    tile1 = site_mask[:, None, None] & mask1[None, :, :]                           # (G_PAD, H_PAD, K1)
+    tile2 = site_mask[:, None, None] & mask2[None, :, :]                           # (G_PAD, H_PAD, K2_PAD)
+    qg1 = tl.load(qg_ptr + sites[:, None, None] * D + cols1[None, :, :], mask=tile1, other=0.0)
+    qg2 = tl.load(qg_ptr + sites[:, None, None] * D + cols2[None, :, :], mask=tile2, other=0.0)
+    slots = 4 if INIT else 2                                                       # table entries per site
+    site_table = table_ptr + N + sites * slots
+    out_at = tl.load(site_table, mask=site_mask, other=0).to(tl.pointer_type(SOURCE))
+    lse_at = tl.load(site_table + 1, mask=site_mask, other=0).to(tl.pointer_type(tl.float32))
+    if INIT:
+        init_out_at = tl.load(site_table + 2, mask=site_mask, other=0).to(tl.pointer_type(SOURCE))
+        init_lse_at = tl.load(site_table + 3, mask=site_mask, other=0).to(tl.pointer_type(tl.float32))
 
-    row_max = tl.full([H_PAD], float("-inf"), tl.float32)                # online softmax, per head
-    row_sum = tl.zeros([H_PAD], tl.float32)
-    acc = tl.zeros([H_PAD, K_PAD], tl.float32)                           # Σ_n exp(ℓ_n - max)·V_n
-    logits = tl.zeros([N_PAD, H_PAD], tl.float32)
-    for n in range(0, N):
-        v = tl.load(sources_ptr + n * row_stride + position * D + cols, mask=mask, other=0.0).to(tl.float32)
-        r = tl.rsqrt(tl.sum(tl.sum(v * v, axis=1), axis=0) / D + eps)   # RMS over the full width
-        logit = r * tl.sum(v * qg, axis=1)                               # (H_PAD,)
-        new_max = tl.maximum(row_max, logit)
-        rescale = tl.exp(row_max - new_max)
-        weight = tl.exp(logit - new_max)
-        row_sum = row_sum * rescale + weight
-        acc = acc * rescale[:, None] + weight[:, None] * v
-        row_max = new_max
-        logits = tl.where(rows[:, None] == n, logit[None, :], logits)
+    for pos in range(first, last):
+        row1 = pos * D + cols1[None, :, :]
+        row2 = pos * D + cols2[None, :, :]
+        state = pos * H + heads[None, :]
+        if INIT:    # a normalized partial state (out, lse) is the online softmax (max lse, sum 1, acc out)
+            acc1 = tl.load(init_out_at[:, None, None] + row1, mask=tile1, other=0.0).to(tl.float32)
+            acc2 = tl.load(init_out_at[:, None, None] + row2, mask=tile2, other=0.0).to(tl.float32)
+            row_max = tl.load(init_lse_at[:, None] + state, mask=state_mask, other=0.0)
+            row_sum = tl.full([G_PAD, H_PAD], 1.0, tl.float32)
+        else:
+            acc1 = tl.zeros([G_PAD, H_PAD, K1], tl.float32)                         # Σ_n exp(ℓ_n − max)·V_n
+            acc2 = tl.zeros([G_PAD, H_PAD, K2_PAD], tl.float32)
+            row_max = tl.full([G_PAD, H_PAD], float("-inf"), tl.float32)            # online softmax per head
+            row_sum = tl.zeros([G_PAD, H_PAD], tl.float32)
+        for n in tl.range(0, N, num_stages=NUM_STAGES):
+            source = tl.load(table_ptr + n).to(tl.pointer_type(SOURCE)) + pos * D
+            v1 = tl.load(source + cols1, mask=mask1, other=0.0).to(tl.float32)       # (H_PAD, K1)
+            v2 = tl.load(source + cols2, mask=mask2, other=0.0).to(tl.float32)       # (H_PAD, K2_PAD)
+            r = tl.rsqrt((tl.sum(v1 * v1) + tl.sum(v2 * v2)) / D + eps)             # over the full width
+            logit = r * (tl.sum(qg1 * v1[None, :, :], axis=2) + tl.sum(qg2 * v2[None, :, :], axis=2))
+            new_max = tl.maximum(row_max, logit)
+            rescale = tl.exp(row_max - new_max)
+            weight = tl.exp(logit - new_max)
+            row_sum = row_sum * rescale + weight
+            acc1 = acc1 * rescale[:, :, None] + weight[:, :, None] * v1[None, :, :]
+            acc2 = acc2 * rescale[:, :, None] + weight[:, :, None] * v2[None, :, :]
+            row_max = new_max
+        tl.store(out_at[:, None, None] + row1, (acc1 / row_sum[:, :, None]).to(SOURCE), mask=tile1)
+        tl.store(out_at[:, None, None] + row2, (acc2 / row_sum[:, :, None]).to(SOURCE), mask=tile2)
+        tl.store(lse_at[:, None] + state, row_max + tl.log(row_sum), mask=state_mask)
 
-    out = acc / row_sum[:, None]
-    tl.store(out_ptr + position * D + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
-    alpha = tl.exp(logits - row_max[None, :]) / row_sum[None, :]
-    alpha_mask = (rows[:, None] < N) & (heads[None, :] < H)
-    tl.store(alpha_ptr + rows[:, None] * alpha_stride + position * H + heads[None, :], alpha, mask=alpha_mask)
 
-
-@triton.jit(do_not_specialize=["N", "M"])
+@triton.jit(do_not_specialize=["N", "M", "per_program", "row0", "own_lo", "fresh_lo"])
 def _route_backward_kernel(
-    sources_ptr,        # [rows, M, D] source buffer (fp32 or bf16); rows [0, N) are read
-    q_ptr,              # [D] pseudo-query of the site
-    g_ptr,              # [D] RMSNorm weight of the site
-    alpha_ptr,          # [N, M, H] fp32 routing weights saved by the forward
-    dout_ptr,           # [M, D] gradient of the routed output
-    dsources_ptr,       # [rows, M, D] fp32 source gradients: rows [0, N) accumulated in place
-    dq_ptr,             # [M, D] fp32 per-position partials of dq, written
-    dg_ptr,             # [M, D] fp32 per-position partials of dg, written
-    N,                  # number of sources this site reads
-    M,                  # number of positions B·T (= the number of programs)
+    table_ptr,          # int64 addresses: the N sources, then per site its output, output gradient,
+                        # lse and lse gradient (and, with INIT, its partial state's output and lse,
+                        # and where to write their gradients)
+    qg_ptr,             # [G, D] fp32: q ⊙ g of each site
+    grads_ptr,          # [rows, M, D] fp32 source-gradient buffer: source n is row row0 + n
+    owned_ptr,          # [N - own_lo, M, D] gradients of sources own_lo.. in their dtype, final
+    qg_grad_ptr,        # [programs, G, D] fp32: each program's Σ over its positions of Σ_n dℓ_n·r_n·V_n
+    N,                  # number of sources to read
+    M,                  # number of positions B·T
+    per_program,        # positions handled by each program
+    row0,               # buffer row of source 0
+    own_lo,             # sources own_lo.. are complete after this launch: written to owned_ptr
+    fresh_lo,           # sources fresh_lo.. have no earlier gradient: their rows are written, not added to
     eps,                # RMSNorm epsilon
-    D: tl.constexpr,    # width d
-    H: tl.constexpr,    # heads
-    K: tl.constexpr,    # head width d / H
-    H_PAD: tl.constexpr,  # next power of two >= H
-    K_PAD: tl.constexpr,  # next power of two >= K
+    SOURCE: tl.constexpr, D: tl.constexpr, H: tl.constexpr, K: tl.constexpr, K1: tl.constexpr,
+    K2: tl.constexpr, K2_PAD: tl.constexpr, H_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+    INIT: tl.constexpr, NUM_STAGES: tl.constexpr,   # as in the forward kernel
 ):
-    position = tl.program_id(0).to(tl.int64)
-    row_stride = M.to(tl.int64) * D
-    alpha_stride = M.to(tl.int64) * H
+    program = tl.program_id(0)
+    first = program.to(tl.int64) * per_program      # int64 positions: pos · d passes 2^31 at large B·T
+    last = tl.minimum(first + per_program, M)
+    cols1, cols2, mask1, mask2 = _row_tiles(K, K1, K2, K2_PAD, H, H_PAD)
+    sites = tl.arange(0, G_PAD)
     heads = tl.arange(0, H_PAD)
-    lanes = tl.arange(0, K_PAD)
-    cols = heads[:, None] * K + lanes[None, :]                           # (H_PAD, K_PAD)
-    mask = (heads[:, None] < H) & (lanes[None, :] < K)
-    head_mask = heads < H
-    qg = (tl.load(q_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-          * tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32))
-    dout = tl.load(dout_ptr + position * D + cols, mask=mask, other=0.0).to(tl.float32)
+    site_mask = sites < G
+    state_mask = site_mask[:, None] & (heads[None, :] < H)
+    tile1 = site_mask[:, None, None] & mask1[None, :, :]
+    tile2 = site_mask[:, None, None] & mask2[None, :, :]
+    qg1 = tl.load(qg_ptr + sites[:, None, None] * D + cols1[None, :, :], mask=tile1, other=0.0)
+    qg2 = tl.load(qg_ptr + sites[:, None, None] * D + cols2[None, :, :], mask=tile2, other=0.0)
+    slots = 8 if INIT else 4
+    site_table = table_ptr + N + sites * slots
+    out_at = tl.load(site_table, mask=site_mask, other=0).to(tl.pointer_type(SOURCE))
+    dout_at = tl.load(site_table + 1, mask=site_mask, other=0).to(tl.pointer_type(SOURCE))
+    lse_at = tl.load(site_table + 2, mask=site_mask, other=0).to(tl.pointer_type(tl.float32))
+    dlse_at = tl.load(site_table + 3, mask=site_mask, other=0).to(tl.pointer_type(tl.float32))
+    if INIT:
+        init_out_at = tl.load(site_table + 4, mask=site_mask, other=0).to(tl.pointer_type(SOURCE))
+        init_lse_at = tl.load(site_table + 5, mask=site_mask, other=0).to(tl.pointer_type(tl.float32))
+        init_dout_at = tl.load(site_table + 6, mask=site_mask, other=0).to(tl.pointer_type(SOURCE))
+        init_dlse_at = tl.load(site_table + 7, mask=site_mask, other=0).to(tl.pointer_type(tl.float32))
+    row_stride = M.to(tl.int64) * D                  # int64: rows · B·T·d passes 2^31 at large batches
+    qg_grad1 = tl.zeros([G_PAD, H_PAD, K1], tl.float32)                            # Σ dℓ·r·V per site
+    qg_grad2 = tl.zeros([G_PAD, H_PAD, K2_PAD], tl.float32)
 
-    # Pass 1: the softmax couples the sources, dℓ[n, h] = α[n, h]·(<dout_h, V_n,h> − S_h) with
-    # S_h = Σ_n α[n, h]·<dout_h, V_n,h>, so S must be complete before any dV_n can be emitted.
-    coupling = tl.zeros([H_PAD], tl.float32)
-    for n in range(0, N):
-        v = tl.load(sources_ptr + n * row_stride + position * D + cols, mask=mask, other=0.0).to(tl.float32)
-        a = tl.load(alpha_ptr + n * alpha_stride + position * H + heads, mask=head_mask, other=0.0)
-        coupling += a * tl.sum(v * dout, axis=1)
-
-    # Pass 2: recompute r_n (cheaper than saving it: backward reads the row anyway) and emit
-    # dV_n = r·(g ⊙ dk) − (r³/d)·<g ⊙ dk, V_n>·V_n + α_n ⊙ dout, with dk = dℓ_n ⊗ q per head.
-    qg_grad = tl.zeros([H_PAD, K_PAD], tl.float32)                       # Σ_n dℓ_n·r_n·V_n
-    for n in range(0, N):
-        v = tl.load(sources_ptr + n * row_stride + position * D + cols, mask=mask, other=0.0).to(tl.float32)
-        a = tl.load(alpha_ptr + n * alpha_stride + position * H + heads, mask=head_mask, other=0.0)
-        r = tl.rsqrt(tl.sum(tl.sum(v * v, axis=1), axis=0) / D + eps)
-        dlogit = a * (tl.sum(v * dout, axis=1) - coupling)               # (H_PAD,)
-        g_dk = dlogit[:, None] * qg
-        dv = r * g_dk - (r * r * r / D) * tl.sum(tl.sum(g_dk * v, axis=1), axis=0) * v + a[:, None] * dout
-        # This program owns the position, so the read-modify-write of its rows needs no atomics.
-        dsources = dsources_ptr + n * row_stride + position * D + cols
-        tl.store(dsources, tl.load(dsources, mask=mask, other=0.0) + dv, mask=mask)
-        qg_grad += (dlogit * r)[:, None] * v
-
-    # ℓ = <q, r·V ⊙ g> per head: dq = Σ_n dℓ_n·r_n·V_n ⊙ g and dg = Σ_n dℓ_n·r_n·V_n ⊙ q.
-    # q and g are loaded again rather than kept: one tile fewer in registers during the loops.
-    g = tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dq_ptr + position * D + cols, qg_grad * g, mask=mask)
-    q = tl.load(q_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dg_ptr + position * D + cols, qg_grad * q, mask=mask)
+    for pos in range(first, last):
+        row1 = pos * D + cols1[None, :, :]
+        row2 = pos * D + cols2[None, :, :]
+        state = pos * H + heads[None, :]
+        dout1 = tl.load(dout_at[:, None, None] + row1, mask=tile1, other=0.0).to(tl.float32)
+        dout2 = tl.load(dout_at[:, None, None] + row2, mask=tile2, other=0.0).to(tl.float32)
+        out1 = tl.load(out_at[:, None, None] + row1, mask=tile1, other=0.0).to(tl.float32)
+        out2 = tl.load(out_at[:, None, None] + row2, mask=tile2, other=0.0).to(tl.float32)
+        lse = tl.load(lse_at[:, None] + state, mask=state_mask, other=0.0)
+        dlse = tl.load(dlse_at[:, None] + state, mask=state_mask, other=0.0)
+        # The softmax couples the sources: dℓ_n = α_n·(<dout, V_n> − c) per head, where
+        # c = Σ_n α_n·<dout, V_n> − dlse = <dout, out> − dlse needs no pass over the sources.
+        coupling = tl.sum(dout1 * out1, axis=2) + tl.sum(dout2 * out2, axis=2) - dlse    # (G_PAD, H_PAD)
+        if INIT:    # out = β·init_out + Σ_n α_n·V_n with β = exp(init_lse − lse)
+            init1 = tl.load(init_out_at[:, None, None] + row1, mask=tile1, other=0.0).to(tl.float32)
+            init2 = tl.load(init_out_at[:, None, None] + row2, mask=tile2, other=0.0).to(tl.float32)
+            beta = tl.exp(tl.load(init_lse_at[:, None] + state, mask=state_mask, other=0.0) - lse)
+            tl.store(init_dout_at[:, None, None] + row1, (beta[:, :, None] * dout1).to(SOURCE), mask=tile1)
+            tl.store(init_dout_at[:, None, None] + row2, (beta[:, :, None] * dout2).to(SOURCE), mask=tile2)
+            init_coupling = tl.sum(dout1 * init1, axis=2) + tl.sum(dout2 * init2, axis=2)
+            tl.store(init_dlse_at[:, None] + state, beta * (init_coupling - coupling), mask=state_mask)
+        for n in tl.range(0, N, num_stages=NUM_STAGES):
+            source = tl.load(table_ptr + n).to(tl.pointer_type(SOURCE)) + pos * D
+            v1 = tl.load(source + cols1, mask=mask1, other=0.0).to(tl.float32)
+            v2 = tl.load(source + cols2, mask=mask2, other=0.0).to(tl.float32)
+            # The gradient row is loaded before any reduction, so both loads are in flight together.
+            # (Conditions on n as one-element tensors: the interpreter's loop indices are ints.)
+            index = tl.full([1], n, tl.int32)
+            grad_row = grads_ptr + (row0 + n) * row_stride + pos * D
+            earlier1 = tl.load(grad_row + cols1, mask=mask1 & (index < fresh_lo), other=0.0)
+            earlier2 = tl.load(grad_row + cols2, mask=mask2 & (index < fresh_lo), other=0.0)
+            r = tl.rsqrt((tl.sum(v1 * v1) + tl.sum(v2 * v2)) / D + eps)
+            logit = r * (tl.sum(qg1 * v1[None, :, :], axis=2) + tl.sum(qg2 * v2[None, :, :], axis=2))
+            alpha = tl.where(state_mask, tl.exp(logit - lse), 0.0)                     # (G_PAD, H_PAD)
+            dot = tl.sum(dout1 * v1[None, :, :], axis=2) + tl.sum(dout2 * v2[None, :, :], axis=2)
+            dlogit = alpha * (dot - coupling)
+            # dV_n = r·(g ⊙ dk) − (r³/d)·<g ⊙ dk, V_n>·V_n + Σ_sites α_n ⊙ dout, with g ⊙ dk = Σ_sites dℓ_n·q ⊙ g
+            g_dk1 = tl.sum(dlogit[:, :, None] * qg1, axis=0)                         # (H_PAD, K1)
+            g_dk2 = tl.sum(dlogit[:, :, None] * qg2, axis=0)
+            norm_coupling = r * r * r / D * (tl.sum(g_dk1 * v1) + tl.sum(g_dk2 * v2))
+            grad1 = earlier1 + r * g_dk1 - norm_coupling * v1 + tl.sum(alpha[:, :, None] * dout1, axis=0)
+            grad2 = earlier2 + r * g_dk2 - norm_coupling * v2 + tl.sum(alpha[:, :, None] * dout2, axis=0)
+            qg_grad1 += (dlogit * r)[:, :, None] * v1[None, :, :]
+            qg_grad2 += (dlogit * r)[:, :, None] * v2[None, :, :]
+            # This program owns the position: the read-modify-write of its rows needs no atomics.
+            tl.store(grad_row + cols1, grad1, mask=mask1 & (index < own_lo))
+            tl.store(grad_row + cols2, grad2, mask=mask2 & (index < own_lo))
+            owned_row = owned_ptr + tl.maximum(n - own_lo, 0) * row_stride + pos * D
+            tl.store(owned_row + cols1, grad1.to(SOURCE), mask=mask1 & (index >= own_lo))
+            tl.store(owned_row + cols2, grad2.to(SOURCE), mask=mask2 & (index >= own_lo))
+    partial = qg_grad_ptr + program * G * D + sites[:, None, None] * D
+    tl.store(partial + cols1[None, :, :], qg_grad1, mask=tile1)
+    tl.store(partial + cols2[None, :, :], qg_grad2, mask=tile2)
 
 
 # True when TRITON_INTERPRET=1 was set before import: triton.jit then made interpreted functions.
 INTERPRETED = not isinstance(_route_forward_kernel, triton.runtime.JITFunction)
 
 
-def _launch_config(sources, q, g, heads):
-    """Tile shape and warps for the kernels; raises on what they cannot run."""
-    d = sources.shape[-1]
-    if sources.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"fused routing stores sources in float32 or bfloat16, got {sources.dtype}")
-    if q.shape != (d,) or g.shape != (d,):
-        raise ValueError(f"q and g must have shape ({d},) to match the sources, "
-                         f"got {tuple(q.shape)} and {tuple(g.shape)}")
-    if d % heads != 0:
-        raise ValueError(f"the width d={d} must be divisible by heads={heads}")
-    h_pad, k_pad = triton.next_power_of_2(heads), triton.next_power_of_2(d // heads)
-    if h_pad * k_pad > MAX_TILE:
-        raise ValueError(f"fused routing holds a row of width d={d} as a {h_pad}x{k_pad} tile; past {MAX_TILE} "
-                         f"elements it does not fit in one program: use fused=False for this width")
-    # About 8 elements of each tile per thread: one 16-byte load of bf16 (two of fp32), and few
-    # enough that the tiles a program keeps stay in registers (ptxas, sm_90: no spills up to MAX_TILE).
-    num_warps = min(max(h_pad * k_pad // 256, 1), 16)
-    return dict(D=d, H=heads, K=d // heads, H_PAD=h_pad, K_PAD=k_pad, num_warps=num_warps)
+# %% Launchers
+
+def layout(width, heads, sites):
+    """The constexprs of a launch routing `sites` sites at this width and head count; raises on
+    what the kernels cannot hold."""
+    if width % heads != 0:
+        raise ValueError(f"the width d={width} must be divisible by heads={heads}")
+    K = width // heads
+    K1 = 1 << (K.bit_length() - 1)                   # the largest power of two <= K
+    K2 = K - K1
+    config = dict(D=width, H=heads, K=K, K1=K1, K2=K2, K2_PAD=triton.next_power_of_2(K2) if K2 else 1,
+                  H_PAD=triton.next_power_of_2(heads), G=sites, G_PAD=triton.next_power_of_2(sites))
+    tile = config["G_PAD"] * config["H_PAD"] * (K1 + config["K2_PAD"])
+    if tile > MAX_TILE:
+        raise ValueError(f"fused routing holds {sites} site(s) of width d={width} as {tile} fp32 lanes per tile; "
+                         f"past {MAX_TILE} they do not fit in one program: use a smaller fused_group, "
+                         f"or fused=False for this width")
+    return config
 
 
-def route_forward(sources, n, q, g, heads, eps):
-    """Route over rows [0, n) of a contiguous source buffer [rows, B, T, d]:
-    returns the output (B, T, d) in the sources' dtype and α [n, B·T, H] fp32."""
-    config = _launch_config(sources, q, g, heads)
-    rows, B, T, d = sources.shape
-    out = torch.empty((B, T, d), dtype=sources.dtype, device=sources.device)
-    alpha = torch.empty((n, B * T, heads), dtype=torch.float32, device=sources.device)
-    _route_forward_kernel[(B * T,)](
-        sources, q.contiguous(), g.contiguous(), out, alpha, n, B * T, eps,
-        N_PAD=triton.next_power_of_2(n), **config,
-    )
-    return out, alpha
+def _num_warps(config):
+    # About 16 lanes of each (G, H, K) tile per thread: several tiles stay in registers, and a row
+    # of bf16 sources still loads in 16-byte pieces (ptxas, sm_90: no spills up to MAX_TILE).
+    tile = config["G_PAD"] * config["H_PAD"] * (config["K1"] + config["K2_PAD"])
+    return min(max(triton.next_power_of_2(tile // 512), 2), 16)
 
 
-def route_backward(sources, n, q, g, alpha, dout, heads, eps, dsources):
-    """Add the source gradients of rows [0, n) into the fp32 buffer dsources [rows, B, T, d]
-    (in place) and return dq, dg (fp32, summed over positions)."""
-    config = _launch_config(sources, q, g, heads)
-    rows, B, T, d = sources.shape
-    dq = torch.empty((B * T, d), dtype=torch.float32, device=sources.device)
-    dg = torch.empty((B * T, d), dtype=torch.float32, device=sources.device)
-    _route_backward_kernel[(B * T,)](
-        sources, q.contiguous(), g.contiguous(), alpha, dout.contiguous(), dsources, dq, dg, n, B * T, eps,
-        **config,
-    )
-    return dq.sum(0), dg.sum(0)
+def _programs(M):
+    """Positions per program, and programs: a fixed split of the positions, for determinism."""
+    # The interpreter runs programs one after another: there, few programs of many positions cost
+    # less per position (and the tests exercise the loop over positions).
+    per_program = triton.cdiv(M, INTERPRETED_PROGRAMS if INTERPRETED else PROGRAMS)
+    return per_program, triton.cdiv(M, per_program)
 
 
-class _FusedRoute(torch.autograd.Function):
-    """mhar.route on a stacked V: saves V (an input anyway) and α, not a single fp32 copy of V."""
-
-    @staticmethod
-    def forward(ctx, V, q, g, heads, eps):
-        V = V.contiguous()
-        out, alpha = route_forward(V, V.shape[0], q, g, heads, eps)
-        ctx.save_for_backward(V, q, g, alpha)
-        ctx.heads, ctx.eps = heads, eps
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        V, q, g, alpha = ctx.saved_tensors
-        dV = torch.zeros(V.shape, dtype=torch.float32, device=V.device)
-        dq, dg = route_backward(V, V.shape[0], q, g, alpha, dout, ctx.heads, ctx.eps, dV)
-        return dV.to(V.dtype), dq.to(q.dtype), dg.to(g.dtype), None, None
+def _address_table(tensors, device):
+    """The kernels read their tensors through a table of addresses: no copy into one buffer."""
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
 
 
-class _HistoryRoute(torch.autograd.Function):
-    """One site of a FusedHistory. Saves q, g and α; the source buffer stays outside autograd
-    (later sites write later rows of it in place, which a saved tensor would forbid)."""
+def _check_sources(sources, qg, heads):
+    first = sources[0]
+    if first.dtype not in SOURCE_TYPES:
+        raise TypeError(f"fused routing stores sources in float32 or bfloat16, got {first.dtype}")
+    for source in sources:
+        if source.shape != first.shape or source.dtype != first.dtype or not source.is_contiguous():
+            raise ValueError(f"fused routing needs contiguous sources of one shape and dtype, got "
+                             f"{tuple(source.shape)} {source.dtype} next to {tuple(first.shape)} {first.dtype}")
+    if qg.shape[1:] != first.shape[-1:]:
+        raise ValueError(f"q and g must have shape ({first.shape[-1]},) to match the sources")
+    return layout(first.shape[-1], heads, qg.shape[0])
 
-    @staticmethod
-    def forward(ctx, source, q, g, history):
-        site = history._append(source)
-        out, alpha = route_forward(history.sources, site + 1, q, g, history.heads, history.eps)
-        ctx.save_for_backward(q, g, alpha)
-        ctx.history, ctx.site = history, site
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        history, site = ctx.history, ctx.site
-        q, g, alpha = ctx.saved_tensors
-        grads = history._backward_rows(site)
-        dq, dg = route_backward(history.sources, site + 1, q, g, alpha, dout, history.heads, history.eps, grads)
-        # Sites after this one have already added their share of row `site` (they ran first),
-        # and sites before it never read it: its gradient is complete.
-        dsource = grads[site].to(history.source_dtypes[site])
-        return dsource, dq.to(q.dtype), dg.to(g.dtype), None
+def _route_forward(sources, qg, init, heads, eps):
+    """Route G sites over `sources` (each (B, T, d)); init = [] or, per site, the output and lse
+    of the partial state it continues. Returns the G outputs (sources' dtype), the G lse (fp32)."""
+    config = _check_sources(sources, qg, heads)
+    source = sources[0]
+    G, M = qg.shape[0], source.numel() // source.shape[-1]
+    outs = [torch.empty(source.shape, dtype=source.dtype, device=source.device) for _ in range(G)]
+    lses = [torch.empty((*source.shape[:-1], heads), dtype=torch.float32, device=source.device) for _ in range(G)]
+    per_site = [[outs[i], lses[i], *init[i::G]] for i in range(G)]
+    table = _address_table(sources + [t for site in per_site for t in site], source.device)
+    per_program, programs = _programs(M)
+    _route_forward_kernel[(programs,)](
+        table, qg.contiguous(), len(sources), M, per_program, eps, SOURCE=SOURCE_TYPES[source.dtype],
+        INIT=bool(init), NUM_STAGES=NUM_STAGES, num_warps=_num_warps(config), **config)
+    return outs, lses
+
+
+def _route_backward(grads, sources, qg, outs, douts, lses, dlses, init, heads, eps, row0, own_lo, fresh_lo):
+    """Add the gradients of `sources` into rows row0.. of the fp32 buffer `grads` (in place);
+    return the final gradients of sources own_lo.. (one tensor, sources' dtype), the gradient of
+    qg (G, d) and the gradients of `init`."""
+    config = _check_sources(sources, qg, heads)
+    source = sources[0]
+    G, M, d = qg.shape[0], source.numel() // source.shape[-1], source.shape[-1]
+    owned = torch.empty((len(sources) - own_lo, *source.shape), dtype=source.dtype, device=source.device)
+    init_grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in init]
+    per_program, programs = _programs(M)
+    qg_grads = torch.empty((programs, G, d), dtype=torch.float32, device=source.device)
+    per_site = [[outs[i], douts[i], lses[i], dlses[i], *init[i::G], *init_grads[i::G]] for i in range(G)]
+    table = _address_table(sources + [t for site in per_site for t in site], source.device)
+    _route_backward_kernel[(programs,)](
+        table, qg.contiguous(), grads, owned, qg_grads, len(sources), M, per_program, row0, own_lo, fresh_lo, eps,
+        SOURCE=SOURCE_TYPES[source.dtype], INIT=bool(init), NUM_STAGES=NUM_STAGES, num_warps=_num_warps(config),
+        **config)
+    return owned, qg_grads.sum(0), init_grads        # a fixed-order sum over programs: deterministic
+
+
+# %% Custom operators and autograd
+#
+# `route_sites` is one launch: G sites over a list of sources, optionally continuing partial
+# states. Its outputs are the G routed outputs, their G log-sum-exps and the carrier, a tensor with
+# the shape of the gradient buffer and no memory (a stride-0 view of one element). Autograd hands the
+# buffer from launch to launch backward as the carrier's gradient, which makes the launches' order
+# in backward exactly the reverse of forward, also under torch.compile.
+
+@torch.library.custom_op("mhar::route_sites", mutates_args=())
+def route_sites(carrier: Tensor, sources: list[Tensor], qg: Tensor, init: list[Tensor], heads: int, eps: float,
+                rows: int, row0: int, own_lo: int, fresh_lo: int, last: bool) -> list[Tensor]:
+    """Route the G = len(qg) sites over `sources`: [out × G, lse × G, carrier].
+
+    The sources are rows row0.. of the history's gradient buffer of `rows` rows (an extra source
+    past them, a block's partial sum, has no row); own_lo and fresh_lo say which of them this launch
+    completes and which it touches first in backward. The last launch of a forward passes on an
+    empty carrier: nothing consumes it, and a gradient for it would be zero-filled.
+    """
+    outs, lses = _route_forward(sources, qg, init, heads, eps)
+    return [*outs, *lses, _carrier(sources[0], 0 if last else rows)]
+
+
+def _carrier(like, rows):
+    return torch.zeros((), dtype=torch.float32, device=like.device).expand(rows, *like.shape)
+
+
+@route_sites.register_fake
+def _(carrier, sources, qg, init, heads, eps, rows, row0, own_lo, fresh_lo, last):
+    source = sources[0]
+    outs = [source.new_empty(source.shape) for _ in range(qg.shape[0])]
+    lses = [source.new_empty((*source.shape[:-1], heads), dtype=torch.float32) for _ in range(qg.shape[0])]
+    return [*outs, *lses, source.new_empty((), dtype=torch.float32).expand(0 if last else rows, *source.shape)]
+
+
+@torch.library.custom_op("mhar::route_sites_backward", mutates_args=("grads",))
+def route_sites_backward(grads: Tensor, sources: list[Tensor], qg: Tensor, outs: list[Tensor], douts: list[Tensor],
+                         lses: list[Tensor], dlses: list[Tensor], init: list[Tensor], heads: int, eps: float,
+                         row0: int, own_lo: int, fresh_lo: int) -> list[Tensor]:
+    """Backward of one route_sites launch, adding into the buffer `grads` in place:
+    [final gradients of sources own_lo.. stacked, gradient of qg, gradients of init...]."""
+    owned, qg_grad, init_grads = _route_backward(grads, sources, qg, outs, douts, lses, dlses, init, heads, eps,
+                                                 row0, own_lo, fresh_lo)
+    return [owned, qg_grad, *init_grads]
+
+
+@route_sites_backward.register_fake
+def _(grads, sources, qg, outs, douts, lses, dlses, init, heads, eps, row0, own_lo, fresh_lo):
+    source = sources[0]
+    return [source.new_empty((len(sources) - own_lo, *source.shape)), qg.new_empty(qg.shape),
+            *[t.new_empty(t.shape) for t in init]]
+
+
+def _setup_route_sites(ctx, inputs, output):
+    carrier, sources, qg, init, heads, eps, rows, row0, own_lo, fresh_lo, last = inputs
+    G = qg.shape[0]
+    # Saved: the sources (inputs, alive anyway), the outputs and their lse (the only new
+    # activations: an output is the next sublayer's input, and the lse are d/H times smaller).
+    ctx.save_for_backward(qg, *sources, *init, *output[:2 * G])
+    ctx.counts = len(sources), len(init), G
+    ctx.heads, ctx.eps, ctx.rows, ctx.row0, ctx.own_lo, ctx.fresh_lo, ctx.last = (
+        heads, eps, rows, row0, own_lo, fresh_lo, last)
+
+
+def _route_sites_backward(ctx, grads):
+    n_sources, n_init, G = ctx.counts
+    qg, *saved = ctx.saved_tensors
+    sources, init, outs, lses = (saved[:n_sources], saved[n_sources:n_sources + n_init],
+                                 saved[n_sources + n_init:n_sources + n_init + G], saved[n_sources + n_init + G:])
+    douts, dlses, dcarrier = grads[:G], grads[G:2 * G], grads[2 * G]
+    source = sources[0]
+    douts = [d.contiguous() if d is not None else torch.zeros_like(source) for d in douts]
+    dlses = [d.contiguous() if d is not None else torch.zeros_like(lse) for d, lse in zip(dlses, lses)]
+    if ctx.last:    # the first launch in backward: no gradient yet, and every row it reads is fresh
+        buffer = torch.empty((ctx.rows, *source.shape), dtype=torch.float32, device=source.device)
+    else:
+        buffer = dcarrier.contiguous()
+    owned, qg_grad, *init_grads = route_sites_backward(buffer, sources, qg, outs, douts, lses, dlses, init,
+                                                       ctx.heads, ctx.eps, ctx.row0, ctx.own_lo, ctx.fresh_lo)
+    source_grads = [None] * ctx.own_lo + list(owned.unbind(0))
+    carrier_grad = buffer if ctx.needs_input_grad[0] else None
+    return carrier_grad, source_grads, qg_grad, init_grads, None, None, None, None, None, None, None
+
+
+route_sites.register_autograd(_route_sites_backward, setup_context=_setup_route_sites)
 
 
 def check_available(device=None):
@@ -280,227 +464,162 @@ def check_available(device=None):
 
 
 def fused_route(V, q, g, heads, eps=1e-6):
-    """The multi-head depth route, fused: same contract as mhar.route (V (N, B, T, d) -> (B, T, d)
-    in V.dtype, computed in float32; gradients in the dtypes of V, q, g)."""
+    """The multi-head depth route of one site in one launch: the contract of mhar.route
+    (V (N, B, T, d) -> (B, T, d) in V.dtype, float32 inside; gradients in the dtypes of V, q, g)."""
     check_available(V.device)
-    return _FusedRoute.apply(V, q, g, heads, eps)
+    if q.shape != V.shape[-1:] or g.shape != V.shape[-1:]:
+        raise ValueError(f"q and g must have shape ({V.shape[-1]},) to match the sources, "
+                         f"got {tuple(q.shape)} and {tuple(g.shape)}")
+    qg = (q.float() * g.float())[None]                                             # (1, d)
+    sources = list(V.contiguous().unbind(0))
+    outs = route_sites(_carrier(V[0], 0), sources, qg, [], heads, eps, 0, 0, 0, 0, True)
+    return outs[0]
+
+
+# %% The history of one forward pass
+#
+# The schedule of launches is static: it depends on the number of sites, the block size and the
+# group size only. A source is "committed" once no later sum changes it (every source in full
+# routing; the embedding and each completed block sum in block routing; delta routing also commits
+# its null source first); committed sources are the rows of the gradient buffer. Block routing's
+# partial sum of the current block is read by one site only, so it travels outside the buffer.
+
+Launch = namedtuple("Launch", "phase site sites lo hi partial own_lo fresh_lo last")
+Launch.__doc__ = """One route_sites call, made when site `site` is read. Phase 1: sites site.. (`sites`
+of them) over committed rows 0..hi-1; phase 2: site `site` continues its phase-1 state over rows
+lo..hi-1. Both also read the site's partial block sum when `partial`. The launch completes the
+gradients of its sources own_lo.. and is the first to touch its sources fresh_lo.. in backward."""
+
+
+def committed_rows(site, block=1, delta=False):
+    """How many sources are committed once site `site`'s source has been appended."""
+    return (2 if delta else 1) + site // block
+
+
+def reads_partial(site, block=1, delta=False):
+    """Whether site `site` also reads its block's partial sum (block routing inside a block)."""
+    return not delta and site % block != 0
+
+
+def auto_group(n_sites, width, heads, block=1, delta=False):
+    """The group size for Config.fused_group = 0: the block for block and delta routing (all its
+    sites read the same completed blocks); for full routing the power of two that minimizes the
+    ≈ S²/G + S·G rows a network of S sites reads (≈ √S), within what one program holds."""
+    if block > 1 or delta:
+        group = min(block, n_sites)
+        while group > 1 and not _fits(width, heads, group):
+            group -= 1
+        return group
+    fits = [G for G in (1, 2, 4, 8, 16, 32, 64) if G <= n_sites and _fits(width, heads, G)]
+    return min(fits, key=lambda G: n_sites * n_sites / G + n_sites * G)
+
+
+def _fits(width, heads, sites):
+    try:
+        layout(width, heads, sites)
+    except ValueError:
+        return False
+    return True
+
+
+def schedule(n_sites, group, block=1, delta=False):
+    """The launches of one forward, in order (see Launch). `group` consecutive sites share phase 1."""
+    launches = []
+    for leader in range(0, n_sites, group):
+        sites = min(group, n_sites - leader)
+        shared = committed_rows(leader, block, delta)                  # what every site of the group reads
+        # A group of one reads its partial block sum in phase 1: one pass per site.
+        launches.append(dict(phase=1, site=leader, sites=sites, lo=0, hi=shared,
+                             partial=sites == 1 and reads_partial(leader, block, delta)))
+        for site in range(leader, leader + sites if sites > 1 else leader):
+            rows = committed_rows(site, block, delta)
+            if rows > shared or reads_partial(site, block, delta):    # phase 2: merge what came later
+                launches.append(dict(phase=2, site=site, sites=1, lo=shared, hi=rows,
+                                     partial=reads_partial(site, block, delta)))
+    # A row's gradient is complete after the backward of its first reader, which runs last.
+    read = 0
+    for launch in launches:
+        launch["own_lo"] = max(read, launch["lo"]) - launch["lo"]
+        read = max(read, launch["hi"])
+    # A launch is the first to touch its rows in backward if no later launch reads them.
+    last_reader = {row: i for i, launch in enumerate(launches) for row in range(launch["lo"], launch["hi"])}
+    for i, launch in enumerate(launches):
+        mine = [last_reader[row] == i for row in range(launch["lo"], launch["hi"])]
+        assert all(mine) or not any(mine), "a launch touches some of its rows first and others not"
+        launch["fresh_lo"] = 0 if all(mine) else launch["hi"] - launch["lo"]
+        launch["last"] = i == len(launches) - 1
+    return [Launch(**launch) for launch in launches]
 
 
 class FusedHistory:
-    """The depth history of ONE forward pass, in one shared buffer [n_sources, B, T, d].
+    """The depth history of ONE forward pass, routed by the fused kernels.
 
-    Each call to `route(source, q, g)` writes `source` into the next row and routes over all rows
-    written so far. Backward accumulates every site's source gradients into one fp32 buffer;
-    that is exact only if the sites backpropagate once each, last site first — which autograd
-    does for a chain where each site's output feeds the sublayer that produces the next source.
-    Activation checkpointing (re-running forwards) and a second backward through the same graph
-    break that; both raise.
+        history.append(source)     # (B, T, d): s_0 (the embedding) first, then each sublayer's output
+        h = history.read(site)     # (B, T, d): the route of site `site` over what the history holds
+
+    from per-site parameters queries[site], norms[site] ((d,) each; a list or an (S, d) tensor), for
+    full routing (block=1), block routing (block = S > 1: completed block sums and the current
+    block's partial sum) and delta routing (null given: [null, completed block deltas]). Site j is
+    read right after the (j+1)-th append. `group` sites share each phase 1 (0: auto_group).
     """
 
-    def __init__(self, n_sources, heads, eps=1e-6):
-        self.n_sources, self.heads, self.eps = n_sources, heads, eps
-        self.sources = None             # [n_sources, B, T, d] in the first source's dtype, at the first route
-        self.source_dtypes = []         # dtype of each appended source: its gradient leaves in it
-        self.grads = None               # [n_sources, B, T, d] fp32, at the first backward
-        self.last_backward = None       # the site whose backward ran last: the next must be earlier
+    def __init__(self, queries, norms, heads, eps=1e-6, block=1, group=0, null=None):
+        n_sites, width = len(queries), queries[0].shape[-1]
+        delta = null is not None
+        group = group or auto_group(n_sites, width, heads, block, delta)
+        layout(width, heads, group)                                      # fails here if a group cannot fit
+        self.queries, self.norms, self.heads, self.eps, self.block, self.null = queries, norms, heads, eps, block, null
+        self.launches = {}                                               # site -> the launches its read makes
+        for launch in schedule(n_sites, group, block, delta):
+            self.launches.setdefault(launch.site, []).append(launch)
+        self.rows_total = committed_rows(n_sites - 1, block, delta)
+        self.rows = []              # committed sources: b_0 = s_0 (after delta's null), then ...
+        self.partial = None         # the current block's partial sum, not yet committed
+        self.in_block = 0           # how many outputs it holds
+        self.appended = 0
+        self.carrier = None         # passes the source-gradient buffer backward from launch to launch
+        self.states = {}            # site -> (out, lse): the partial state of phase 1, or the final one
+        self.outputs = {}           # site -> its routed output, once read
 
-    def route(self, source, q, g):
-        """Append `source` (B, T, d) as the next row and route over all rows: (B, T, d)."""
-        return _HistoryRoute.apply(source, q, g, self)
-
-    def _append(self, source):
-        site = len(self.source_dtypes)
-        if self.last_backward is not None:
-            raise RuntimeError("FusedHistory.route ran after backward began; activation checkpointing re-runs "
-                               "forwards during backward, which the shared buffer cannot support: "
-                               "use fused=False or no activation checkpointing")
-        if site == self.n_sources:
-            raise RuntimeError(f"FusedHistory.route called more than n_sources={self.n_sources} times; a history "
-                               f"serves one forward pass (activation checkpointing re-running the forward also "
-                               f"does this: use fused=False or no activation checkpointing)")
-        if self.sources is None:
+    def append(self, source):
+        """Append a source (B, T, d): the embedding first, then each sublayer's raw output."""
+        if self.appended == len(self.queries):
+            raise RuntimeError(f"FusedHistory holds the sources of {len(self.queries)} sites; "
+                               f"a history serves one forward pass")
+        if self.appended == 0:
             check_available(source.device)
-            self.sources = torch.empty((self.n_sources, *source.shape), dtype=source.dtype, device=source.device)
-        elif source.shape != self.sources.shape[1:]:
-            raise ValueError(f"source {site} has shape {tuple(source.shape)}, "
-                             f"the history holds {tuple(self.sources.shape[1:])}")
-        self.sources[site].copy_(source)
-        self.source_dtypes.append(source.dtype)
-        return site
+            if self.null is not None:
+                self.rows.append(self.null.to(source.dtype).expand_as(source).contiguous())
+            self.rows.append(source.contiguous())                       # b_0 = s_0
+        else:
+            self.partial = source if self.partial is None else self.partial + source
+            self.in_block += 1
+            if self.in_block == self.block:
+                self.rows.append(self.partial.contiguous())
+                self.partial, self.in_block = None, 0
+        self.appended += 1
 
-    def _backward_rows(self, site):
-        """The fp32 gradient buffer, after checking that backward runs in reverse site order."""
-        if self.last_backward is not None and site >= self.last_backward:
-            raise RuntimeError(f"FusedHistory: the backward of routing site {site} ran after that of site "
-                               f"{self.last_backward}; the shared gradient buffer needs each site to backpropagate "
-                               f"once, last site first. A second backward through the same graph (retain_graph) "
-                               f"or activation checkpointing (torch.utils.checkpoint) breaks that: use fused=False "
-                               f"or no activation checkpointing, and one backward per forward")
-        self.last_backward = site
-        if self.grads is None:
-            self.grads = torch.zeros(self.sources.shape, dtype=torch.float32, device=self.sources.device)
-        return self.grads
+    def read(self, site):
+        """The routed input of site `site` (B, T, d), once the history holds its sources."""
+        if site != self.appended - 1:
+            raise ValueError(f"FusedHistory.read({site}): site j is read right after the (j+1)-th append, "
+                             f"and the history holds {self.appended} sources")
+        if site not in self.outputs:
+            for launch in self.launches.get(site, []):
+                self._launch(launch)
+            self.outputs[site] = self.states[site][0]
+        return self.outputs[site]
 
-
-def _stacked_network(route, s0, qs, gs, heads, sublayer):
-    """Every site of a network, stacking the sources for each site as the readable path does;
-    `sublayer` turns site j's output into source j+1."""
-    sources = [s0]
-    h = route(torch.stack(sources), qs[0], gs[0], heads)
-    for q, g in zip(qs[1:], gs[1:]):
-        sources.append(sublayer(h))
-        h = route(torch.stack(sources), q, g, heads)
-    return h
-
-
-def _fused_network(s0, qs, gs, heads, sublayer):
-    """The same network through one FusedHistory."""
-    history = FusedHistory(len(qs), heads)
-    h = history.route(s0, qs[0], gs[0])
-    for q, g in zip(qs[1:], gs[1:]):
-        h = history.route(sublayer(h), q, g)
-    return h
-
-
-def _relative_error(a, b):
-    # clamped: with one source the softmax is constant and dq = dg = 0 exactly on both sides
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
-def _check(device, shapes, sites):
-    """fused_route and FusedHistory against mhar.route: output and every gradient, fp32 and bf16.
-    bf16 is compared with the float32 reference on the same bf16-rounded inputs."""
-    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}             # bf16 outputs and dV are rounded to 8 bits
-    # Along a chain of sites the two paths' roundings compound, and dq, dg come from a
-    # cancellation (<dout, V_n> − S) that magnifies them: ~1e-5 in fp32 at 25 sites, a few % in bf16.
-    chain_tolerance = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
-    failed = False
-    for dtype in SUPPORTED_DTYPES:
-        for N, B, T, d, heads in shapes:
-            V = torch.randn(N, B, T, d, device=device).to(dtype)
-            q, g = 0.3 * torch.randn(d, device=device), 1 + 0.1 * torch.randn(d, device=device)
-            dout = torch.randn(B, T, d, device=device).to(dtype)
-            results = []
-            for route, inputs in ((fused_route, (V, q, g)), (mhar.route, (V.float(), q, g))):
-                inputs = [x.clone().requires_grad_() for x in inputs]
-                out = route(*inputs, heads)
-                out.backward(dout.to(out.dtype))
-                results.append([out] + [x.grad for x in inputs])
-            errors = [_relative_error(a, b) for a, b in zip(*results)]
-            failed |= max(errors) > tolerance[dtype]
-            print(f"fused_route   {str(dtype)[6:]:8} N={N:<3} B·T={B * T:<5} d={d:<5} H={heads:<2} "
-                  + "  ".join(f"{name} {e:.1e}" for name, e in zip(("out", "dV", "dq", "dg"), errors)))
-
-        N, B, T, d, heads = shapes[-1]
-        s0 = torch.randn(B, T, d, device=device).to(dtype)
-        qs = [0.3 * torch.randn(d, device=device) for _ in range(sites)]
-        gs = [1 + 0.1 * torch.randn(d, device=device) for _ in range(sites)]
-        dout = torch.randn(B, T, d, device=device).to(dtype)
-        results = []
-        for network in (_fused_network, partial(_stacked_network, mhar.route)):
-            leaves = [x.clone().requires_grad_() for x in [s0, *qs, *gs]]
-            # sin as the sublayer: an identity would make later sources copies of mixes of earlier ones
-            out = network(leaves[0], leaves[1:sites + 1], leaves[sites + 1:], heads, torch.sin)
-            out.backward(dout)
-            # dq and dg of all sites as one vector each: at site 0 (one source) they are exactly zero
-            results.append([out, leaves[0].grad, torch.cat([x.grad for x in leaves[1:sites + 1]]),
-                            torch.cat([x.grad for x in leaves[sites + 1:]])])
-        errors = [_relative_error(a, b) for a, b in zip(*results)]
-        failed |= max(errors) > chain_tolerance[dtype]
-        print(f"FusedHistory  {str(dtype)[6:]:8} {sites} sites, B·T={B * T:<5} d={d:<5} H={heads:<2} "
-              + "  ".join(f"{name} {e:.1e}" for name, e in zip(("out", "ds0", "dq", "dg"), errors)))
-    print("check FAILED" if failed else "check passed")
-    return not failed
-
-
-# DESIGN §5, the paper's kernel table: (preset, d, L, B, T, H = n_kv_head), bf16 sources.
-KERNEL_TABLE = [("100m", 512, 12, 2, 2048, 4), ("350m", 1024, 24, 1, 1024, 8), ("1b", 1280, 36, 1, 1024, 8)]
-
-
-def _benchmark():
-    """Route every site of a network (identity sublayers), forward and forward+backward: readable,
-    compiled, fused. Returns the fused forward+backward ms per shape."""
-    from triton.testing import do_bench
-    x = torch.empty(2**28, device="cuda")
-    y = torch.empty_like(x)
-    bandwidth = 2 * x.nbytes / do_bench(lambda: y.copy_(x), return_mode="median") / 1e6   # GB/s, read + write
-    del x, y
-    print(f"\n{torch.cuda.get_device_name()}: copy bandwidth {bandwidth:.0f} GB/s. GB/s below count the one-pass "
-          f"floor's bytes (bf16 reads: 2 B per source element forward, 14 B forward+backward) over the time taken.")
-    compiled = torch.compile(mhar.route, dynamic=True)
-    networks = {"eager": partial(_stacked_network, mhar.route), "compile": partial(_stacked_network, compiled),
-                "fused": _fused_network}
-    identity = torch.nn.Identity()                                      # only the routing is timed
-    routing = {}                                                        # fused fwd+bwd ms per shape
-    print(f"{'shape':6} {'method':8} {'fwd ms':>9} {'GB/s':>7} {'fwd+bwd ms':>11} {'GB/s':>7} {'% of copy':>9}")
-    for preset, d, L, B, T, heads in KERNEL_TABLE:
-        sites = 2 * L + 1
-        elements = sites * (sites + 1) // 2 * B * T * d                 # Σ_j N_j source rows of B·T·d
-        floor_forward, floor = 2 * elements, 14 * elements              # bytes
-        print(f"{preset:6} {'floor':8} {floor_forward / bandwidth / 1e6:9.2f} {bandwidth:7.0f} "
-              f"{floor / bandwidth / 1e6:11.2f} {bandwidth:7.0f} {100:9.0f}")
-        s0 = torch.randn(B, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        qs = [(0.02 * torch.randn(d, device="cuda")).requires_grad_() for _ in range(sites)]
-        gs = [torch.ones(d, device="cuda", requires_grad=True) for _ in range(sites)]
-        dout = torch.randn(B, T, d, device="cuda", dtype=torch.bfloat16)
-        for method, network in networks.items():
-            try:
-                with torch.no_grad():
-                    forward = do_bench(lambda: network(s0, qs, gs, heads, identity), return_mode="median")
-                both = do_bench(lambda: network(s0, qs, gs, heads, identity).backward(dout),
-                                grad_to_none=[s0, *qs, *gs], return_mode="median")
-            except torch.cuda.OutOfMemoryError:
-                print(f"{preset:6} {method:8} {'OOM':>9}")
-                continue
-            finally:
-                torch.cuda.empty_cache()
-            print(f"{preset:6} {method:8} {forward:9.2f} {floor_forward / forward / 1e6:7.0f} {both:11.2f} "
-                  f"{floor / both / 1e6:7.0f} {100 * floor / both / 1e6 / bandwidth:9.0f}")
-            if method == "fused":
-                routing[preset] = both
-    return routing
-
-
-def _step_benchmark(routing):
-    """A whole training step (forward + backward, bf16 autocast, one microbatch of the kernel-table
-    shape): MHAR eager and fused against the baseline, and the fused routing's share of the step."""
-    from triton.testing import do_bench
-    print(f"\n{'shape':6} {'baseline ms':>11} {'MHAR eager ms':>13} {'MHAR fused ms':>13} {'fused speed':>11} "
-          f"{'routing share':>13}   (speed: baseline ms / fused ms, the paper's 0.88 / 0.71 / 0.55)")
-    for preset, d, L, B, T, heads in KERNEL_TABLE:
-        idx = torch.randint(0, 50257, (B, T), device="cuda")
-        step_ms = {}
-        for name, overrides in (("baseline", dict(residual="baseline")), ("eager", dict(residual="mhar")),
-                                ("fused", dict(residual="mhar", fused=True))):
-            model = mhar.GPT(mhar.preset(preset, **overrides)).cuda()
-
-            def step():
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = model(idx, idx)[1]
-                loss.backward()
-            try:
-                step_ms[name] = do_bench(step, grad_to_none=list(model.parameters()), return_mode="median")
-            except torch.cuda.OutOfMemoryError:
-                step_ms[name] = float("nan")                            # the paper's eager 1B runs out too
-            finally:
-                del model
-                torch.cuda.empty_cache()
-        print(f"{preset:6} {step_ms['baseline']:11.1f} {step_ms['eager']:13.1f} {step_ms['fused']:13.1f} "
-              f"{step_ms['baseline'] / step_ms['fused']:10.2f}x {100 * routing[preset] / step_ms['fused']:12.0f}%")
-
-
-if __name__ == "__main__":
-    import sys
-
-    import mhar
-
-    torch.manual_seed(0)
-    if torch.cuda.is_available() and not INTERPRETED:
-        # (N, B, T, d, H): one source; odd widths; the 1B width; the deepest site of 350M at H = 4
-        shapes = [(1, 2, 33, 40, 8), (9, 3, 65, 520, 8), (25, 1, 257, 1280, 8), (49, 1, 129, 1024, 4)]
-        ok = _check("cuda", shapes, sites=25)
-        _step_benchmark(_benchmark())
-    else:
-        print("no CUDA GPU: checking the kernels in the Triton interpreter on small shapes; no benchmark")
-        ok = _check("cpu", [(1, 1, 3, 24, 2), (2, 3, 5, 40, 8), (9, 3, 5, 40, 4)], sites=5)
-    sys.exit(0 if ok else 1)
+    def _launch(self, launch):
+        sites = range(launch.site, launch.site + launch.sites)
+        sources = self.rows[launch.lo:launch.hi] + ([self.partial.contiguous()] if launch.partial else [])
+        qg = torch.stack([self.queries[j] for j in sites]).float() * torch.stack([self.norms[j] for j in sites]).float()
+        init = list(self.states[launch.site]) if launch.phase == 2 else []
+        if self.carrier is None:
+            self.carrier = _carrier(sources[0], self.rows_total)
+        results = route_sites(self.carrier, sources, qg, init, self.heads, self.eps, self.rows_total,
+                              launch.lo, launch.own_lo, launch.fresh_lo, launch.last)
+        G = launch.sites
+        outs, lses, self.carrier = results[:G], results[G:2 * G], results[-1]
+        for j, out, lse in zip(sites, outs, lses):
+            self.states[j] = (out, lse)                                 # phase 2 replaces its site's state
