@@ -349,24 +349,21 @@ def _route_forward(sources, qg, init, heads, eps):
     return outs, lses
 
 
-def _route_backward(grads, sources, qg, outs, douts, lses, dlses, init, heads, eps, row0, own_lo, fresh_lo):
-    """Add the gradients of `sources` into rows row0.. of the fp32 buffer `grads` (in place);
-    return the final gradients of sources own_lo.. (one tensor, sources' dtype), the gradient of
-    qg (G, d) and the gradients of `init`."""
+def _route_backward(grads, owned, qg_grads, init_grads, sources, qg, outs, douts, lses, dlses, init, heads, eps,
+                    row0, own_lo, fresh_lo):
+    """Add the gradients of `sources` into rows row0.. of the fp32 buffer `grads` (in place); write
+    the final gradients of sources own_lo.. into `owned` (their dtype), each program's partial
+    gradient of qg into `qg_grads` (programs, G, d), and the gradients of `init` into `init_grads`."""
     config = _check_sources(sources, qg, heads)
-    source = sources[0]
-    G, M, d = qg.shape[0], source.numel() // source.shape[-1], source.shape[-1]
-    owned = torch.empty((len(sources) - own_lo, *source.shape), dtype=source.dtype, device=source.device)
-    init_grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in init]
-    per_program, programs = _programs(M)
-    qg_grads = torch.empty((programs, G, d), dtype=torch.float32, device=source.device)
+    M = sources[0].numel() // sources[0].shape[-1]
+    G = qg.shape[0]
     per_site = [[outs[i], douts[i], lses[i], dlses[i], *init[i::G], *init_grads[i::G]] for i in range(G)]
-    table = _address_table(sources + [t for site in per_site for t in site], source.device)
+    table = _address_table(sources + [t for site in per_site for t in site], sources[0].device)
+    per_program, programs = _programs(M)
     _route_backward_kernel[(programs,)](
         table, qg.contiguous(), grads, owned, qg_grads, len(sources), M, per_program, row0, own_lo, fresh_lo, eps,
-        SOURCE=SOURCE_TYPES[source.dtype], INIT=bool(init), NUM_STAGES=NUM_STAGES, num_warps=_num_warps(config),
-        **config)
-    return owned, qg_grads.sum(0), init_grads        # a fixed-order sum over programs: deterministic
+        SOURCE=SOURCE_TYPES[sources[0].dtype], INIT=bool(init), NUM_STAGES=NUM_STAGES,
+        num_warps=_num_warps(config), **config)
 
 
 # %% Custom operators and autograd
@@ -403,22 +400,18 @@ def _(carrier, sources, qg, init, heads, eps, rows, row0, own_lo, fresh_lo, last
     return [*outs, *lses, source.new_empty((), dtype=torch.float32).expand(0 if last else rows, *source.shape)]
 
 
-@torch.library.custom_op("mhar::route_sites_backward", mutates_args=("grads",))
-def route_sites_backward(grads: Tensor, sources: list[Tensor], qg: Tensor, outs: list[Tensor], douts: list[Tensor],
+# A custom op that mutates its arguments may not also return tensors (functionalization needs
+# outputs without aliases): the backward writes into tensors its caller allocates.
+@torch.library.custom_op("mhar::route_sites_backward", mutates_args=("grads", "owned", "qg_grads", "init_grads"))
+def route_sites_backward(grads: Tensor, owned: Tensor, qg_grads: Tensor, init_grads: list[Tensor],
+                         sources: list[Tensor], qg: Tensor, outs: list[Tensor], douts: list[Tensor],
                          lses: list[Tensor], dlses: list[Tensor], init: list[Tensor], heads: int, eps: float,
-                         row0: int, own_lo: int, fresh_lo: int) -> list[Tensor]:
-    """Backward of one route_sites launch, adding into the buffer `grads` in place:
-    [final gradients of sources own_lo.. stacked, gradient of qg, gradients of init...]."""
-    owned, qg_grad, init_grads = _route_backward(grads, sources, qg, outs, douts, lses, dlses, init, heads, eps,
-                                                 row0, own_lo, fresh_lo)
-    return [owned, qg_grad, *init_grads]
-
-
-@route_sites_backward.register_fake
-def _(grads, sources, qg, outs, douts, lses, dlses, init, heads, eps, row0, own_lo, fresh_lo):
-    source = sources[0]
-    return [source.new_empty((len(sources) - own_lo, *source.shape)), qg.new_empty(qg.shape),
-            *[t.new_empty(t.shape) for t in init]]
+                         row0: int, own_lo: int, fresh_lo: int) -> None:
+    """Backward of one route_sites launch: adds into the buffer `grads` in place, writes the final
+    gradients of sources own_lo.. into `owned`, per-program partial gradients of qg into `qg_grads`
+    and the gradients of the partial states `init` into `init_grads`."""
+    _route_backward(grads, owned, qg_grads, init_grads, sources, qg, outs, douts, lses, dlses, init, heads, eps,
+                    row0, own_lo, fresh_lo)
 
 
 def _setup_route_sites(ctx, inputs, output):
@@ -445,8 +438,13 @@ def _route_sites_backward(ctx, grads):
         buffer = torch.empty((ctx.rows, *source.shape), dtype=torch.float32, device=source.device)
     else:
         buffer = dcarrier.contiguous()
-    owned, qg_grad, *init_grads = route_sites_backward(buffer, sources, qg, outs, douts, lses, dlses, init,
-                                                       ctx.heads, ctx.eps, ctx.row0, ctx.own_lo, ctx.fresh_lo)
+    owned = torch.empty((n_sources - ctx.own_lo, *source.shape), dtype=source.dtype, device=source.device)
+    qg_grads = torch.empty((_programs(source.numel() // source.shape[-1])[1], *qg.shape), dtype=torch.float32,
+                           device=source.device)
+    init_grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in init]
+    route_sites_backward(buffer, owned, qg_grads, init_grads, sources, qg, outs, douts, lses, dlses, init,
+                         ctx.heads, ctx.eps, ctx.row0, ctx.own_lo, ctx.fresh_lo)
+    qg_grad = qg_grads.sum(0)                               # over programs, in a fixed order: deterministic
     source_grads = [None] * ctx.own_lo + list(owned.unbind(0))
     carrier_grad = buffer if ctx.needs_input_grad[0] else None
     return carrier_grad, source_grads, qg_grad, init_grads, None, None, None, None, None, None, None
