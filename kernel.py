@@ -63,10 +63,11 @@ except ImportError as error:
     raise RuntimeError(f"{UNAVAILABLE}; triton is not installed (pip install triton)") from error
 
 SOURCE_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
-# A program keeps a few (G, H, K) fp32 tiles of G sites' states in registers (queries, accumulators,
-# output gradients). ptxas (sm_90, 16 warps) keeps 8 sites at d = 1280 without spilling; twice that
-# spills: a larger group must be split.
-MAX_TILE = 16384
+# A program keeps three (G, H, K) fp32 tiles of its G sites in registers through the backward's loop
+# (q ⊙ g, the output gradients, the gradient of q ⊙ g). Compiled for sm_90 at 8 warps, ptxas keeps
+# 8192 lanes (8 sites at d = 1024) in 251 registers per thread without spilling; 10240 (8 sites at
+# d = 1280) spills at 4, 8 and 16 warps. A larger group must be split.
+MAX_TILE = 8192
 # Programs per launch: each routes a contiguous block of positions, so that dq and dg leave as one
 # partial per program. 256 fills the 132 SMs of an H100/H200 about twice; fewer partials to sum.
 PROGRAMS = 256
@@ -156,7 +157,7 @@ def _route_forward_kernel(
             row_max = tl.full([G_PAD, H_PAD], float("-inf"), tl.float32)            # online softmax per head
             row_sum = tl.zeros([G_PAD, H_PAD], tl.float32)
         for n in tl.range(0, N, num_stages=NUM_STAGES):
-            source = tl.load(table_ptr + n).to(tl.pointer_type(SOURCE)) + pos * D
+            source = tl.multiple_of(tl.load(table_ptr + n).to(tl.pointer_type(SOURCE)), 16) + pos * D
             v1 = tl.load(source + cols1, mask=mask1, other=0.0).to(tl.float32)       # (H_PAD, K1)
             v2 = tl.load(source + cols2, mask=mask2, other=0.0).to(tl.float32)       # (H_PAD, K2_PAD)
             r = tl.rsqrt((tl.sum(v1 * v1) + tl.sum(v2 * v2)) / D + eps)             # over the full width
@@ -242,7 +243,7 @@ def _route_backward_kernel(
             init_coupling = tl.sum(dout1 * init1, axis=2) + tl.sum(dout2 * init2, axis=2)
             tl.store(init_dlse_at[:, None] + state, beta * (init_coupling - coupling), mask=state_mask)
         for n in tl.range(0, N, num_stages=NUM_STAGES):
-            source = tl.load(table_ptr + n).to(tl.pointer_type(SOURCE)) + pos * D
+            source = tl.multiple_of(tl.load(table_ptr + n).to(tl.pointer_type(SOURCE)), 16) + pos * D
             v1 = tl.load(source + cols1, mask=mask1, other=0.0).to(tl.float32)
             v2 = tl.load(source + cols2, mask=mask2, other=0.0).to(tl.float32)
             # The gradient row is loaded before any reduction, so both loads are in flight together.
@@ -300,10 +301,10 @@ def layout(width, heads, sites):
 
 
 def _num_warps(config):
-    # About 16 lanes of each (G, H, K) tile per thread: several tiles stay in registers, and a row
-    # of bf16 sources still loads in 16-byte pieces (ptxas, sm_90: no spills up to MAX_TILE).
+    # 8 warps hold the largest tiles without spills (see MAX_TILE); tiles of up to 1024 lanes take 4,
+    # so that each thread still loads several contiguous elements of a row at a time.
     tile = config["G_PAD"] * config["H_PAD"] * (config["K1"] + config["K2_PAD"])
-    return min(max(triton.next_power_of_2(tile // 512), 2), 16)
+    return 4 if tile <= 1024 else 8
 
 
 def _programs(M):
