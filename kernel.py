@@ -136,11 +136,11 @@ def _route_forward_kernel(
     qg2 = tl.load(qg_ptr + sites[:, None, None] * D + cols2[None, :, :], mask=tile2, other=0.0)
     slots = 4 if INIT else 2                                                       # table entries per site
     site_table = table_ptr + N + sites * slots
-    out_at = tl.load(site_table, mask=site_mask, other=0).to(tl.pointer_type(SOURCE))
-    lse_at = tl.load(site_table + 1, mask=site_mask, other=0).to(tl.pointer_type(tl.float32))
+    out_at = tl.multiple_of(tl.load(site_table, mask=site_mask, other=0).to(tl.pointer_type(SOURCE)), 16)
+    lse_at = tl.multiple_of(tl.load(site_table + 1, mask=site_mask, other=0).to(tl.pointer_type(tl.float32)), 16)
     if INIT:
-        init_out_at = tl.load(site_table + 2, mask=site_mask, other=0).to(tl.pointer_type(SOURCE))
-        init_lse_at = tl.load(site_table + 3, mask=site_mask, other=0).to(tl.pointer_type(tl.float32))
+        init_out_at = tl.multiple_of(tl.load(site_table + 2, mask=site_mask, other=0).to(tl.pointer_type(SOURCE)), 16)
+        init_lse_at = tl.multiple_of(tl.load(site_table + 3, mask=site_mask, other=0).to(tl.pointer_type(tl.float32)), 16)
 
     for pos in range(first, last):
         row1 = pos * D + cols1[None, :, :]
@@ -208,15 +208,15 @@ def _route_backward_kernel(
     qg2 = tl.load(qg_ptr + sites[:, None, None] * D + cols2[None, :, :], mask=tile2, other=0.0)
     slots = 8 if INIT else 4
     site_table = table_ptr + N + sites * slots
-    out_at = tl.load(site_table, mask=site_mask, other=0).to(tl.pointer_type(SOURCE))
-    dout_at = tl.load(site_table + 1, mask=site_mask, other=0).to(tl.pointer_type(SOURCE))
-    lse_at = tl.load(site_table + 2, mask=site_mask, other=0).to(tl.pointer_type(tl.float32))
-    dlse_at = tl.load(site_table + 3, mask=site_mask, other=0).to(tl.pointer_type(tl.float32))
+    out_at = tl.multiple_of(tl.load(site_table, mask=site_mask, other=0).to(tl.pointer_type(SOURCE)), 16)
+    dout_at = tl.multiple_of(tl.load(site_table + 1, mask=site_mask, other=0).to(tl.pointer_type(SOURCE)), 16)
+    lse_at = tl.multiple_of(tl.load(site_table + 2, mask=site_mask, other=0).to(tl.pointer_type(tl.float32)), 16)
+    dlse_at = tl.multiple_of(tl.load(site_table + 3, mask=site_mask, other=0).to(tl.pointer_type(tl.float32)), 16)
     if INIT:
-        init_out_at = tl.load(site_table + 4, mask=site_mask, other=0).to(tl.pointer_type(SOURCE))
-        init_lse_at = tl.load(site_table + 5, mask=site_mask, other=0).to(tl.pointer_type(tl.float32))
-        init_dout_at = tl.load(site_table + 6, mask=site_mask, other=0).to(tl.pointer_type(SOURCE))
-        init_dlse_at = tl.load(site_table + 7, mask=site_mask, other=0).to(tl.pointer_type(tl.float32))
+        init_out_at = tl.multiple_of(tl.load(site_table + 4, mask=site_mask, other=0).to(tl.pointer_type(SOURCE)), 16)
+        init_lse_at = tl.multiple_of(tl.load(site_table + 5, mask=site_mask, other=0).to(tl.pointer_type(tl.float32)), 16)
+        init_dout_at = tl.multiple_of(tl.load(site_table + 6, mask=site_mask, other=0).to(tl.pointer_type(SOURCE)), 16)
+        init_dlse_at = tl.multiple_of(tl.load(site_table + 7, mask=site_mask, other=0).to(tl.pointer_type(tl.float32)), 16)
     row_stride = M.to(tl.int64) * D                  # int64: rows · B·T·d passes 2^31 at large batches
     qg_grad1 = tl.zeros([G_PAD, H_PAD, K1], tl.float32)                            # Σ dℓ·r·V per site
     qg_grad2 = tl.zeros([G_PAD, H_PAD, K2_PAD], tl.float32)
@@ -316,8 +316,17 @@ def _programs(M):
 
 
 def _address_table(tensors, device):
-    """The kernels read their tensors through a table of addresses: no copy into one buffer."""
+    """The kernels read their tensors through a table of addresses: no copy into one buffer. They
+    take every address as 16-byte aligned (vector loads): see _aligned."""
+    assert all(t.data_ptr() % 16 == 0 for t in tensors), "a routed tensor is not 16-byte aligned"
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+
+
+def _aligned(tensor):
+    """The tensor, 16-byte aligned: a fresh allocation is, a view (a row of a stacked V) may not be.
+    (Inside the custom ops only: traced code cannot read addresses.)"""
+    tensor = tensor.contiguous()
+    return tensor if tensor.data_ptr() % 16 == 0 else tensor.clone()
 
 
 def _check_sources(sources, qg, heads):
@@ -337,6 +346,7 @@ def _route_forward(sources, qg, init, heads, eps):
     """Route G sites over `sources` (each (B, T, d)); init = [] or, per site, the output and lse
     of the partial state it continues. Returns the G outputs (sources' dtype), the G lse (fp32)."""
     config = _check_sources(sources, qg, heads)
+    sources, init = [_aligned(t) for t in sources], [_aligned(t) for t in init]
     source = sources[0]
     G, M = qg.shape[0], source.numel() // source.shape[-1]
     outs = [torch.empty(source.shape, dtype=source.dtype, device=source.device) for _ in range(G)]
@@ -356,6 +366,8 @@ def _route_backward(grads, owned, qg_grads, init_grads, sources, qg, outs, douts
     the final gradients of sources own_lo.. into `owned` (their dtype), each program's partial
     gradient of qg into `qg_grads` (programs, G, d), and the gradients of `init` into `init_grads`."""
     config = _check_sources(sources, qg, heads)
+    sources, outs, douts, lses, dlses, init = ([_aligned(t) for t in tensors]
+                                               for tensors in (sources, outs, douts, lses, dlses, init))
     M = sources[0].numel() // sources[0].shape[-1]
     G = qg.shape[0]
     per_site = [[outs[i], douts[i], lses[i], dlses[i], *init[i::G], *init_grads[i::G]] for i in range(G)]
