@@ -42,7 +42,6 @@ Without a CUDA GPU the kernels run in the Triton interpreter, on CPU tensors, wh
 TRITON_INTERPRET=1 is set before this file is imported (slow; for tests). `python kernel.py`
 checks the kernels against `mhar.route`, then benchmarks them when a GPU is present.
 """
-import functools
 import os
 from collections import namedtuple
 
@@ -305,17 +304,21 @@ def _tile(config):
     return config["G_PAD"] * config["H_PAD"] * (config["K1"] + (config["K2_PAD"] if config["K2"] else 0))
 
 
-def _num_warps(config):
-    # 8 warps hold the largest tiles without spills (see MAX_TILE); tiles of up to 1024 lanes take 4,
-    # so that each thread still loads several contiguous elements of a row at a time.
-    return 4 if _tile(config) <= 1024 else 8
+def _num_warps(config, backward):
+    # Tiles of up to 1024 lanes take 4 warps, so that each thread still loads several contiguous
+    # elements of a row at a time. Larger ones: the backward keeps three tiles and fits them at 8
+    # warps (see MAX_TILE); the forward, at 8 warps past 4096 lanes, gets 128 registers per thread
+    # from ptxas and spills (350M, 7 sites), at 16 it does not.
+    tile = _tile(config)
+    return 4 if tile <= 1024 else 8 if backward or tile <= 4096 else 16
 
 
-def _programs(M):
-    """Positions per program, and programs: a fixed split of the positions, for determinism."""
+def _programs(M, target=None):
+    """Positions per program, and programs, for `target` programs (None: what this process launches).
+    A fixed split of the positions, for determinism."""
     # The interpreter runs programs one after another: there, few programs of many positions cost
     # less per position (and the tests exercise the loop over positions).
-    per_program = triton.cdiv(M, INTERPRETED_PROGRAMS if INTERPRETED else PROGRAMS)
+    per_program = triton.cdiv(M, target or (INTERPRETED_PROGRAMS if INTERPRETED else PROGRAMS))
     return per_program, triton.cdiv(M, per_program)
 
 
@@ -360,7 +363,7 @@ def _route_forward(sources, qg, init, heads, eps):
     per_program, programs = _programs(M)
     _route_forward_kernel[(programs,)](
         table, qg.contiguous(), len(sources), M, per_program, eps, SOURCE=SOURCE_TYPES[source.dtype],
-        INIT=bool(init), NUM_STAGES=NUM_STAGES, num_warps=_num_warps(config), **config)
+        INIT=bool(init), NUM_STAGES=NUM_STAGES, num_warps=_num_warps(config, backward=False), **config)
     return outs, lses
 
 
@@ -380,7 +383,7 @@ def _route_backward(grads, owned, qg_grads, init_grads, sources, qg, outs, douts
     _route_backward_kernel[(programs,)](
         table, qg.contiguous(), grads, owned, qg_grads, len(sources), M, per_program, row0, own_lo, fresh_lo, eps,
         SOURCE=SOURCE_TYPES[sources[0].dtype], INIT=bool(init), NUM_STAGES=NUM_STAGES,
-        num_warps=_num_warps(config), **config)
+        num_warps=_num_warps(config, backward=True), **config)
 
 
 # %% Custom operators and autograd
@@ -516,17 +519,22 @@ def reads_partial(site, block=1, delta=False):
     return not delta and site % block != 0
 
 
-@functools.lru_cache                       # a history is built at every forward
 @torch.compiler.assume_constant_result     # a pure function of ints: torch.compile calls it, not traces it
 def auto_group(n_sites, width, heads, block=1, delta=False):
     """The group size for Config.fused_group = 0: the one whose kernels move the fewest bytes (by the
     traffic model, at a nominal B·T: the choice hardly depends on it), among the groups one program
     holds. Near √S for full routing, and groups that tile the sites evenly beat a power of two:
     S = 25 sites move 13 % fewer bytes in 5 groups of 5 than in 7 groups of at most 4."""
-    def kernel_bytes(group):
-        return sum(sum(launch_bytes(launch, 4096, width, heads, 2))
-                   for launch in schedule(n_sites, group, block, delta))
-    return min((G for G in range(1, n_sites + 1) if _fits(width, heads, G)), key=kernel_bytes)
+    key = n_sites, width, heads, block, delta
+    if key not in _AUTO_GROUPS:                                           # a history is built at every forward
+        def kernel_bytes(group):
+            return sum(sum(launch_bytes(launch, 4096, width, heads, 2, PROGRAMS))
+                       for launch in schedule(n_sites, group, block, delta))
+        _AUTO_GROUPS[key] = min((G for G in range(1, n_sites + 1) if _fits(width, heads, G)), key=kernel_bytes)
+    return _AUTO_GROUPS[key]
+
+
+_AUTO_GROUPS = {}
 
 
 def _fits(width, heads, sites):
@@ -599,8 +607,9 @@ class FusedHistory:
     def append(self, source):
         """Append a source (B, T, d): the embedding first, then each sublayer's raw output."""
         if self.appended == len(self.queries):
-            raise RuntimeError(f"FusedHistory holds the sources of {len(self.queries)} sites; "
-                               f"a history serves one forward pass")
+            raise RuntimeError(f"FusedHistory holds the sources of {len(self.queries)} sites: a history serves one "
+                               f"forward pass (with activation checkpointing, checkpoint the sublayers, not the "
+                               f"history's append and read)")
         if self.appended == 0:
             check_available(source.device)
             if self.null is not None:
@@ -646,12 +655,13 @@ class FusedHistory:
 # stores term by term; `count_bytes` counts what the interpreter actually loads and stores, and a test
 # checks that the two agree exactly. The torch ops around the kernels are modeled, not metered.
 
-def launch_bytes(launch, positions, width, heads, source_bytes):
-    """Bytes one launch's forward and backward kernels load and store: (forward, backward)."""
+def launch_bytes(launch, positions, width, heads, source_bytes, target=None):
+    """Bytes one launch's forward and backward kernels load and store: (forward, backward), when
+    launched as `target` programs (None: as in this process)."""
     M, d, H, b, G = positions, width, heads, source_bytes, launch.sites
     N = launch.hi - launch.lo + launch.partial                          # sources read
     init = launch.phase == 2                                             # continues a partial state
-    programs = _programs(M)[1]
+    programs = _programs(M, target)[1]
     row, state = d * b, 4 * H                                            # bytes of one output row, of its lse
     # forward: per program q ⊙ g and the sites' addresses; per position the table and a row per
     # source, the partial states read, the outputs and their lse written
@@ -667,7 +677,7 @@ def launch_bytes(launch, positions, width, heads, source_bytes):
     return forward, backward
 
 
-def torch_bytes(launch, positions, width, heads, source_bytes):
+def torch_bytes(launch, positions, width, heads, source_bytes, target=None):
     """A model of the bytes the torch ops around one launch move: (forward, backward). q ⊙ g from
     the stacked parameters and its gradient, the address tables, the sum of the per-program
     partials of q ⊙ g's gradient, and the zero gradients autograd makes for unused lse outputs."""
@@ -677,21 +687,22 @@ def torch_bytes(launch, positions, width, heads, source_bytes):
     qg = 4 * G * d
     forward = 7 * qg + 8 * (N + G * (4 if init else 2))                 # two stacks, a product; the table
     unused_lse = 1 if init else G                                        # phase 2 consumes lse of the partial states
-    backward = (6 * qg + 8 * (N + G * (8 if init else 4)) + 4 * G * d * (_programs(M)[1] + 1)
+    backward = (6 * qg + 8 * (N + G * (8 if init else 4)) + 4 * G * d * (_programs(M, target)[1] + 1)
                 + unused_lse * M * heads * 4)
     return forward, backward
 
 
-def traffic(n_layer, width, heads, positions, group=0, block=1, delta=False, source_bytes=2):
+def traffic(n_layer, width, heads, positions, group=0, block=1, delta=False, source_bytes=2, target=PROGRAMS):
     """Bytes a fused forward and backward through all 2L+1 sites move, for `group` (0: auto_group;
     1: one pass per site): {"forward"|"backward": {"kernels": bytes, "torch": bytes}}, plus "saved",
-    the routing's activations kept for backward beyond the sources (partial states and lse)."""
+    the routing's activations kept for backward beyond the sources (partial states and lse).
+    The kernels launched as `target` programs: a GPU's by default, None for this process's."""
     n_sites = 2 * n_layer + 1
     group = group or auto_group(n_sites, width, heads, block, delta)
     layout(width, heads, group)                                          # raises if the group cannot be fused
     launches = schedule(n_sites, group, block, delta)
-    kernels = [launch_bytes(launch, positions, width, heads, source_bytes) for launch in launches]
-    around = [torch_bytes(launch, positions, width, heads, source_bytes) for launch in launches]
+    kernels = [launch_bytes(launch, positions, width, heads, source_bytes, target) for launch in launches]
+    around = [torch_bytes(launch, positions, width, heads, source_bytes, target) for launch in launches]
     E = positions * width * source_bytes                                 # bytes of one (B, T, d) source
     # block and delta routing: each output that extends a partial block sum is added to it (read two,
     # write one); in backward the gradient of the previous sum accumulates when a site read that sum
@@ -740,3 +751,254 @@ def count_bytes():
         finally:
             builder.create_masked_load, builder.create_masked_store = load, store
     return counting()
+
+
+# %% Checks and benchmark
+#
+# The paper's kernel table: all 2L+1 sites forward + backward for one microbatch, bf16 sources.
+# (preset, d, L, B, T); H = 8 at every scale, as in the paper's later version (the earlier one used
+# n_kv_head: 4 at 100M, 8 at 350M and 1B).
+KERNEL_TABLE = [("100m", 512, 12, 2, 2048), ("350m", 1024, 24, 1, 1024), ("1b", 1280, 36, 1, 1024)]
+HEADS = 8
+PAPER_MS = {"100m": (30.2, 5.7), "350m": (53.1, 11.4), "1b": (153.2, 42.4)}   # its torch.compile, fused routing
+# What the first version of these kernels (one pass per site, a two-pass backward) moved at those
+# shapes, counted as traffic() counts: every byte loaded or stored.
+PREVIOUS_GB = {"100m": 11.4, "350m": 19.9, "1b": 53.1}
+HBM = {"H100": 3.35e12, "H200": 4.8e12}  # bytes/s, vendor datasheets (H100 SXM, H200 SXM)
+
+
+def _stacked_network(route, s0, qs, gs, heads, sublayer):
+    """Every site of a network, stacking its sources for each site as the readable path does;
+    `sublayer` turns site j's output into source j+1."""
+    sources = [s0]
+    h = route(torch.stack(sources), qs[0], gs[0], heads)
+    for q, g in zip(qs[1:], gs[1:]):
+        sources.append(sublayer(h))
+        h = route(torch.stack(sources), q, g, heads)
+    return h
+
+
+def _fused_network(s0, qs, gs, heads, sublayer, group=0, block=1):
+    """The same network through a FusedHistory."""
+    history = FusedHistory(qs, gs, heads, group=group, block=block)
+    history.append(s0)
+    h = history.read(0)
+    for site in range(1, len(qs)):
+        history.append(sublayer(h))
+        h = history.read(site)
+    return h
+
+
+def _block_network(route, s0, qs, gs, heads, sublayer, block):
+    """The readable block-routing network (mhar.DepthHistory stacks the block sums for each site)."""
+    import mhar
+    history = mhar.DepthHistory(heads, 1e-6, block, route_fn=route)
+    h = history.route(s0, qs[0], gs[0])
+    for q, g in zip(qs[1:], gs[1:]):
+        h = history.route(sublayer(h), q, g)
+    return h
+
+
+def _relative_error(a, b):
+    # clamped: with one source the softmax is constant and dq = dg = 0 exactly on both sides
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _check(device, routes, networks):
+    """fused_route and FusedHistory (one pass per site and grouped, full and block routing) against
+    mhar.route: the output and every gradient, fp32 and bf16. bf16 is compared with the float32
+    reference on the same bf16-rounded inputs. routes: (N, B, T, d, H); networks: (sites, B, T, d, H)."""
+    import mhar
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}             # bf16 outputs and dV are rounded to 8 bits
+    # Along a chain of sites the two paths' roundings compound, and dq, dg come from a cancellation
+    # (<dout, V_n> − c) that magnifies them: a few times 1e-6 in fp32, a few % in bf16.
+    chain_tolerance = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+    failed = False
+    for dtype in SOURCE_TYPES:
+        for N, B, T, d, heads in routes:
+            V = torch.randn(N, B, T, d, device=device).to(dtype)
+            q, g = 0.3 * torch.randn(d, device=device), 1 + 0.1 * torch.randn(d, device=device)
+            dout = torch.randn(B, T, d, device=device).to(dtype)
+            results = []
+            for route, inputs in ((fused_route, (V, q, g)), (mhar.route, (V.float(), q, g))):
+                inputs = [x.clone().requires_grad_() for x in inputs]
+                out = route(*inputs, heads)
+                out.backward(dout.to(out.dtype))
+                results.append([out] + [x.grad for x in inputs])
+            errors = [_relative_error(a, b) for a, b in zip(*results)]
+            failed |= max(errors) > tolerance[dtype]
+            print(f"fused_route    {str(dtype)[6:]:8} N={N:<3} B·T={B * T:<5} d={d:<5} H={heads:<2}           "
+                  + "  ".join(f"{name} {e:.1e}" for name, e in zip(("out", "dV", "dq", "dg"), errors)))
+        for sites, B, T, d, heads in networks:
+            s0 = torch.randn(B, T, d, device=device).to(dtype)
+            qs = [0.3 * torch.randn(d, device=device) for _ in range(sites)]
+            gs = [1 + 0.1 * torch.randn(d, device=device) for _ in range(sites)]
+            dout = torch.randn(B, T, d, device=device).to(dtype)
+            for block in (1, 2):
+                reference = (partial_route(_stacked_network, mhar.route) if block == 1
+                             else partial_route(_block_network, mhar.route, block=block))
+                for group in (1, 0):
+                    results = []
+                    for network in (partial_route(_fused_network, group=group, block=block), reference):
+                        leaves = [x.clone().requires_grad_() for x in [s0, *qs, *gs]]
+                        # sin as the sublayer: an identity would make later sources mixes of earlier ones
+                        out = network(leaves[0], leaves[1:sites + 1], leaves[sites + 1:], heads, torch.sin)
+                        out.backward(dout.to(out.dtype))
+                        # dq and dg of all sites as one vector each (site 0 reads one source: exactly zero)
+                        results.append([out, leaves[0].grad, torch.cat([x.grad for x in leaves[1:sites + 1]]),
+                                        torch.cat([x.grad for x in leaves[sites + 1:]])])
+                    errors = [_relative_error(a, b) for a, b in zip(*results)]
+                    failed |= max(errors) > chain_tolerance[dtype]
+                    G = group or auto_group(sites, d, heads, block)
+                    print(f"FusedHistory   {str(dtype)[6:]:8} {sites} sites B·T={B * T:<5} d={d:<5} H={heads:<2} "
+                          f"block {block} G {G}  " + "  ".join(f"{name} {e:.1e}" for name, e in
+                                                          zip(("out", "ds0", "dq", "dg"), errors)))
+    print("check FAILED" if failed else "check passed")
+    return not failed
+
+
+def partial_route(network, *args, **kwargs):
+    """network with some arguments bound, in the order the checks call it."""
+    if args:
+        return lambda s0, qs, gs, heads, sublayer: network(args[0], s0, qs, gs, heads, sublayer, **kwargs)
+    return lambda s0, qs, gs, heads, sublayer: network(s0, qs, gs, heads, sublayer, **kwargs)
+
+
+def print_traffic():
+    """Bytes and bandwidth-bound time of both algorithms at the kernel-table shapes (traffic())."""
+    print("A fused forward + backward through all 2L+1 sites, bf16 sources, H = 8: bytes the kernels load and "
+          "store, and the torch ops around them (traffic()). Time at HBM bandwidth, datasheet figures: "
+          "H100 SXM 3.35 TB/s, H200 4.8 TB/s.")
+    print(f"{'shape':6} {'B·T':>5} {'algorithm':18} {'G':>2} {'kernels GB':>10} {'torch GB':>8} {'vs first':>8} "
+          f"{'H100 ms':>7} {'H200 ms':>7} {'saved MB':>8}")
+    for preset, d, L, B, T in KERNEL_TABLE:
+        for name, group in (("one pass per site", 1), ("grouped", 0)):
+            t = traffic(L, d, HEADS, B * T, group)
+            kernels = t["forward"]["kernels"] + t["backward"]["kernels"]
+            total = kernels + t["forward"]["torch"] + t["backward"]["torch"]
+            G = group or auto_group(2 * L + 1, d, HEADS)
+            print(f"{preset:6} {B * T:5} {name:18} {G:2} {kernels / 1e9:10.2f} {(total - kernels) / 1e9:8.3f} "
+                  f"{total / 1e9 / PREVIOUS_GB[preset]:7.2f}x {total / HBM['H100'] * 1e3:7.2f} "
+                  f"{total / HBM['H200'] * 1e3:7.2f} {t['saved'] / 1e6:8.0f}")
+    print("vs first: total bytes over those of the first version of these kernels (11.4 / 19.9 / 53.1 GB). "
+          "saved: the routing's activations kept for backward besides the sources (lse; grouped: the partial "
+          "states phase 2 continues).")
+
+
+def _benchmark(device="cuda", shapes=KERNEL_TABLE, timer=None, compile_backend="inductor", dtype=torch.bfloat16):
+    """Route every site of a network (identity sublayers: only the routing is timed), forward +
+    backward: readable, torch.compile'd, fused one pass per site, fused grouped. Returns
+    {(preset, algorithm): ms} of the fused rows."""
+    import mhar
+    timer = timer or _do_bench
+    bandwidth = _copy_bandwidth(timer) if device == "cuda" else None
+    if bandwidth:
+        print(f"\n{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
+    compiled = torch.compile(mhar.route, dynamic=True, backend=compile_backend)
+    methods = {"eager": partial_route(_stacked_network, mhar.route),
+               "compile": partial_route(_stacked_network, compiled),
+               "fused 1": partial_route(_fused_network, group=1),
+               "fused G": partial_route(_fused_network, group=0)}
+    identity = torch.nn.Identity()
+    routing = {}
+    print(f"{'shape':6} {'method':8} {'G':>2} {'fwd+bwd ms':>10} {'GB/s':>6} {'% of copy':>9} {'paper ms':>8}   "
+          f"(GB/s: the modeled bytes of a fused algorithm over its time)")
+    for preset, d, L, B, T in shapes:
+        sites = 2 * L + 1
+        s0 = torch.randn(B, T, d, device=device, dtype=dtype, requires_grad=True)
+        qs = [(0.02 * torch.randn(d, device=device)).requires_grad_() for _ in range(sites)]
+        gs = [torch.ones(d, device=device, requires_grad=True) for _ in range(sites)]
+        dout = torch.randn(B, T, d, device=device, dtype=dtype)
+        for method, network in methods.items():
+            group = {"fused 1": 1, "fused G": auto_group(sites, d, HEADS)}.get(method)
+            try:
+                ms = timer(lambda: network(s0, qs, gs, HEADS, identity).backward(dout), grad_to_none=[s0, *qs, *gs])
+            except torch.cuda.OutOfMemoryError:
+                print(f"{preset:6} {method:8} {'':2} {'OOM':>10}")
+                continue
+            finally:
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            paper = {"compile": PAPER_MS.get(preset, ("", ""))[0], "fused 1": PAPER_MS.get(preset, ("", ""))[1]}
+            line = f"{preset:6} {method:8} {group or '':>2} {ms:10.2f}"
+            if group:
+                t = traffic(L, d, HEADS, B * T, group, source_bytes=s0.element_size())
+                moved = sum(t[way][part] for way in ("forward", "backward") for part in ("kernels", "torch"))
+                line += f" {moved / ms / 1e6:6.0f} {100 * moved / ms / 1e3 / bandwidth if bandwidth else 0:9.0f}"
+                routing[preset, method] = ms
+            else:
+                line += f" {'':6} {'':9}"
+            print(line + f" {paper.get(method, ''):>8}")
+    return routing
+
+
+def _step_benchmark(routing, device="cuda", steps=(("100m", 2, 2048), ("350m", 1, 1024), ("1b", 1, 1024)), timer=None,
+                    vocab_size=50304):
+    """A whole training step (forward + backward, bf16 autocast on a GPU, one microbatch of the
+    kernel-table shape): the baseline, MHAR eager and fused (both algorithms), and the fused
+    routing's share of the fused step. Speed = baseline ms / fused ms (the paper: 0.88 / 0.71 / 0.55)."""
+    import mhar
+    timer = timer or _do_bench
+    print(f"\n{'shape':6} {'baseline ms':>11} {'eager ms':>9} {'fused 1 ms':>10} {'fused G ms':>10} {'speed G':>7} "
+          f"{'routing share G':>15}")
+    for preset, B, T in steps:
+        idx = torch.randint(0, vocab_size, (B, T), device=device)
+        step_ms = {}
+        for name, overrides in (("baseline", dict(residual="baseline")), ("eager", dict(residual="mhar")),
+                                ("fused 1", dict(residual="mhar", fused=True, fused_group=1)),
+                                ("fused G", dict(residual="mhar", fused=True))):
+            model = mhar.GPT(mhar.preset(preset, route_heads=HEADS if name != "baseline" else 0,
+                                         vocab_size=vocab_size, **overrides)).to(device)
+
+            def step():
+                with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+                    loss = model(idx, idx)[1]
+                loss.backward()
+            try:
+                step_ms[name] = timer(step, grad_to_none=list(model.parameters()))
+            except torch.cuda.OutOfMemoryError:
+                step_ms[name] = float("nan")                            # the paper's eager 1B runs out too
+            finally:
+                del model
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+        share = routing.get((preset, "fused G"), float("nan")) / step_ms["fused G"]
+        print(f"{preset:6} {step_ms['baseline']:11.1f} {step_ms['eager']:9.1f} {step_ms['fused 1']:10.1f} "
+              f"{step_ms['fused G']:10.1f} {step_ms['baseline'] / step_ms['fused G']:6.2f}x {100 * share:14.0f}%")
+
+
+def _do_bench(fn, grad_to_none=None):
+    from triton.testing import do_bench
+    return do_bench(fn, grad_to_none=grad_to_none, return_mode="median")
+
+
+def _copy_bandwidth(timer):
+    x = torch.empty(2**28, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.nbytes / timer(lambda: y.copy_(x)) * 1e3               # bytes/s, read + write
+
+
+def main(argv=None):
+    import argparse
+    parser = argparse.ArgumentParser(description="Check the fused routing against mhar.route; with a GPU, "
+                                                 "benchmark it; --traffic prints the modeled bytes.")
+    parser.add_argument("--traffic", action="store_true", help="print the traffic model at the kernel-table shapes")
+    args = parser.parse_args(argv)
+    if args.traffic:
+        print_traffic()
+        return 0
+    torch.manual_seed(0)
+    if torch.cuda.is_available() and not INTERPRETED:
+        # (N, B, T, d, H): one source; odd widths; the 1B width; the deepest site of 350M
+        ok = _check("cuda", [(1, 2, 33, 40, 8), (9, 3, 65, 520, 8), (25, 1, 257, 1280, 8), (49, 1, 129, 1024, 8)],
+                    [(25, 1, 257, 1280, 8), (49, 1, 65, 1024, 8)])
+        _step_benchmark(_benchmark())
+    else:
+        print("no CUDA GPU: checking the kernels in the Triton interpreter on small shapes; no benchmark")
+        ok = _check("cpu", [(1, 1, 3, 24, 2), (9, 3, 5, 40, 4)], [(7, 1, 5, 40, 4)])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main())
