@@ -93,17 +93,29 @@ def test_fused_route_rejects_what_it_cannot_run():
 # A network of sites: FusedHistory against the readable history, both algorithms.
 
 class ReadableHistory:
-    """append/read over mhar.DepthHistory, the readable reference (it stacks the sources at every site)."""
+    """The reference: each site's sources kept in a list, stacked and routed by mhar.route. Full, block
+    and delta routing written out independently of both histories."""
 
     def __init__(self, queries, norms, heads, block=1, null=None):
-        self.history = mhar.DepthHistory(heads, 1e-6, block, null)
-        self.queries, self.norms = queries, norms
+        self.queries, self.norms, self.heads, self.block, self.null = queries, norms, heads, block, null
+        self.blocks, self.partial, self.in_block = [], None, 0
 
     def append(self, source):
-        self.source = source
+        if not self.blocks:
+            self.blocks.append(source)                                  # b_0 = s_0
+            return
+        self.partial = source if self.partial is None else self.partial + source
+        self.in_block += 1
+        if self.in_block == self.block:                                 # a completed block sum
+            self.blocks.append(self.partial)
+            self.partial, self.in_block = None, 0
 
     def read(self, site):
-        return self.history.route(self.source, self.queries[site], self.norms[site])
+        if self.null is not None:                    # delta routing: the null source, then completed blocks
+            sources = [self.null.to(self.blocks[0].dtype).expand_as(self.blocks[0]), *self.blocks]
+        else:                                        # and the current block's partial sum when there is one
+            sources = self.blocks + ([self.partial] if self.partial is not None else [])
+        return mhar.route(torch.stack(sources), self.queries[site], self.norms[site], self.heads)
 
 
 def network_parameters(sites, d, dtype=torch.float32, delta=False, seed=0):
