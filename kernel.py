@@ -237,6 +237,7 @@ def _route_backward_kernel(
         dlse = tl.load(dlse_at[:, None] + state, mask=state_mask, other=0.0)
         # The softmax couples the sources: dℓ_n = α_n·(<dout, V_n> − c) per head, and
         # c = Σ_n α_n·<dout, V_n> − dlse = <dout, out> − dlse needs no pass over the sources.
+        # (As FlashAttention's rowsum(dO ∘ O): with bf16 outputs, c carries their rounding.)
         coupling = tl.sum(dout1 * out1, axis=2) + tl.sum(dout2 * out2, axis=2) - dlse  # (G_PAD, H_PAD)
         if INIT:    # out = β·init_out + Σ_n α_n·V_n, with β = exp(init_lse − lse)
             init1 = tl.load(init_out_at[:, None, None] + row1, mask=tile1, other=0.0).to(tl.float32)

@@ -48,7 +48,8 @@ def route_and_grads(route, V, q, g, dout, heads):
 
 
 # d = 40 is not a power of two, and neither are the head widths 40, 20, 10, 5; B·T = 15 is odd.
-@pytest.mark.parametrize("heads,N", [(1, 5), (2, 1), (4, 2), (8, 5)], ids=["H1-N5", "H2-N1", "H4-N2", "H8-N5"])
+@pytest.mark.parametrize("heads,N", [(1, 5), (2, 1), (4, 2), (8, 5)],
+                         ids=["H1-N5", "H2-N1", "H4-N2", "H8-N5"])
 def test_fused_route_matches_reference_fp32(nan_outputs, heads, N):
     V, q, g, dout = route_inputs(N, 3, 5, 40, dtype=torch.float32, device=DEVICE)
     fused = route_and_grads(fused_route, V, q, g, dout, heads)
@@ -125,7 +126,8 @@ def network_parameters(sites, d, dtype=torch.float32, delta=False, seed=0, posit
     s0 = torch.randn(1, positions, d, device=DEVICE).to(dtype).requires_grad_()
     layers = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(d, d, bias=False), torch.nn.Tanh())
                                   for _ in range(sites - 1)]).to(DEVICE, dtype)
-    queries = [torch.nn.Parameter(0.3 * torch.randn(d, device=DEVICE)) for _ in range(sites)]  # nonzero: the logits
+    # nonzero queries: a uniform softmax would hide the logit path
+    queries = [torch.nn.Parameter(0.3 * torch.randn(d, device=DEVICE)) for _ in range(sites)]
     norms = [torch.nn.Parameter(1 + 0.1 * torch.randn(d, device=DEVICE)) for _ in range(sites)]
     null = torch.nn.Parameter(0.5 * torch.randn(d, device=DEVICE)) if delta else None
     return s0, layers, queries, norms, null
@@ -173,7 +175,8 @@ def test_fused_history_matches_readable(nan_outputs, case):
     s0, layers, queries, norms, null = network_parameters(sites, width, dtype, delta)
     fused = outputs_and_grads(FusedHistory(queries, norms, heads, 1e-6, block, group, null),
                               s0, layers, queries, norms, null)
-    readable = outputs_and_grads(ReadableHistory(queries, norms, heads, block, null), s0, layers, queries, norms, null)
+    readable = outputs_and_grads(ReadableHistory(queries, norms, heads, block, null),
+                                 s0, layers, queries, norms, null)
     # fp32: the acceptance bound; bf16: a few roundings to 8 bits along the chain (both paths round)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     errors = [rel_err(a, b) for a, b in zip(fused, readable)]
@@ -194,7 +197,8 @@ def test_fused_history_bitwise_deterministic(monkeypatch):
     runs = []
     for _ in range(2):
         s0, layers, queries, norms, null = network_parameters(5, 24, positions=8)
-        runs.append(outputs_and_grads(FusedHistory(queries, norms, 2, group=3), s0, layers, queries, norms, null))
+        history = FusedHistory(queries, norms, 2, group=3)
+        runs.append(outputs_and_grads(history, s0, layers, queries, norms, null))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
@@ -216,7 +220,8 @@ def test_second_backward_and_checkpointed_sublayers_give_the_same_gradients():
     first = torch.autograd.grad(out.sum(), queries, retain_graph=True)
     second = torch.autograd.grad(out.sum(), queries)
     checkpointed = [lambda h, layer=layer: checkpoint(layer, h, use_reentrant=False) for layer in layers]
-    third = torch.autograd.grad(network(FusedHistory(queries, norms, 2, group=2), s0, checkpointed).sum(), queries)
+    out = network(FusedHistory(queries, norms, 2, group=2), s0, checkpointed)
+    third = torch.autograd.grad(out.sum(), queries)
     for a, b, c in zip(first, second, third):
         assert torch.equal(a, b) and torch.equal(a, c)
 
@@ -231,7 +236,7 @@ def test_fused_history_refuses_misuse():
     with pytest.raises(RuntimeError, match="checkpoint the sublayers"):
         history.append(s0)                                              # a third source for two sites
     with pytest.raises(ValueError, match="fused_group"):
-        FusedHistory([torch.zeros(1280)] * 9, [torch.ones(1280)] * 9, 8, group=8)   # 8 sites at d = 1280 spill
+        FusedHistory([torch.zeros(1280)] * 9, [torch.ones(1280)] * 9, 8, group=8)  # would spill
     with pytest.raises(ValueError, match="fused_group"):
         mhar.Config(fused_group=-1)
 
@@ -304,8 +309,8 @@ def previous_kernels_bytes(n_layer, d, heads, positions, source_bytes=2):
 def test_previous_kernels_bytes_reproduce_their_count():
     """The formula above gives the 11.4 / 19.9 / 53.1 GB counted for those kernels (H = n_kv_head)."""
     for (preset, d, L, B, T), kv_heads in zip(kernel.KERNEL_TABLE, (4, 8, 8)):
-        assert previous_kernels_bytes(L, d, kv_heads, B * T) / 1e9 == pytest.approx(kernel.PREVIOUS_GB[preset],
-                                                                                     rel=0.01)
+        counted = previous_kernels_bytes(L, d, kv_heads, B * T) / 1e9
+        assert counted == pytest.approx(kernel.PREVIOUS_GB[preset], rel=0.01)
 
 
 def test_grouped_moves_under_three_tenths_at_the_kernel_table_shapes():
@@ -408,12 +413,15 @@ def compile_launch(args):
     results = []
     for fn, backward in ((kernel._route_forward_kernel, False), (kernel._route_backward_kernel, True)):
         warps = kernel._num_warps(config, backward)
-        constexprs = {**config, "SOURCE": kernel.SOURCE_TYPES[dtype], "INIT": init, "NUM_STAGES": kernel.NUM_STAGES}
-        signature = {arg: "constexpr" if arg in constexprs else {"table_ptr": "*i64", "owned_ptr": "*" + source}.get(
-                     arg, "*fp32") if arg.endswith("_ptr") else "fp32" if arg == "eps" else "i32"
-                     for arg in fn.arg_names}
-        aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names) if arg.endswith("_ptr")}
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
+        constexprs = {**config, "SOURCE": kernel.SOURCE_TYPES[dtype], "INIT": init,
+                      "NUM_STAGES": kernel.NUM_STAGES}
+        pointers = {"table_ptr": "*i64", "owned_ptr": "*" + source}
+        signature = {arg: "constexpr" if arg in constexprs else pointers.get(arg, "*fp32")
+                     if arg.endswith("_ptr") else "fp32" if arg == "eps" else "i32" for arg in fn.arg_names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
+                   if arg.endswith("_ptr")}
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, aligned),
+                                  target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": warps, "num_stages": kernel.NUM_STAGES})
         with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
             cubin.write(compiled.asm["cubin"])
@@ -423,7 +431,8 @@ def compile_launch(args):
         registers, stack = (int(re.search(key + r":(\\d+)", usage).group(1)) for key in ("REG", "STACK"))
         # pipelined loads are asynchronous copies to shared memory; rows are bf16 or f32 (addresses i64)
         element = "bf16" if dtype == torch.bfloat16 else "f32"
-        staged = len(re.findall(r"async_copy_global_to_local [^\\n]*!tt[.]ptr<" + element, compiled.asm["ttgir"]))
+        copies = r"async_copy_global_to_local [^\\n]*!tt[.]ptr<" + element
+        staged = len(re.findall(copies, compiled.asm["ttgir"]))
         results.append(f"{name:5} {source} G={sites} {'phase 2' if init else '':7} {fn.__name__[7:-7]:8} "
                        f"{warps:2} warps {registers:3} registers, {staged} asynchronous row copies, "
                        f"{stack} bytes of stack")
@@ -433,8 +442,8 @@ launches = []
 for name, d, L, B, T in kernel.KERNEL_TABLE:
     G = kernel.auto_group(2 * L + 1, d, kernel.HEADS)
     # one pass per site; phase 1 of a group; phase 2 (one site continuing a partial state)
-    launches += [(name, d, kernel.HEADS, 1, False, torch.bfloat16), (name, d, kernel.HEADS, G, False, torch.bfloat16),
-                 (name, d, kernel.HEADS, 1, True, torch.bfloat16)]
+    launches += [(name, d, kernel.HEADS, sites, init, torch.bfloat16)
+                 for sites, init in ((1, False), (G, False), (1, True))]
 launches += [("1b", 1280, 8, 4, False, torch.float32), ("odd", 24, 3, 2, True, torch.float32)]  # fp32; H = 3
 with ProcessPoolExecutor(2) as pool:
     for lines in pool.map(compile_launch, launches):
@@ -450,12 +459,13 @@ def test_kernels_compile_for_sm90_without_spills():
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     missing = [tool for tool in ("ptxas", "cuobjdump") if not os.path.exists(os.path.join(tools, tool))]
     if "nvidia" not in triton.backends.backends or missing:
-        pytest.skip(f"this triton ships no CUDA backend or lacks {missing} in {tools}: nothing compiles for sm_90")
+        pytest.skip(f"this triton ships no CUDA backend or lacks {missing} in {tools}: "
+                    f"nothing compiles for sm_90")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(kernel.__file__)))
     assert result.returncode == 0, result.stderr[-3000:]
-    print(result.stdout)                                                # registers per thread: pytest -s shows them
+    print(result.stdout)                                   # registers per thread: pytest -s shows them
     lines = result.stdout.splitlines()
     assert len(lines) == 2 * 11
     spilled = [line for line in lines if not line.endswith(" 0 bytes of stack")]
