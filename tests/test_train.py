@@ -23,7 +23,7 @@ def flags(data, out, *extra):
 
 
 def run(data, out, *extra):
-    return train.train(train.parse_args(flags(data, out, *extra)))
+    return train.main(flags(data, out, *extra))
 
 
 def read_log(out):
@@ -112,7 +112,7 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(data, tmp_path):
     run(data, tmp_path / "straight")
     run(data, tmp_path / "resumed", "--stop_step", "3")  # interrupted after step 3 (no eval there)
     assert load(tmp_path / "resumed")["step"] == 3 and not (tmp_path / "resumed" / "summary.json").exists()
-    train.train(train.parse_args(["--resume", "--out_dir", str(tmp_path / "resumed")]))  # the rest from the checkpoint
+    train.main(["--resume", "--out_dir", str(tmp_path / "resumed")])  # the rest from the checkpoint
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
     a, b = load(tmp_path / "straight"), load(tmp_path / "resumed")
     assert a["step"] == b["step"] == 8 and a.keys() == b.keys()
@@ -146,15 +146,15 @@ def test_log_checkpoint_and_summary_carry_the_documented_fields(data, tmp_path):
 
 
 def test_synthetic_data_needs_no_files(tmp_path):
-    summary = train.train(train.parse_args(["--preset", "tiny", "--data", "synthetic", "--vocab_size", "128",
+    summary = train.main(["--preset", "tiny", "--data", "synthetic", "--vocab_size", "128",
                                             "--out_dir", str(tmp_path), "--max_steps", "2", "--batch_size", "2",
-                                            "--seq_len", "16", "--eval_batches", "1"]))
+                                            "--seq_len", "16", "--eval_batches", "1"])
     assert math.isfinite(summary["final_val_loss"]) and summary["unigram_entropy"] is None
 
 
 def error_of(capsys, argv):
     with pytest.raises(SystemExit) as exit:
-        train.train(train.parse_args(argv))
+        train.main(argv)
     err = capsys.readouterr().err.strip()
     assert exit.value.code == 2 and err.startswith("train.py: error: ") and "\n" not in err
     return err
