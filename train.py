@@ -20,6 +20,7 @@ data, the optimizer schedule and evaluation, checkpoints, the parallel setup, an
 """
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -40,8 +41,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import mhar  # noqa: E402
 import prepare  # noqa: E402
-from common import (CheckpointError, UserError, exit_error, one_line, pick_device,  # noqa: E402
-                    read_checkpoint, read_tokens, sample_rows, unwrapped)
+from common import (CheckpointError, UserError, exit_error, largest_id, one_line,  # noqa: E402
+                    pick_device, read_checkpoint, read_tokens, sample_rows, unwrapped)
 
 # -----------------------------------------------------------------------------
 # The recipe (Multi-Head Attention Residuals, Luo, Cai, Hu 2026, "Training and reproducibility
@@ -111,6 +112,24 @@ FIELD_HELP = {
 CONFIG_FIELDS = [f.name for f in dataclasses.fields(mhar.Config)]
 
 
+def number(kind, minimum, strict):
+    """An argparse type: a finite `kind` (int or float) > minimum (strict) or >= minimum."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of type {kind.__name__}")
+        if not (math.isfinite(value) and (value > minimum if strict else value >= minimum)):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {minimum}, "
+                                             f"not {text}")
+        return value
+    return parse
+
+
+COUNT, STEPS = number(int, 0, strict=True), number(int, 0, strict=False)  # >= 1, >= 0
+RATE, AMOUNT = number(float, 0, strict=True), number(float, 0, strict=False)  # > 0, >= 0
+
+
 class Flags(argparse.ArgumentParser):
     """argparse that remembers each flag's role, and can leave out every default (then the
     namespace holds exactly the flags given on the command line)."""
@@ -129,6 +148,10 @@ class Flags(argparse.ArgumentParser):
             kwargs["default"] = argparse.SUPPRESS
         self.group.add_argument(f"--{name}", help=help, **kwargs)
         self.roles[name] = role
+
+    def error(self, message):
+        """A bad flag: one line (argparse would print its usage block too)."""
+        die(f"{message} (python train.py --help lists the flags)")
 
 
 def per_preset(key):
@@ -159,39 +182,41 @@ def build_parser(defaults=True):
            help="convert this baseline checkpoint into a delta-routed model (--residual attnres "
                 "or mhar) and continue its run from its step")
     p.flag("seed", RUN, type=int, default=0, help="model init and data order (default 0)")
+    p.flag("allow_data_change", MACHINE, action="store_true", default=False,
+           help="--resume onto data that changed since the checkpoint (by default an error)")
 
     p.section("its size (default: the preset's row of RUNS)")
-    p.flag("batch_size", SETTING, type=int, default=None,
+    p.flag("batch_size", SETTING, type=COUNT, default=None,
            help=f"micro-batch in sequences per rank ({per_preset('batch_size')})")
-    p.flag("grad_accum", MACHINE, type=int, default=None,
+    p.flag("grad_accum", MACHINE, type=COUNT, default=None,
            help="micro-steps per step (default: the global batch / (batch_size x ranks); global "
                 f"batches {per_preset('global_batch')})")
-    p.flag("max_steps", SETTING, type=int, default=None,
+    p.flag("max_steps", SETTING, type=COUNT, default=None,
            help=f"optimizer steps; the cosine ends here ({per_preset('max_steps')})")
-    p.flag("stop_step", MACHINE, type=int, default=None,
+    p.flag("stop_step", MACHINE, type=COUNT, default=None,
            help="stop after this step as if interrupted (checkpoint saved; --resume goes on); "
                 "default: max_steps")
-    p.flag("eval_interval", SETTING, type=int, default=None,
+    p.flag("eval_interval", SETTING, type=COUNT, default=None,
            help=f"steps between evaluations and checkpoints ({per_preset('eval_interval')})")
-    p.flag("eval_batches", SETTING, type=int, default=None,
+    p.flag("eval_batches", SETTING, type=COUNT, default=None,
            help=f"fixed validation batches ({per_preset('eval_batches')})")
-    p.flag("log_interval", SETTING, type=int, default=10,
+    p.flag("log_interval", SETTING, type=COUNT, default=10,
            help="steps between log lines (default 10)")
-    p.flag("tail_evals", SETTING, type=int, default=11,
+    p.flag("tail_evals", SETTING, type=COUNT, default=11,
            help="the summary's tail-mean covers the last K evaluations (default 11)")
 
     p.section("the optimizer: AdamW, linear warmup, cosine decay")
-    p.flag("lr", RUN, type=float, default=None,
+    p.flag("lr", RUN, type=RATE, default=None,
            help=f"peak learning rate ({per_preset('lr')})")
-    p.flag("routing_lr", ROUTING, type=float, default=None,
+    p.flag("routing_lr", ROUTING, type=RATE, default=None,
            help="peak learning rate of the parameters routing adds (default: --lr)")
-    p.flag("min_lr_ratio", RUN, type=float, default=0.1,
+    p.flag("min_lr_ratio", RUN, type=AMOUNT, default=0.1,
            help="the cosine's floor, a fraction of the peak (default 0.1)")
-    p.flag("warmup_steps", RUN, type=int, default=None,
+    p.flag("warmup_steps", RUN, type=STEPS, default=None,
            help=f"linear warmup steps ({per_preset('warmup_steps')})")
-    p.flag("weight_decay", RUN, type=float, default=0.1,
+    p.flag("weight_decay", RUN, type=AMOUNT, default=0.1,
            help="AdamW weight decay on all parameters (default 0.1)")
-    p.flag("grad_clip", RUN, type=float, default=1.0,
+    p.flag("grad_clip", RUN, type=AMOUNT, default=1.0,
            help="clip the gradient norm at this; 0 = off (default 1.0)")
 
     p.section("the machine")
@@ -308,6 +333,17 @@ def resolve_flags(args, given, world):
     return args, ckpt, source
 
 
+def check_same_data(ckpt, data, args):
+    """--resume reads the data the checkpoint was trained on (its fingerprint): data prepared
+    anew under the same name would silently change the run."""
+    saved = ckpt.get("data_fingerprint")
+    if saved is None or saved == fingerprint(data) or args.allow_data_change:
+        return
+    die(f"{args.data} is not the data this checkpoint was trained on (then: {saved}; now: "
+        f"{fingerprint(data)}): point --data at that data, or pass --allow_data_change to "
+        f"continue on this one")
+
+
 def carry_optimizer_state(saved, optimizer):
     """A baseline run's Adam moments into a converted model's optimizer, group by group: the
     shared parameters keep their order inside each group (mhar.GPT.param_groups), and the new
@@ -361,16 +397,35 @@ def model_config(args, meta):
 
 
 def check_data(tokens, config):
-    """Every split holds a sequence, and meta.json's vocabulary fits the model's."""
+    """Every split holds a sequence, and every token id is one the model has: meta.json's
+    vocabulary fits the model's (without meta.json, the largest id found in the files)."""
     if tokens is None:
         return
-    if tokens.meta.get("vocab_size", 0) > config.vocab_size:
-        die(f"--vocab_size {config.vocab_size} is smaller than the data's vocabulary of "
-            f"{tokens.meta['vocab_size']}")
+    if "vocab_size" in tokens.meta:
+        vocab, what = tokens.meta["vocab_size"], "the data's vocabulary of"
+    else:  # a token file of another tool: read it all (once, in chunks)
+        vocab = 1 + max(largest_id(tokens.train), largest_id(tokens.val))
+        what = "the largest token id in the data, plus one, which is"
+    if vocab > config.vocab_size:
+        die(f"the model's vocabulary of {config.vocab_size} (--vocab_size) is smaller than {what} "
+            f"{vocab}: pass --vocab_size {-(-vocab // 64) * 64}, or check the data")
     for split, split_tokens in (("train", tokens.train), ("val", tokens.val)):
         if len(split_tokens) <= config.seq_len + 1:
             die(f"{split}.bin has {len(split_tokens)} tokens, not one sequence of --seq_len "
                 f"{config.seq_len}")
+
+
+def fingerprint(tokens, blocks=16, block=1024):
+    """What a checkpoint remembers of its data: the sizes of train.bin and val.bin and a hash of
+    16 blocks of 1,024 tokens spread over each. Re-prepared data almost surely changes it, and it
+    costs the same at 10B tokens as at 10M."""
+    if tokens is None:
+        return "synthetic"
+    h = hashlib.blake2b(digest_size=8)
+    for split in (tokens.train, tokens.val):
+        for start in np.linspace(0, max(0, len(split) - block), blocks, dtype=np.int64):
+            h.update(np.asarray(split[start:start + block]).tobytes())
+    return f"{len(tokens.train)} + {len(tokens.val)} tokens, blake2b {h.hexdigest()}"
 
 
 def unigram_entropy(tokens, limit=50_000_000):
@@ -653,6 +708,7 @@ class Run:
     out: Path
     report: Report
     entropy: float         # unigram entropy of train.bin (None for synthetic data)
+    data_fingerprint: str  # what a checkpoint remembers of the data (see fingerprint)
 
 
 def start_outputs(run):
@@ -698,7 +754,7 @@ def save(run):
         global_batch=run.args.global_batch, evals=p.evals,
         val_loss=val_losses[-1] if val_losses else None,
         best_val_loss=min(val_losses, default=None), tokens=p.tokens, rng=rng_states(),
-        wandb_id=p.wandb_id))
+        wandb_id=p.wandb_id, data_fingerprint=run.data_fingerprint))
 
 
 def evaluate_and_save(run):
@@ -774,6 +830,8 @@ def train(args, given=frozenset()):
     args, ckpt, source = resolve_flags(args, given, s.world)
     set_precision(s, args)
     data = open_data(args, s.rank, s.ddp)
+    if ckpt:
+        check_same_data(ckpt, data, args)
     config = model_config(args, data.meta if data else {})
     check_data(data, config)
 
@@ -782,7 +840,8 @@ def train(args, given=frozenset()):
     del ckpt, source
     out = Path(args.out_dir)
     run = Run(args, config, s, gpt, wrap_model(gpt, args, s), optimizer, progress, data, out,
-              Report(out, s.master), None if data is None else unigram_entropy(data.train))
+              Report(out, s.master), None if data is None else unigram_entropy(data.train),
+              fingerprint(data))
     start_wandb(run.report, args, progress)
     start_outputs(run)
     if baseline is not None:
@@ -790,7 +849,7 @@ def train(args, given=frozenset()):
         del baseline
 
     # the loop: one optimizer step per iteration
-    device_name = torch.cuda.get_device_name(s.device) if s.device.type == "cuda" else s.device.type
+    device_name = s.device.type if s.device.type != "cuda" else torch.cuda.get_device_name()
     timer = Timer()
     while progress.step < args.stop_step:
         scale = lr_factor(progress.step, args.warmup_steps, args.max_steps, args.min_lr_ratio)

@@ -1,8 +1,10 @@
-"""train.py: schedule, batches, training of every mode, conversion, resume, logs, errors, DDP (tiny preset,
-the 64-token corpus of the `data` fixture, a few steps each)."""
+"""train.py: schedule, batches, training of every mode against a reference loop, conversion,
+resume, signals, the output folder's lock, failed saves, logs, bad input, DDP (tiny preset, the
+64-token corpus of the `data` fixture, a few steps each)."""
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +19,9 @@ from helpers import ROOT, VOCAB
 
 
 def flags(data, out, *extra):
-    return ["--preset", "tiny", "--data", str(data), "--out_dir", str(out), "--seq_len", "32", "--batch_size", "4",
-            "--max_steps", "8", "--warmup_steps", "2", "--eval_interval", "4", "--eval_batches", "2",
-            "--log_interval", "1", "--lr", "1e-2", *extra]
+    return ["--preset", "tiny", "--data", str(data), "--out_dir", str(out), "--seq_len", "32",
+            "--batch_size", "4", "--max_steps", "8", "--warmup_steps", "2", "--eval_interval", "4",
+            "--eval_batches", "2", "--log_interval", "1", "--lr", "1e-2", *extra]
 
 
 def run(data, out, *extra):
@@ -39,11 +41,34 @@ def load(out):
     return torch.load(Path(out) / "ckpt.pt", map_location="cpu", weights_only=True)
 
 
+def assert_same_state(a, b):
+    """Two checkpoints hold bitwise the same weights and Adam moments."""
+    assert a["step"] == b["step"] and a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values(),
+                      strict=True):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def error_of(capsys, argv, status=2):
+    """Run train.py in-process on bad input: the exit status, one line on stderr, no traceback."""
+    with pytest.raises(SystemExit) as exit:
+        train.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit.value.code == status, err
+    assert err.startswith("train.py: error: ") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+# -----------------------------------------------------------------------------
+# The schedule and the batches
+
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
     f = [train.lr_factor(s, 10, 100, 0.1) for s in range(100)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(f[9:], f[10:]))
-    assert f[-1] == pytest.approx(0.1, abs=1e-3) and train.lr_factor(500, 10, 100, 0.1) == pytest.approx(0.1)
+    assert f[-1] == pytest.approx(0.1, abs=1e-3)
+    assert train.lr_factor(500, 10, 100, 0.1) == pytest.approx(0.1)
 
 
 def test_batches_are_a_pure_function_of_the_step_and_split_freely():
@@ -57,7 +82,8 @@ def test_batches_are_a_pure_function_of_the_step_and_split_freely():
 
 
 def test_loss_decreases_and_beats_the_unigram_entropy(data, tmp_path):
-    summary = run(data, tmp_path, "--max_steps", "40", "--eval_interval", "20", "--log_interval", "5")
+    summary = run(data, tmp_path, "--max_steps", "40", "--eval_interval", "20",
+                  "--log_interval", "5")
     log = [e for e in read_log(tmp_path) if "loss" in e]
     assert log[-1]["loss"] < log[0]["loss"] - 0.5
     assert summary["final_val_loss"] < summary["unigram_entropy"] < math.log(VOCAB)
@@ -68,7 +94,8 @@ def test_loss_decreases_and_beats_the_unigram_entropy(data, tmp_path):
     ("mhar", ["--route_block", "2"]), ("mhar", ["--delta", "--route_block", "2"]),
 ], ids=["baseline", "hyper-2streams", "attnres", "mhar", "mhar-block2", "mhar-delta"])
 def test_every_residual_mode_trains(data, tmp_path, residual, extra):
-    summary = run(data, tmp_path, "--residual", residual, *extra, "--max_steps", "6", "--eval_interval", "6")
+    summary = run(data, tmp_path, "--residual", residual, *extra, "--max_steps", "6",
+                  "--eval_interval", "6")
     log = [e for e in read_log(tmp_path) if "loss" in e]
     assert summary["residual"] == residual and math.isfinite(summary["final_val_loss"])
     assert log[-1]["loss"] < log[0]["loss"]
@@ -77,15 +104,19 @@ def test_every_residual_mode_trains(data, tmp_path, residual, extra):
         2 if "--hc_streams" in extra else 4, 2 if "--route_block" in extra else 1, "--delta" in extra)
 
 
+# -----------------------------------------------------------------------------
+# Conversion and resuming
+
 def test_conversion_continues_the_baseline_run_exactly(data, tmp_path):
-    """--init_from: the converted model starts with the baseline's logits (difference 0) and validation loss,
-    its first step has the loss of the baseline's own next step, and its routing group has its own lr."""
+    """--init_from: the converted model starts with the baseline's logits (difference 0) and
+    validation loss, its first step has the loss of the baseline's own next step, and its routing
+    group has its own lr."""
     run(data, tmp_path / "baseline", "--residual", "baseline", "--stop_step", "4")
     source = tmp_path / "baseline-step4.pt"
     source.write_bytes((tmp_path / "baseline" / "ckpt.pt").read_bytes())
     run(data, tmp_path / "baseline", "--residual", "baseline", "--resume")
-    run(data, tmp_path / "converted", "--init_from", str(source), "--residual", "mhar", "--route_block", "2",
-        "--routing_lr", "5e-3")
+    run(data, tmp_path / "converted", "--init_from", str(source), "--residual", "mhar",
+        "--route_block", "2", "--routing_lr", "5e-3")
     baseline, converted = read_log(tmp_path / "baseline"), read_log(tmp_path / "converted")
     assert converted[0] == {"step": 4, "conversion_max_logit_diff": 0.0}
     val_at_4 = [e["val_loss"] for e in baseline if e.get("val_loss") is not None and e["step"] == 4]
@@ -103,23 +134,50 @@ def test_conversion_continues_the_baseline_run_exactly(data, tmp_path):
 
 def test_conversion_refuses_a_routed_checkpoint(data, tmp_path, capsys):
     run(data, tmp_path / "mhar", "--residual", "mhar", "--max_steps", "2", "--eval_interval", "2")
-    with pytest.raises(SystemExit):
-        run(data, tmp_path / "converted", "--init_from", str(tmp_path / "mhar" / "ckpt.pt"))
-    assert "converts a baseline checkpoint" in capsys.readouterr().err
+    err = error_of(capsys, flags(data, tmp_path / "converted", "--init_from",
+                                 str(tmp_path / "mhar" / "ckpt.pt")))
+    assert "converts a baseline checkpoint" in err
 
 
 def test_resume_reproduces_the_uninterrupted_run_bitwise(data, tmp_path):
     run(data, tmp_path / "straight")
     run(data, tmp_path / "resumed", "--stop_step", "3")  # interrupted after step 3 (no eval there)
-    assert load(tmp_path / "resumed")["step"] == 3 and not (tmp_path / "resumed" / "summary.json").exists()
+    assert load(tmp_path / "resumed")["step"] == 3
+    assert not (tmp_path / "resumed" / "summary.json").exists()
     train.main(["--resume", "--out_dir", str(tmp_path / "resumed")])  # the rest from the checkpoint
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
     a, b = load(tmp_path / "straight"), load(tmp_path / "resumed")
     assert a["step"] == b["step"] == 8 and a.keys() == b.keys()
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
-        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert_same_state(a, b)
 
+
+def test_resume_refuses_flags_that_contradict_the_checkpoint(data, tmp_path, capsys):
+    run(data, tmp_path, "--max_steps", "2")
+    resume = ["--resume", "--out_dir", str(tmp_path)]
+    assert "--residual mhar, not baseline" in error_of(capsys, [*resume, "--residual", "baseline"])
+    assert "--n_layer 2, not 3" in error_of(capsys, [*resume, "--n_layer", "3"])
+    assert "global batch" in error_of(capsys, [*resume, "--grad_accum", "3"])
+
+
+def copy_data(data, folder):
+    shutil.copytree(data, folder)
+    return folder
+
+
+def test_resume_refuses_data_prepared_anew(data, tmp_path, capsys):
+    """The checkpoint remembers its data's fingerprint: the same folder with other tokens is
+    refused on --resume, unless --allow_data_change."""
+    corpus = copy_data(data, tmp_path / "corpus")
+    run(corpus, tmp_path / "out", "--stop_step", "2")
+    tokens = np.fromfile(corpus / "train.bin", dtype=np.uint16)
+    np.roll(tokens, 1).tofile(corpus / "train.bin")  # same size and vocabulary, other order
+    resume = ["--resume", "--out_dir", str(tmp_path / "out")]
+    assert "not the data this checkpoint was trained on" in error_of(capsys, resume)
+    assert train.main([*resume, "--allow_data_change"])["step"] == 8
+
+
+# -----------------------------------------------------------------------------
+# Outputs, flags and bad input
 
 def test_log_checkpoint_and_summary_carry_the_documented_fields(data, tmp_path):
     summary = run(data, tmp_path)
@@ -131,8 +189,8 @@ def test_log_checkpoint_and_summary_carry_the_documented_fields(data, tmp_path):
     assert steps[-1]["tokens"] == 8 * 8 * 32 and steps[0]["peak_mem"] > 0
     assert {"step", "val_loss", "tokens", "peak_mem"} <= evals[0].keys()
     ckpt = load(tmp_path)
-    assert {"model", "optimizer", "step", "config", "args", "data_position", "rng", "evals", "val_loss",
-            "best_val_loss", "tokens", "global_batch"} <= ckpt.keys()
+    assert {"model", "optimizer", "step", "config", "args", "data_position", "rng", "evals",
+            "val_loss", "best_val_loss", "tokens", "global_batch", "data_fingerprint"} <= ckpt.keys()
     assert ckpt["config"]["residual"] == "mhar" and ckpt["config"]["vocab_size"] == VOCAB
     assert {"torch", "numpy", "python", "cuda"} <= ckpt["rng"].keys()
     assert [e["val_loss"] for e in ckpt["evals"]] == [e["val_loss"] for e in evals]
@@ -145,19 +203,85 @@ def test_log_checkpoint_and_summary_carry_the_documented_fields(data, tmp_path):
     assert not list(tmp_path.glob("*.tmp"))  # written atomically
 
 
+def test_every_config_field_is_a_flag(data, tmp_path):
+    """The model flags come from mhar.Config: a field added there is a flag here."""
+    args, given = train.parse_args(["--n_layer", "3", "--n_embd", "48", "--n_head", "2",
+                                    "--n_kv_head", "1", "--ffn_hidden", "96"])
+    assert given == {"n_layer", "n_embd", "n_head", "n_kv_head", "ffn_hidden"}
+    assert {f for f in train.CONFIG_FIELDS} <= set(vars(args))
+    run(data, tmp_path, "--max_steps", "1", "--n_layer", "3", "--n_embd", "48", "--n_head", "2",
+        "--n_kv_head", "1", "--ffn_hidden", "96", "--route_heads", "4")
+    config = load(tmp_path)["config"]
+    assert (config["n_layer"], config["n_embd"], config["n_head"], config["n_kv_head"],
+            config["ffn_hidden"], config["route_heads"]) == (3, 48, 2, 1, 96, 4)
+
+
 def test_synthetic_data_needs_no_files(tmp_path):
     summary = train.main(["--preset", "tiny", "--data", "synthetic", "--vocab_size", "128",
-                                            "--out_dir", str(tmp_path), "--max_steps", "2", "--batch_size", "2",
-                                            "--seq_len", "16", "--eval_batches", "1"])
+                          "--out_dir", str(tmp_path), "--max_steps", "2", "--batch_size", "2",
+                          "--seq_len", "16", "--eval_batches", "1"])
     assert math.isfinite(summary["final_val_loss"]) and summary["unigram_entropy"] is None
 
 
-def error_of(capsys, argv):
-    with pytest.raises(SystemExit) as exit:
-        train.main(argv)
-    err = capsys.readouterr().err.strip()
-    assert exit.value.code == 2 and err.startswith("train.py: error: ") and "\n" not in err
-    return err
+BAD_FLAGS = [
+    (["--batch_size", "0"], "--batch_size: must be > 0"),
+    (["--batch_size", "-4"], "--batch_size: must be > 0"),
+    (["--grad_accum", "0"], "--grad_accum: must be > 0"),
+    (["--eval_interval", "0"], "--eval_interval: must be > 0"),
+    (["--log_interval", "0"], "--log_interval: must be > 0"),
+    (["--eval_batches", "0"], "--eval_batches: must be > 0"),
+    (["--lr", "nan"], "--lr: must be > 0"),
+    (["--lr", "-1"], "--lr: must be > 0"),
+    (["--device", "gpu"], "unknown device 'gpu'"),
+    (["--route_heads", "3"], "route_heads"),
+    (["--vocab_size", "32"], "smaller than the data's vocabulary of 64"),
+]
+
+
+@pytest.mark.parametrize("extra, message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_flags_give_one_line_and_write_nothing(data, tmp_path, capsys, extra, message):
+    assert message in error_of(capsys, flags(data, tmp_path / "out", *extra))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_gives_one_line(data, tmp_path, capsys):
+    assert "no CUDA GPU" in error_of(capsys, flags(data, tmp_path / "out", "--device", "cuda"))
+    if not os.environ.get("TRITON_INTERPRET"):
+        assert "CUDA" in error_of(capsys, flags(data, tmp_path / "out", "--fused"))
+    assert not (tmp_path / "out").exists()
+
+
+def corrupt(folder, kind):
+    """The fixture's data, broken in one way."""
+    if kind == "odd-length train.bin":
+        with open(folder / "train.bin", "ab") as f:
+            f.write(b"\0")
+    elif kind == "empty val.bin":
+        (folder / "val.bin").write_bytes(b"")
+    elif kind == "missing val.bin":
+        (folder / "val.bin").unlink()
+    elif kind == "malformed meta.json":
+        (folder / "meta.json").write_text('{"vocab_size": 64,')
+    elif kind == "meta.json a list":
+        (folder / "meta.json").write_text("[64]")
+    elif kind == "ids beyond the vocabulary":  # no meta.json: the files are read for the largest id
+        (folder / "meta.json").unlink()
+        np.full(100, 200, dtype=np.uint16).tofile(folder / "val.bin")
+
+
+BAD_DATA = [("odd-length train.bin", "not a whole number of uint16"),
+            ("empty val.bin", "is empty"), ("missing val.bin", "no val.bin in"),
+            ("malformed meta.json", "is not valid JSON"), ("meta.json a list", "JSON list"),
+            ("ids beyond the vocabulary", "largest token id in the data, plus one, which is 201")]
+
+
+@pytest.mark.parametrize("kind, message", BAD_DATA, ids=[k for k, _ in BAD_DATA])
+def test_bad_data_gives_one_line_and_writes_nothing(data, tmp_path, capsys, kind, message):
+    corrupt(copy_data(data, tmp_path / "corpus"), kind)
+    extra = ["--vocab_size", "64"] if kind == "ids beyond the vocabulary" else []
+    assert message in error_of(capsys, flags(tmp_path / "corpus", tmp_path / "out", *extra))
+    assert not (tmp_path / "out").exists()
 
 
 def test_corrupt_or_foreign_checkpoints_give_one_clear_error(data, tmp_path, capsys):
@@ -173,28 +297,18 @@ def test_corrupt_or_foreign_checkpoints_give_one_clear_error(data, tmp_path, cap
     assert "no checkpoint at" in error_of(capsys, ["--resume", str(tmp_path / "nowhere.pt")])
 
 
-def test_resume_refuses_flags_that_contradict_the_checkpoint(data, tmp_path, capsys):
-    run(data, tmp_path, "--max_steps", "2")
-    assert "--residual mhar, not baseline" in error_of(capsys, ["--resume", "--out_dir", str(tmp_path),
-                                                                "--residual", "baseline"])
-    assert "global batch" in error_of(capsys, ["--resume", "--out_dir", str(tmp_path), "--grad_accum", "3"])
-
-
-def test_bad_flags_give_one_line(data, tmp_path, capsys):
-    assert "route_heads" in error_of(capsys, flags(data, tmp_path, "--route_heads", "3"))
-    assert "no train.bin in" in error_of(capsys, flags(tmp_path / "missing", tmp_path))
-    if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
-        assert "CUDA" in error_of(capsys, flags(data, tmp_path, "--fused"))
+def test_wandb_without_the_package_gives_one_line(data, tmp_path, capsys):
     try:
         import wandb  # noqa: F401
+        pytest.skip("wandb is installed here")
     except ImportError:
         assert "pip install wandb" in error_of(capsys, flags(data, tmp_path, "--wandb"))
 
 
 def test_command_line_error_exits_2_without_traceback(data, tmp_path):
     (tmp_path / "ckpt.pt").write_bytes(b"garbage")
-    p = subprocess.run([sys.executable, "train.py", "--resume", str(tmp_path / "ckpt.pt")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "train.py", "--resume", str(tmp_path / "ckpt.pt")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.startswith("train.py: error: cannot read checkpoint")
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
@@ -203,8 +317,9 @@ def test_torchrun_two_ranks_match_one_process_with_the_same_global_batch(data, t
     """2 ranks x grad_accum 1 and 1 process x grad_accum 2 see the same 8 sequences per step."""
     steps = ["--max_steps", "4", "--eval_interval", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        "train.py", *flags(data, tmp_path / "ddp", *steps, "--grad_accum", "1")],
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node=2", "train.py",
+                        *flags(data, tmp_path / "ddp", *steps, "--grad_accum", "1")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     run(data, tmp_path / "one", *steps, "--grad_accum", "2")
@@ -217,5 +332,3 @@ def test_torchrun_two_ranks_match_one_process_with_the_same_global_batch(data, t
     assert a["args"]["global_batch"] == b["args"]["global_batch"] == 8
     for k in a["model"]:
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-4, atol=1e-5)
-
-
