@@ -29,10 +29,11 @@ def one_line(e):
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
-def exit_error(prog, message):
-    """Print `prog: error: message` on stderr and exit with status 2, as argparse does."""
+def exit_error(prog, message, status=2):
+    """Print `prog: error: message` on stderr and exit with `status`: 2, as argparse does, for
+    bad input; 1 for a failure of the machine (a full disk)."""
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    sys.exit(status)
 
 
 # -----------------------------------------------------------------------------

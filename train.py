@@ -25,9 +25,11 @@ import json
 import math
 import os
 import random
+import signal
+import socket
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 
 # Set before torch starts OpenMP: threads waiting at a barrier sleep instead of spinning. On a
@@ -72,6 +74,11 @@ DEFAULT_DATA = Path("data") / prepare.DEFAULT_NAME
 def die(msg):
     """One line that says what is wrong and what to do, exit status 2 (like argparse)."""
     exit_error("train.py", msg)
+
+
+def fail(msg):
+    """One line for a failure of the machine rather than of the input (a full disk): status 1."""
+    exit_error("train.py", msg, status=1)
 
 
 # -----------------------------------------------------------------------------
@@ -509,13 +516,129 @@ def set_rng_states(s):
 
 def save_checkpoint(path, ckpt):
     """Write a temporary file, flush it to disk, then rename it: a crash never leaves half a
-    checkpoint."""
+    checkpoint. A failed write (a full disk, no permission) removes the temporary file, keeps the
+    previous checkpoint and ends the run with one line."""
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(ckpt, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, (OSError, RuntimeError)):  # torch reports a short write as RuntimeError
+            fail(f"could not write the checkpoint {path} ({os_error(e)}); the previous one is "
+                 f"kept: free some space or fix the permissions, then --resume")
+        raise
+
+
+def os_error(e):
+    """The operating system's reason behind an exception (e.g. 'No space left on device'), found
+    along its chain of causes; else its own first line."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror + (f": {seen.filename}" if seen.filename else "")
+        seen = seen.__cause__ or seen.__context__
+    return one_line(e)
+
+
+# -----------------------------------------------------------------------------
+# One run per output folder, and a clean stop on Ctrl-C or SIGTERM.
+
+@contextmanager
+def claim_out_dir(out, session):
+    """Hold --out_dir for this run: a second run on it stops with one line before writing
+    anything. The lock is fcntl.flock on out_dir/train.lock, which the operating system releases
+    when the process ends, however it ends: a crashed or killed run leaves no stale lock to clean
+    up, and the next run takes over. flock works across machines on NFSv4 and the cluster file
+    systems that support it (Lustre: mounted with -o flock); where it is refused, the run goes on
+    with a warning. The file also says who holds it (host and pid), for the refusal's message."""
+    held = None
+    if session.master:
+        out.mkdir(parents=True, exist_ok=True)
+        held = lock_file(out / "train.lock")
+    if any_rank(held is False, session):  # every rank stops when rank 0 could not take it
+        if held is False:
+            holder = (out / "train.lock").read_text().strip() or "another process"
+            die(f"{out} is in use by another run ({holder}): wait for it to end, or stop it, or "
+                f"choose another --out_dir")
+        sys.exit(2)
+    try:
+        yield
+    finally:
+        if held:
+            held.close()  # releases the lock (the file stays: deleting it would race a newcomer)
+
+
+def lock_file(path):
+    """The open, locked file; False when another process holds the lock; None without locks."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock
+        return None
+    f = open(path, "a+")  # "a+": opening must not erase what the holder wrote
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return False
+    except OSError as e:  # a file system without flock
+        f.close()
+        print(f"train.py: warning: cannot lock {path} ({e.strerror}): make sure no other run "
+              f"uses {path.parent}", file=sys.stderr, flush=True)
+        return None
+    f.seek(0)
+    f.truncate()
+    f.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
+    f.flush()
+    return f
+
+
+class StopSignals:
+    """Ctrl-C (SIGINT) or SIGTERM (how clusters preempt a job) asks the run to stop after the
+    step in progress, with a checkpoint of it, and to exit with 128 + the signal's number (130,
+    143). A second signal stops at once, without a checkpoint of that step. One second's grace:
+    under torchrun a terminal's Ctrl-C reaches each rank twice, directly and forwarded."""
+
+    def __init__(self, master):
+        self.signum, self.first_at, self.master = 0, 0.0, master
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if not self.signum:
+            self.signum, self.first_at = signum, time.monotonic()
+            if self.master:  # os.write: print() is not safe inside a signal handler
+                os.write(2, f"train.py: {name}: stopping after this step, with a checkpoint "
+                            f"(again to stop at once)\n".encode())
+        elif time.monotonic() - self.first_at > 1.0:
+            os.write(2, f"train.py: {name} again: stopped at once, without a checkpoint of "
+                        f"this step\n".encode())
+            raise SystemExit(128 + signum)
+
+
+def any_rank(flag, session):
+    """Whether `flag` holds on any rank, the same answer on every rank (all-reduced)."""
+    return max_over_ranks(int(flag), session) > 0
+
+
+def max_over_ranks(value, session):
+    """The largest of an integer over the ranks (without torchrun: the value)."""
+    if not session.ddp:
+        return value
+    t = torch.tensor(value, device=session.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 # -----------------------------------------------------------------------------
@@ -839,46 +962,51 @@ def train(args, given=frozenset()):
     gpt, optimizer, progress, baseline = build_model(args, config, ckpt, source, s.device)
     del ckpt, source
     out = Path(args.out_dir)
-    run = Run(args, config, s, gpt, wrap_model(gpt, args, s), optimizer, progress, data, out,
-              Report(out, s.master), None if data is None else unigram_entropy(data.train),
-              fingerprint(data))
-    start_wandb(run.report, args, progress)
-    start_outputs(run)
-    if baseline is not None:
-        check_conversion(run, baseline)
-        del baseline
+    with claim_out_dir(out, s), StopSignals(s.master) as stop:
+        run = Run(args, config, s, gpt, wrap_model(gpt, args, s), optimizer, progress, data, out,
+                  Report(out, s.master), None if data is None else unigram_entropy(data.train),
+                  fingerprint(data))
+        start_wandb(run.report, args, progress)
+        start_outputs(run)
+        if baseline is not None:
+            check_conversion(run, baseline)
+            del baseline
 
-    # the loop: one optimizer step per iteration
-    device_name = s.device.type if s.device.type != "cuda" else torch.cuda.get_device_name()
-    timer = Timer()
-    while progress.step < args.stop_step:
-        scale = lr_factor(progress.step, args.warmup_steps, args.max_steps, args.min_lr_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = group["initial_lr"] * scale
-        rows = train_batch(data.train if data else None, args, progress.step, s.rank)
-        loss_sum = train_step(run.model, optimizer, *to_device(rows, s.device), args, s)
-        progress.step += 1
-        progress.tokens += args.global_batch * args.seq_len
-        timer.steps += 1
-        if progress.step % args.log_interval == 0 or progress.step == args.stop_step:
-            log_step(run, loss_sum, args.lr * scale, timer, device_name)
-        if progress.step % args.eval_interval == 0 and progress.step < args.max_steps:
-            with timer.paused():  # evaluation is not training time
-                evaluate_and_save(run)
-    if progress.step < args.max_steps:  # --stop_step: as if interrupted
-        if not progress.evals or progress.evals[-1]["step"] != progress.step:
-            save(run)
-        run.report.print(f"stopped after step {progress.step} (--stop_step); continue with: "
-                         f"python train.py --out_dir {out} --resume")
-    elif not progress.evals or progress.evals[-1]["step"] != progress.step:
-        evaluate_and_save(run)
-    return finish(run, timer, t_start)
+        # the loop: one optimizer step per iteration
+        device_name = s.device.type if s.device.type != "cuda" else torch.cuda.get_device_name()
+        timer, stop_signal = Timer(), 0
+        while progress.step < args.stop_step and not stop_signal:
+            scale = lr_factor(progress.step, args.warmup_steps, args.max_steps, args.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * scale
+            rows = train_batch(data.train if data else None, args, progress.step, s.rank)
+            loss_sum = train_step(run.model, optimizer, *to_device(rows, s.device), args, s)
+            progress.step += 1
+            progress.tokens += args.global_batch * args.seq_len
+            timer.steps += 1
+            if progress.step % args.log_interval == 0 or progress.step == args.stop_step:
+                log_step(run, loss_sum, args.lr * scale, timer, device_name)
+            if progress.step % args.eval_interval == 0 and progress.step < args.max_steps:
+                with timer.paused():  # evaluation is not training time
+                    evaluate_and_save(run)
+            stop_signal = max_over_ranks(stop.signum, s)  # every rank stops after the same step
+        return finish(run, timer, t_start, stop_signal)
 
 
-def finish(run, timer, t_start):
-    """The summary (the paper's metric: the mean of the last K evaluations), and for a finished
-    run summary.json and a sample."""
+def finish(run, timer, t_start, stop_signal):
+    """The end of a session: a checkpoint when it stops early (a signal or --stop_step), the
+    final evaluation when it is done; then the summary (the paper's metric: the mean of the last
+    K evaluations), and for a finished run summary.json and a sample."""
     args, s, p = run.args, run.session, run.progress
+    evaluated = p.evals and p.evals[-1]["step"] == p.step
+    if stop_signal or p.step < args.max_steps:
+        if not evaluated:
+            save(run)
+        why = signal.Signals(stop_signal).name if stop_signal else "--stop_step"
+        run.report.print(f"stopped after step {p.step} ({why}); continue with: python train.py "
+                         f"--out_dir {run.out} --resume")
+    elif not evaluated:
+        evaluate_and_save(run)
     tail = [e["val_loss"] for e in p.evals[-args.tail_evals:]]
     trained_tokens = timer.trained_steps * args.global_batch * args.seq_len
     summary = dict(
@@ -889,8 +1017,9 @@ def finish(run, timer, t_start):
         best_val_loss=min((e["val_loss"] for e in p.evals), default=None),
         unigram_entropy=run.entropy, tokens=p.tokens,
         tokens_per_s=trained_tokens / timer.train_time if timer.train_time else None,
-        peak_mem=peak_memory(s.device), wall_s=time.time() - t_start, world_size=s.world)
-    if s.master and summary["finished"]:
+        peak_mem=peak_memory(s.device), wall_s=time.time() - t_start, world_size=s.world,
+        stop_signal=stop_signal)
+    if s.master and summary["finished"] and not stop_signal:
         (run.out / "summary.json").write_text(json.dumps(summary, indent=2))
         run.report.print(summary_line(summary))
         if run.data is not None and run.data.meta.get("tokenizer") == "gpt2":
@@ -922,8 +1051,17 @@ def sample_text(run):
 
 
 def main(argv=None):
+    """Train; the exit status is 0, or 128 + the number of the signal that stopped the run."""
     args, given = parse_args(argv)
-    return train(args, given)
+    try:
+        summary = train(args, given)
+    except OSError as e:  # writing a log line or summary.json: a full disk, lost permissions
+        fail(f"could not write {e.filename or 'the outputs'}: {e.strerror or one_line(e)}")
+    except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
+        exit_error("train.py", "interrupted before training started", status=130)
+    if summary["stop_signal"]:
+        sys.exit(128 + summary["stop_signal"])
+    return summary
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """train.py: schedule, batches, training of every mode against a reference loop, conversion,
 resume, signals, the output folder's lock, failed saves, logs, bad input, DDP (tiny preset, the
 64-token corpus of the `data` fixture, a few steps each)."""
+import errno
 import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -174,6 +177,103 @@ def test_resume_refuses_data_prepared_anew(data, tmp_path, capsys):
     resume = ["--resume", "--out_dir", str(tmp_path / "out")]
     assert "not the data this checkpoint was trained on" in error_of(capsys, resume)
     assert train.main([*resume, "--allow_data_change"])["step"] == 8
+
+
+# -----------------------------------------------------------------------------
+# Stopping on a signal, one run per folder, failed saves
+
+def start_training(data, out, *extra):
+    """A train.py process (one thread, as in-process runs: bitwise comparable), long enough to
+    be stopped; returns it once its log has a step."""
+    command = [sys.executable, "train.py", *flags(data, out, "--max_steps", "100000",
+                                                  "--eval_interval", "100000", *extra)]
+    p = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log, deadline = Path(out) / "log.jsonl", time.time() + 120
+    while not (log.exists() and log.read_text().count("\n") >= 2):
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.02)
+    return p
+
+
+def test_ctrl_c_saves_the_step_and_resume_continues_bitwise(data, tmp_path, capsys):
+    """A second run on a folder in use is refused and changes nothing; a real SIGINT stops the
+    first after its step with a checkpoint and status 130; --resume then reproduces the
+    uninterrupted run bitwise."""
+    out = tmp_path / "interrupted"
+    p = start_training(data, out)
+    log_before = (out / "log.jsonl").read_text()
+    err = error_of(capsys, flags(data, out, "--max_steps", "100000"))
+    assert "in use by another run" in err and f"pid {p.pid}" in err
+    assert (out / "log.jsonl").read_text().startswith(log_before)  # untouched by the second run
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130, stderr
+    assert "Traceback" not in stderr and "SIGINT" in stderr
+    stopped = load(out)["step"]
+    assert f"stopped after step {stopped} (SIGINT); continue with: python train.py --out_dir " \
+           f"{out} --resume" in stdout
+    end = ["--max_steps", "100000", "--eval_interval", "100000", "--stop_step", str(stopped + 3)]
+    train.main(["--resume", "--out_dir", str(out), "--stop_step", str(stopped + 3)])
+    run(data, tmp_path / "straight", *end)
+    assert losses(out) == losses(tmp_path / "straight")
+    assert_same_state(load(out), load(tmp_path / "straight"))
+
+
+def test_sigterm_saves_the_step_and_exits_143(data, tmp_path):
+    p = start_training(data, tmp_path)
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 143 and "Traceback" not in stderr
+    assert f"stopped after step {load(tmp_path)['step']} (SIGTERM)" in stdout
+
+
+def test_a_second_signal_stops_at_once_but_not_a_forwarded_copy():
+    """torchrun forwards a terminal's Ctrl-C to ranks that already got it: a repeat within a
+    second is that copy; a later one stops at once (status 130)."""
+    stop = train.StopSignals(master=False)
+    stop.handle(signal.SIGINT, None)
+    stop.handle(signal.SIGINT, None)  # the forwarded copy: ignored
+    assert stop.signum == signal.SIGINT
+    stop.first_at -= 2
+    with pytest.raises(SystemExit) as exit:
+        stop.handle(signal.SIGINT, None)
+    assert exit.value.code == 130
+
+
+def test_a_dead_runs_lock_is_taken_over(data, tmp_path):
+    """A process that held the folder's lock and was killed (SIGKILL: no cleanup at all) leaves
+    train.lock behind; the next run takes it over."""
+    tmp_path.mkdir(exist_ok=True)
+    holder = ("import fcntl, os, signal, sys; f = open(sys.argv[1], 'a+'); "
+              "fcntl.flock(f, fcntl.LOCK_EX); f.write('host x, pid 1\\n'); f.flush(); "
+              "os.kill(os.getpid(), signal.SIGKILL)")
+    p = subprocess.run([sys.executable, "-c", holder, str(tmp_path / "train.lock")])
+    assert p.returncode == -signal.SIGKILL
+    assert run(data, tmp_path, "--max_steps", "2")["step"] == 2
+    assert f"pid {os.getpid()}" in (tmp_path / "train.lock").read_text()
+
+
+def test_a_failed_save_says_why_in_one_line_and_keeps_the_last_checkpoint(data, tmp_path, capsys,
+                                                                          monkeypatch):
+    """The second checkpoint meets a full disk the way torch.save does (a short write, then the
+    OSError): one line that says why, status 1, no ckpt.pt.tmp left, the first checkpoint kept."""
+    real_save, saves = torch.save, []
+
+    def full_disk(obj, f):
+        saves.append(obj["step"])
+        if len(saves) == 1:
+            return real_save(obj, f)
+        f.write(b"PK\x03\x04 partial")
+        try:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704")
+        except RuntimeError:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(torch, "save", full_disk)
+    err = error_of(capsys, flags(data, tmp_path), status=1)
+    assert "No space left on device" in err and "the previous one is kept" in err
+    assert saves == [4, 8] and not list(tmp_path.glob("*.tmp"))
+    assert load(tmp_path)["step"] == 4
 
 
 # -----------------------------------------------------------------------------
