@@ -1022,10 +1022,10 @@ def finish(run, timer, t_start, stop_signal):
     if s.master and summary["finished"] and not stop_signal:
         (run.out / "summary.json").write_text(json.dumps(summary, indent=2))
         run.report.print(summary_line(summary))
-        if run.data is not None and run.data.meta.get("tokenizer") == "gpt2":
-            run.report.print("sample:\n" + sample_text(run))
+        print_sample(run)
     if run.report.wandb is not None:
-        run.report.wandb.finish()
+        with suppress(Exception):  # the run is saved: the dashboard's goodbye cannot fail it
+            run.report.wandb.finish()
     if s.ddp:
         dist.destroy_process_group()
     return summary
@@ -1040,14 +1040,26 @@ def summary_line(s):
             + f" | peak mem {s['peak_mem'] / 2**30:.2f} GiB | {s['wall_s']:.0f} s")
 
 
-def sample_text(run):
-    """200 tokens sampled after an end-of-text token, decoded with GPT-2's BPE."""
-    enc = prepare.get_encoding()
-    torch.manual_seed(run.args.seed)
-    with run.session.autocast:
-        idx = run.gpt.generate(torch.tensor([[enc.eot_token]], device=run.session.device), 200,
-                               temperature=0.8, top_k=50)
-    return enc.decode(idx[0, 1:].tolist())
+def print_sample(run, prompt_tokens=48, new_tokens=128):
+    """The model continues the start of the first validation document. A small model sampled
+    from nothing writes mostly indentation; from real text, what it learned shows. Only for
+    GPT-2 token files, and only ids the tokenizer has are drawn (the model's vocabulary is
+    padded past it). The run is over and saved: nothing here can fail it."""
+    if run.data is None or run.data.meta.get("tokenizer") != "gpt2":
+        return
+    try:
+        enc = prepare.get_encoding()
+        prompt = [int(t) for t in run.data.val[:prompt_tokens]]
+        torch.manual_seed(run.args.seed)
+        with run.session.autocast:
+            idx = run.gpt.generate(torch.tensor([prompt], device=run.session.device), new_tokens,
+                                   temperature=0.8, top_k=50, vocab_limit=enc.n_vocab)
+        continuation = enc.decode(idx[0, len(prompt):].tolist())
+        run.report.print(f"sample: the first {len(prompt)} tokens of val.bin, then <|model|> and "
+                         f"the model's next {new_tokens} (temperature 0.8, top-k 50):\n"
+                         f"{enc.decode(prompt)}<|model|>{continuation}")
+    except Exception as e:
+        run.report.print(f"no sample: {type(e).__name__}: {one_line(e)}")
 
 
 def main(argv=None):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import mhar
 import train
 from common import sample_rows
 from helpers import ROOT, VOCAB
@@ -180,7 +181,7 @@ def test_resume_refuses_data_prepared_anew(data, tmp_path, capsys):
 
 
 # -----------------------------------------------------------------------------
-# Stopping on a signal, one run per folder, failed saves
+# Stopping on a signal, one run per folder, failed saves, the closing sample
 
 def start_training(data, out, *extra):
     """A train.py process (one thread, as in-process runs: bitwise comparable), long enough to
@@ -274,6 +275,40 @@ def test_a_failed_save_says_why_in_one_line_and_keeps_the_last_checkpoint(data, 
     assert "No space left on device" in err and "the previous one is kept" in err
     assert saves == [4, 8] and not list(tmp_path.glob("*.tmp"))
     assert load(tmp_path)["step"] == 4
+
+
+def gpt2_data(data, folder):
+    """The fixture's tokens (ids 0-63 are GPT-2 tokens too) labelled as GPT-2 text."""
+    copy_data(data, folder)
+    (folder / "meta.json").write_text(json.dumps({"tokenizer": "gpt2", "vocab_size": 50257}))
+    return folder
+
+
+def test_the_sample_never_draws_a_padded_id(data, tmp_path, monkeypatch, capsys):
+    """The model's vocabulary is padded past GPT-2's 50,257 ids. With the padded ids made the
+    likeliest, the closing sample still decodes: generate is told the tokenizer's vocabulary."""
+    forward = mhar.GPT.forward
+
+    def padded_favourite(self, idx, targets=None):
+        logits, loss = forward(self, idx, targets)
+        if not torch.is_grad_enabled():  # generate (and evaluation), not the training steps
+            logits = logits.clone()
+            logits[..., 50257:] += 100
+        return logits, loss
+    monkeypatch.setattr(mhar.GPT, "forward", padded_favourite)
+    summary = run(gpt2_data(data, tmp_path / "gpt2"), tmp_path / "out", "--max_steps", "1")
+    out = capsys.readouterr().out
+    assert summary["finished"] and "no sample" not in out
+    assert "sample: the first 48 tokens of val.bin" in out
+
+
+def test_nothing_after_the_last_checkpoint_fails_the_run(data, tmp_path, monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the sampler broke")
+    monkeypatch.setattr(mhar.GPT, "generate", broken)
+    summary = run(gpt2_data(data, tmp_path / "gpt2"), tmp_path / "out", "--max_steps", "1")
+    assert summary["finished"] and (tmp_path / "out" / "summary.json").exists()
+    assert "no sample: RuntimeError: the sampler broke" in capsys.readouterr().out
 
 
 # -----------------------------------------------------------------------------
