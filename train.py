@@ -1043,8 +1043,8 @@ def summary_line(s):
 
 
 def print_sample(run, prompt_tokens=48, new_tokens=128):
-    """The model continues the start of the first validation document. A small model sampled
-    from nothing writes mostly indentation; from real text, what it learned shows. Only for
+    """The model continues the start of the first validation document (its whole lines among
+    the first 48 tokens): sampled from nothing, a small model writes mostly indentation. Only for
     GPT-2 token files, and only ids the tokenizer has are drawn (the model's vocabulary is
     padded past it). The run is over and saved: nothing here can fail it."""
     if run.data is None or run.data.meta.get("tokenizer") != "gpt2":
@@ -1052,6 +1052,8 @@ def print_sample(run, prompt_tokens=48, new_tokens=128):
     try:
         enc = prepare.get_encoding()
         prompt = [int(t) for t in run.data.val[:prompt_tokens]]
+        line_ends = [i for i, t in enumerate(prompt) if "\n" in enc.decode([t])]
+        prompt = prompt[:line_ends[-1] + 1] if line_ends else prompt
         torch.manual_seed(run.args.seed)
         with run.session.autocast:
             idx = run.gpt.generate(torch.tensor([prompt], device=run.session.device), new_tokens,
