@@ -380,7 +380,8 @@ def resolve_flags(args, given, world):
 MIDTRAIN_RUN = dict(batch_size=1, global_batch=hf.MIDTRAIN["global_batch"][0],
                     max_steps=hf.MIDTRAIN["max_steps"][0], lr=hf.MIDTRAIN["lr"][0],
                     warmup_steps=hf.MIDTRAIN["warmup_steps"][0],
-                    eval_interval=PAPER_RUN["eval_interval"], eval_batches=PAPER_RUN["eval_batches"])
+                    eval_interval=PAPER_RUN["eval_interval"],
+                    eval_batches=PAPER_RUN["eval_batches"])
 # The recipe's values that are flags (hf.MIDTRAIN says where each comes from), run sizes aside.
 # Its dtype, bfloat16, is --dtype auto's on GPUs (bf16 autocast over float32 weights), and its
 # decay shape is train.py's only one; weight decay spares what is not a matrix.
