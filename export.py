@@ -9,7 +9,9 @@ A baseline becomes a Qwen3 checkpoint (config.json, model.safetensors) that tran
 with the same logits; a routed model (attnres, mhar, hyper) is written in this project's format,
 which mhar.GPT.from_pretrained reads back exactly and transformers refuses (hf.py says how).
 --tokenizer copies the tokenizer files and special token ids of a Hugging Face model directory;
-by default those of the directory the run was initialized from, when there is one.
+by default those of the directory the run was initialized from, when there is one. A run that
+kept a weight average (train.py --ema) is exported with the averaged weights, which the paper
+evaluates and releases; --raw writes the trained weights instead.
 """
 import argparse
 from pathlib import Path
@@ -25,6 +27,9 @@ def parse_args(argv=None):
                    help="the tensors' dtype in the files (default: as trained)")
     p.add_argument("--tokenizer", help="a Hugging Face model directory whose tokenizer files to copy "
                                        "(default: the run's --init_from directory, if any)")
+    p.add_argument("--raw", action="store_true",
+                   help="the trained weights, not their average (default: the average when the "
+                        "run kept one, train.py --ema)")
     return p.parse_args(argv)
 
 
@@ -35,6 +40,9 @@ def main(argv=None):
             raise UserError(f"--tokenizer {args.tokenizer} is not a directory: give a Hugging Face "
                             f"model directory")
         model, ckpt = load_model(args.ckpt)
+        averaged = "ema" in ckpt and not args.raw
+        if averaged:
+            model.load_state_dict(ckpt["ema"])
         init_from = (ckpt.get("args") or {}).get("init_from")
         from_dir = init_from and Path(init_from, "config.json").is_file()
         source = args.tokenizer or (init_from if from_dir else None)
@@ -46,7 +54,9 @@ def main(argv=None):
     else:
         how = f"{model.config.residual} routing, transformers cannot run it: mhar.GPT.from_pretrained"
     tokenizer = f"tokenizer from {source}" if source else "no tokenizer files (pass --tokenizer DIR)"
-    print(f"wrote {out}: {how}({str(out)!r}); {model.num_params():,} parameters; {tokenizer}")
+    weights = "the weight average (--raw: the trained weights)" if averaged else "the weights"
+    print(f"wrote {out}: {how}({str(out)!r}); {model.num_params():,} parameters, {weights}; "
+          f"{tokenizer}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Train an MHAR language model (or one of its baselines) on a CPU, one GPU or seve
     torchrun --standalone --nproc_per_node=8 train.py --preset 350m --residual attnres   # DDP
     python train.py --preset 100m --data synthetic --max_steps 50 --compile   # speed only
     python train.py --out_dir out --resume         # continue an interrupted run, bit for bit
+    python train.py --init_from models/Qwen3-0.6B --data data/corpus-qwen3   # mid-train a Qwen3
 
 The global batch is batch_size x grad_accum x world size; by default grad_accum makes it the
 preset's (the paper's 64 x 2048 tokens at 100M). The data order is a pure function of
@@ -41,6 +42,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
+import hf  # noqa: E402
 import mhar  # noqa: E402
 import prepare  # noqa: E402
 from common import (CheckpointError, UserError, exit_error, largest_id, one_line,  # noqa: E402
@@ -140,6 +142,14 @@ COUNT, STEPS = number(int, 0, strict=True), number(int, 0, strict=False)  # >= 1
 RATE, AMOUNT = number(float, 0, strict=True), number(float, 0, strict=False)  # > 0, >= 0
 
 
+def decay_rate(text):
+    """An argparse type: a decay in [0, 1) (1 would never move the average)."""
+    value = AMOUNT(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be < 1 (0 = off), not {text}")
+    return value
+
+
 class Flags(argparse.ArgumentParser):
     """argparse that remembers each flag's role, and can leave out every default (then the
     namespace holds exactly the flags given on the command line)."""
@@ -190,7 +200,9 @@ def build_parser(defaults=True):
            help="continue from out_dir/ckpt.pt, or from the checkpoint given")
     p.flag("init_from", MACHINE, default=None,
            help="convert this baseline checkpoint into a delta-routed model (--residual attnres "
-                "or mhar) and continue its run from its step")
+                "or mhar) and continue its run from its step; or convert a Hugging Face Qwen3 "
+                "directory (or hub id) and start a new run with the paper's mid-training recipe "
+                "as the defaults (README: Grafting MHAR onto Qwen3)")
     p.flag("seed", RUN, type=int, default=0, help="model init and data order (default 0)")
     p.flag("allow_data_change", MACHINE, action="store_true", default=False,
            help="--resume onto data that changed since the checkpoint (by default an error)")
@@ -225,7 +237,17 @@ def build_parser(defaults=True):
     p.flag("warmup_steps", RUN, type=STEPS, default=None,
            help=f"linear warmup steps ({per_preset('warmup_steps')})")
     p.flag("weight_decay", RUN, type=AMOUNT, default=0.1,
-           help="AdamW weight decay on all parameters (default 0.1)")
+           help="AdamW weight decay (default 0.1; --init_from DIR: 0.05)")
+    p.flag("decay_on", RUN, choices=["all", "matrices"], default="all",
+           help="the parameters weight decay applies to: all, or the matrices alone (not the "
+                "embedding, norms, routing) (default all; --init_from DIR: matrices)")
+    p.flag("z_loss", RUN, type=AMOUNT, default=0.0,
+           help="add this x the mean squared log-partition of the logits to the training loss; "
+                "the logged losses stay the cross-entropy (default 0; --init_from DIR: 1e-4)")
+    p.flag("ema", RUN, type=decay_rate, default=0.0,
+           help="keep an exponential moving average of the weights with this decay, evaluated "
+                "beside them and saved (export.py writes it); 0 = off (default 0; --init_from "
+                "DIR: 0.999)")
     p.flag("grad_clip", RUN, type=AMOUNT, default=1.0,
            help="clip the gradient norm at this; 0 = off (default 1.0)")
 
@@ -296,10 +318,11 @@ def take_saved_flags(args, given, saved, strict):
                 f"drop the flag, or start a new run in another --out_dir")
 
 
-def fill_run_sizes(args, world, saved_global_batch=None):
-    """The run-size flags still unset take the preset's row of RUNS; grad_accum keeps the global
-    batch (the preset's, or the checkpoint's) over however many ranks this session has."""
-    sizes = RUNS[args.preset]
+def fill_run_sizes(args, world, saved_global_batch=None, sizes=None):
+    """The run-size flags still unset take `sizes` (default: the preset's row of RUNS); grad_accum
+    keeps the global batch (theirs, or the checkpoint's) over however many ranks this session
+    has."""
+    sizes = sizes or RUNS[args.preset]
     for key in ("batch_size", "max_steps", "warmup_steps", "eval_interval", "eval_batches", "lr"):
         if getattr(args, key) is None:
             setattr(args, key, sizes[key])
@@ -320,7 +343,8 @@ def fill_run_sizes(args, world, saved_global_batch=None):
 
 def resolve_flags(args, given, world):
     """(args, ckpt, source): the run's flags, the checkpoint a --resume continues (or None), and
-    the baseline checkpoint an --init_from converts (or None)."""
+    what an --init_from converts (or None): a baseline checkpoint (a dict), or a Hugging Face
+    directory (a Path)."""
     ckpt = source = saved_global_batch = None
     if args.resume is not None:
         if args.init_from:
@@ -330,6 +354,13 @@ def resolve_flags(args, given, world):
         ckpt = load_checkpoint(args.resume or os.path.join(args.out_dir, "ckpt.pt"))
         take_saved_flags(args, given, saved_flags(ckpt), strict=True)
         saved_global_batch = ckpt["args"].get("global_batch")
+        # where the run started, for the record (export.py copies a Qwen3 directory's tokenizer);
+        # the checkpoint holds all it needs, the directory is not read again
+        args.init_from = ckpt["args"].get("init_from")
+    elif args.init_from and pretrained_directory(args.init_from):
+        source = take_pretrained_flags(args, given)
+        fill_run_sizes(args, world, sizes=MIDTRAIN_RUN)
+        return args, ckpt, source
     elif args.init_from:
         source = load_checkpoint(args.init_from)
         if source["config"]["residual"] != "baseline":
@@ -341,6 +372,87 @@ def resolve_flags(args, given, world):
         saved_global_batch = source["args"].get("global_batch")
     fill_run_sizes(args, world, saved_global_batch)
     return args, ckpt, source
+
+
+# --init_from DIR: the run sizes the recipe does not fix. The global batch is the paper's; the
+# micro-batch is the machine's (raise --batch_size as memory allows: fewer, larger micro-steps);
+# an evaluation every 500 steps on 20 batches as in the from-scratch recipe (PAPER_RUN).
+MIDTRAIN_RUN = dict(batch_size=1, global_batch=hf.MIDTRAIN["global_batch"][0],
+                    max_steps=hf.MIDTRAIN["max_steps"][0], lr=hf.MIDTRAIN["lr"][0],
+                    warmup_steps=hf.MIDTRAIN["warmup_steps"][0],
+                    eval_interval=PAPER_RUN["eval_interval"],
+                    eval_batches=PAPER_RUN["eval_batches"])
+# The recipe's values that are flags (hf.MIDTRAIN says where each comes from), run sizes aside.
+# Its dtype, bfloat16, is --dtype auto's on GPUs (bf16 autocast over float32 weights), and its
+# decay shape is train.py's only one; weight decay spares what is not a matrix.
+MIDTRAIN_FLAGS = dict({k: hf.MIDTRAIN[k][0] for k in ("residual", "min_lr_ratio", "weight_decay",
+                                                     "grad_clip", "seq_len", "ema", "z_loss")},
+                      decay_on="matrices")
+MIDTRAIN_ROUTING = ("delta", "route_block", "route_heads")  # for a routed --residual alone
+
+
+def pretrained_directory(init_from):
+    """Whether --init_from names a Hugging Face model (a directory, or a hub id such as
+    Qwen/Qwen3-0.6B) rather than a checkpoint of this project (a file)."""
+    path = Path(init_from)
+    return path.is_dir() or (not path.exists() and path.suffix not in (".pt", ".pth")
+                             and hf.HUB_ID.fullmatch(init_from) is not None)
+
+
+def take_pretrained_flags(args, given):
+    """--init_from DIR: the model's shape from DIR/config.json (a flag that contradicts it is an
+    error), the mid-training recipe for every flag left out; returns DIR (a hub id: its local
+    snapshot)."""
+    try:
+        directory = hf.local_dir(args.init_from)
+        hf_config = hf.read_json(directory / "config.json")
+        shape = hf.config_from_hf(hf_config, directory / "config.json")
+    except CheckpointError as e:
+        die(str(e))
+    if shape["residual"] != "baseline":
+        die(f"{directory} is this project's {shape['residual']} export, not a Qwen3 checkpoint: "
+            f"--init_from DIR converts a Qwen3 checkpoint (continue a run of ours with --resume)")
+    del shape["residual"], shape["seq_len"]  # a conversion chooses them (seq_len: any length)
+    for name, value in shape.items():
+        if name in given and getattr(args, name) != value:
+            die(f"{directory}/config.json fixes --{name} at {value}, not {getattr(args, name)}: "
+                f"drop the flag")
+        setattr(args, name, value)
+    for name, value in MIDTRAIN_FLAGS.items():
+        if name not in given:
+            setattr(args, name, value)
+    # a routed residual converts as delta routing, which starts as the model; --residual baseline
+    # is the paper's control (the same recipe, no routing): its routing flags are the preset's
+    routed = args.residual in ("attnres", "mhar")
+    for name in MIDTRAIN_ROUTING:
+        if name not in given:
+            setattr(args, name, hf.MIDTRAIN[name][0] if routed else None)
+    args.init_from = str(directory)
+    return directory
+
+
+def check_tokenizer(tokens, directory, vocab_size):
+    """--init_from DIR reads token ids of DIR's own tokenizer. prepare.py --tokenizer records the
+    SHA-256 of the tokenizer.json it used: when the data names a tokenizer and DIR has a
+    tokenizer.json, they must be the same file (GPT-2 ids in a Qwen3 model would train it on
+    nonsense without a complaint). Token files of another tool (no tokenizer recorded) or a DIR
+    without tokenizer.json are checked by their ids alone: every id one the model has, and the
+    vocabulary prepare.py saw in the tokenizer's config.json, if any, the model's."""
+    if tokens is None:
+        return
+    meta, tokenizer = tokens.meta, directory / "tokenizer.json"
+    name = meta.get("tokenizer")
+    redo = f"prepare the corpus with python prepare.py --tokenizer {directory}"
+    if tokenizer.is_file() and name not in (None, "none"):
+        if meta.get("tokenizer_sha256") != hashlib.sha256(tokenizer.read_bytes()).hexdigest():
+            die(f"{tokens.folder} was tokenized with {name}, not with the tokenizer.json of "
+                f"{directory}: {redo}")
+    vocab = meta.get("vocab_size") or 1 + max(largest_id(tokens.train), largest_id(tokens.val))
+    recorded = meta.get("model_vocab_size")  # the vocabulary of the tokenizer's own model
+    if vocab > vocab_size or recorded not in (None, vocab_size):
+        die(f"{tokens.folder} holds ids of a vocabulary of {vocab} "
+            + (f"(its tokenizer's model: {recorded}) " if recorded else "")
+            + f"and {directory} has {vocab_size}: {redo}")
 
 
 def check_same_data(ckpt, data, args):
@@ -715,14 +827,22 @@ def build_model(args, config, ckpt, source, device):
     """(gpt, optimizer, progress, baseline): a new model, or the checkpoint's, or a converted
     baseline (then `baseline` is the original, kept to check that the conversion is exact)."""
     torch.manual_seed(args.seed)
+    pretrained = isinstance(source, Path)  # a Hugging Face directory, not a checkpoint of ours
     try:
-        if source:  # the baseline's weights, routing added with closed gates
+        if pretrained:  # its weights, read one tensor at a time, routing added with closed gates
+            gpt = mhar.GPT.from_pretrained(source, **dataclasses.asdict(config)).to(device)
+        elif source:  # the baseline's weights, routing added with closed gates
             gpt = mhar.GPT.from_baseline(unwrapped(source["model"]), config).to(device)
         else:
             gpt = mhar.GPT(config).to(device)
-    except (ValueError, TypeError, RuntimeError, ImportError) as e:  # e.g. --fused without a GPU
-        die(one_line(e))
-    optimizer = gpt.configure_optimizers(args.weight_decay, args.lr, BETAS, ADAM_EPS, device.type)
+    except (ValueError, TypeError, RuntimeError, ImportError, CheckpointError) as e:
+        die(one_line(e))  # e.g. --fused without a GPU, a broken safetensors file
+    if args.decay_on == "matrices":  # the mid-training recipe: not the embedding, norms, routing
+        optimizer = torch.optim.AdamW(hf.midtrain_param_groups(gpt, args.lr, args.weight_decay),
+                                      betas=BETAS, eps=ADAM_EPS, fused=device.type == "cuda")
+    else:
+        optimizer = gpt.configure_optimizers(args.weight_decay, args.lr, BETAS, ADAM_EPS,
+                                             device.type)
     for group in optimizer.param_groups:
         if group["name"] == "routing":
             group["lr"] = args.routing_lr
@@ -737,12 +857,63 @@ def build_model(args, config, ckpt, source, device):
             die(f"the checkpoint does not fit this model: {one_line(e)}")
         progress = Progress(ckpt["step"], ckpt["evals"], ckpt.get("tokens", 0),
                             ckpt.get("wandb_id"))
-    if source:  # continue the baseline's run: its step, data position and Adam moments
+    if pretrained:  # a new run from step 0, AdamW cold (the directory has no moments)
+        baseline = mhar.GPT.from_pretrained(source, seq_len=config.seq_len).to(device)
+    elif source:  # continue the baseline's run: its step, data position and Adam moments
         carry_optimizer_state(source["optimizer"], optimizer)
         progress = Progress(source["step"], [], source.get("tokens", 0))
         baseline = mhar.GPT(mhar.Config(**source["config"])).to(device)
         baseline.load_state_dict(unwrapped(source["model"]))
     return gpt, optimizer, progress, baseline
+
+
+class WeightAverage:
+    """An exponential moving average of a model's weights (--ema): after every optimizer step,
+    average <- average + (1 - decay) * (weights - average), from the weights the run starts with.
+    It lives beside the model in the weights' dtype (float32: one more copy of the model), is
+    saved in the checkpoint ("ema", under the model's own state-dict names) so that --resume
+    continues it exactly, and is evaluated by swapping it into the model."""
+
+    def __init__(self, model, decay, ckpt=None):
+        self.model, self.decay = model, decay
+        self.params = list(model.parameters())  # each once: a tied embedding and head are one
+        self.averages = [p.detach().clone() for p in self.params]
+        if ckpt:
+            if "ema" not in ckpt:
+                die(f"the checkpoint has no weight average, but --ema {decay} asks for one")
+            self.load_state_dict(ckpt["ema"])
+
+    @torch.no_grad()
+    def update(self):
+        for average, p in zip(self.averages, self.params):
+            average.lerp_(p, 1 - self.decay)
+
+    def names(self):
+        """(state-dict name, average): every name of the model, tied ones sharing an average."""
+        by_param = {id(p): a for p, a in zip(self.params, self.averages)}
+        state = self.model.state_dict(keep_vars=True)
+        assert all(id(t) in by_param for t in state.values()), "a persistent buffer"
+        return [(name, by_param[id(t)]) for name, t in state.items()]
+
+    def state_dict(self):
+        return dict(self.names())
+
+    @torch.no_grad()
+    def load_state_dict(self, state):
+        for name, average in self.names():
+            average.copy_(state[name])
+
+    @contextmanager
+    def swapped_in(self):
+        """The model holds the average inside the block, its own weights again after it."""
+        def swap():
+            for p, average in zip(self.params, self.averages):
+                p.data, average.data = average.data, p.data
+        swap()
+        try:
+            yield
+        finally:
+            swap()
 
 
 # -----------------------------------------------------------------------------
@@ -835,6 +1006,7 @@ class Run:
     report: Report
     entropy: float         # unigram entropy of train.bin (None for synthetic data)
     data_fingerprint: str  # what a checkpoint remembers of the data (see fingerprint)
+    ema: object = None     # WeightAverage of gpt's weights (--ema), or None
 
 
 def start_outputs(run):
@@ -853,7 +1025,8 @@ def start_outputs(run):
             params=gpt.num_params()), indent=2))
     params = (f"{fmt_count(gpt.num_params())} params "
               f"({fmt_count(gpt.num_params(non_embedding=True))} non-embedding)")
-    run.report.print(f"model {args.preset} | residual {config.residual}"
+    model = args.init_from if args.init_from and Path(args.init_from).is_dir() else args.preset
+    run.report.print(f"model {model} | residual {config.residual}"
                      + (f" (H={config.depth_heads})" if config.routed else "") + f" | {params}"
                      + f" | {s.device} {str(s.dtype).removeprefix('torch.')}"
                      + (f" | {s.world} ranks" if s.ddp else ""))
@@ -865,7 +1038,9 @@ def start_outputs(run):
         f"batch {args.batch_size} x {args.grad_accum} accum x {s.world} ranks x {args.seq_len} "
         f"tokens = {args.global_batch * args.seq_len:,} tokens/step | steps "
         f"{run.progress.step}->{args.max_steps} | lr {args.lr:g}, warmup {args.warmup_steps}, "
-        f"cosine to {args.min_lr_ratio:g}x | out {run.out}")
+        f"cosine to {args.min_lr_ratio:g}x | weight decay {args.weight_decay:g} on "
+        f"{args.decay_on}" + (f" | z-loss {args.z_loss:g}" if args.z_loss else "")
+        + (f" | EMA {args.ema:g}" if args.ema else "") + f" | out {run.out}")
 
 
 def save(run):
@@ -880,19 +1055,26 @@ def save(run):
         global_batch=run.args.global_batch, evals=p.evals,
         val_loss=val_losses[-1] if val_losses else None,
         best_val_loss=min(val_losses, default=None), tokens=p.tokens, rng=rng_states(),
-        wandb_id=p.wandb_id, data_fingerprint=run.data_fingerprint))
+        wandb_id=p.wandb_id, data_fingerprint=run.data_fingerprint,
+        **({"ema": run.ema.state_dict()} if run.ema else {})))
 
 
 def evaluate_and_save(run):
     """The validation loss at the current step, logged; then a checkpoint."""
     s, p = run.session, run.progress
     eval_model = run.model.module if s.ddp else run.model
-    val_loss = evaluate(eval_model, run.data.val if run.data else None, run.args, s.rank,
-                        s.world, s.device, s.autocast)
-    p.evals.append(dict(step=p.step, val_loss=val_loss))
-    run.report.record(dict(step=p.step, val_loss=val_loss, tokens=p.tokens,
+    val = run.data.val if run.data else None
+    val_loss = evaluate(eval_model, val, run.args, s.rank, s.world, s.device, s.autocast)
+    ema_loss = {}
+    if run.ema:  # the same batches through the averaged weights
+        with run.ema.swapped_in():
+            ema_loss["ema_val_loss"] = evaluate(eval_model, val, run.args, s.rank, s.world,
+                                                s.device, s.autocast)
+    p.evals.append(dict(step=p.step, val_loss=val_loss, **ema_loss))
+    run.report.record(dict(step=p.step, val_loss=val_loss, **ema_loss, tokens=p.tokens,
                            peak_mem=peak_memory(s.device)))
     run.report.print(f"step {p.step}/{run.args.max_steps} | val loss {val_loss:.4f}"
+                     + (f" | EMA weights {ema_loss['ema_val_loss']:.4f}" if ema_loss else "")
                      + (f" (unigram entropy {run.entropy:.4f})" if run.entropy else ""))
     save(run)
 
@@ -936,8 +1118,9 @@ def train_step(model, optimizer, xs, ys, args, session):
         last = micro == args.grad_accum - 1
         with model.no_sync() if session.ddp and not last else nullcontext():
             with session.autocast:
-                _, loss = model(xs[micro], ys[micro])
-            (loss / args.grad_accum).backward()
+                logits, loss = model(xs[micro], ys[micro])            # loss: the cross-entropy
+                objective = loss + args.z_loss * hf.z_loss(logits) if args.z_loss else loss
+            (objective / args.grad_accum).backward()
         loss_sum += loss.detach()
     if args.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -959,16 +1142,19 @@ def train(args, given=frozenset()):
     if ckpt:
         check_same_data(ckpt, data, args)
     config = model_config(args, data.meta if data else {})
+    if isinstance(source, Path):
+        check_tokenizer(data, source, config.vocab_size)
     check_data(data, config)
 
     # the model, its optimizer, and where the run stands
     gpt, optimizer, progress, baseline = build_model(args, config, ckpt, source, s.device)
+    ema = WeightAverage(gpt, args.ema, ckpt) if args.ema else None
     del ckpt, source
     out = Path(args.out_dir)
     with claim_out_dir(out, s), StopSignals(s.master) as stop:
         run = Run(args, config, s, gpt, wrap_model(gpt, args, s), optimizer, progress, data, out,
                   Report(out, s.master), None if data is None else unigram_entropy(data.train),
-                  fingerprint(data))
+                  fingerprint(data), ema)
         start_wandb(run.report, args, progress)
         start_outputs(run)
         if baseline is not None:
@@ -984,6 +1170,8 @@ def train(args, given=frozenset()):
                 group["lr"] = group["initial_lr"] * scale
             rows = train_batch(data.train if data else None, args, progress.step, s.rank)
             loss_sum = train_step(run.model, optimizer, *to_device(rows, s.device), args, s)
+            if ema:
+                ema.update()
             progress.step += 1
             progress.tokens += args.global_batch * args.seq_len
             timer.steps += 1
@@ -1022,6 +1210,8 @@ def finish(run, timer, t_start, stop_signal):
         tokens_per_s=trained_tokens / timer.train_time if timer.train_time else None,
         peak_mem=peak_memory(s.device), wall_s=time.time() - t_start, world_size=s.world,
         stop_signal=stop_signal)
+    if run.ema and p.evals:  # the averaged weights at the last evaluation (the paper's metric)
+        summary["final_ema_val_loss"] = p.evals[-1]["ema_val_loss"]
     if s.master and summary["finished"] and not stop_signal:
         (run.out / "summary.json").write_text(json.dumps(summary, indent=2))
         run.report.print(summary_line(summary))
@@ -1037,6 +1227,8 @@ def finish(run, timer, t_start, stop_signal):
 def summary_line(s):
     return (f"done: val loss {s['final_val_loss']:.4f} | tail-mean of the last {s['tail_evals']} "
             f"evals {s['tail_val_loss']:.4f}"
+            + (f" | EMA weights {s['final_ema_val_loss']:.4f}" if "final_ema_val_loss" in s
+               else "")
             + (f" | unigram entropy {s['unigram_entropy']:.4f}" if s["unigram_entropy"] else "")
             + f" | {fmt_count(s['tokens'])} tokens"
             + (f" | {fmt_count(s['tokens_per_s'])} tok/s" if s["tokens_per_s"] else "")
