@@ -136,10 +136,15 @@ def sample_rows(tokens, keys, n, lo, hi, seq_len, vocab_size):
 # Checkpoints of train.py.
 
 CKPT_KEYS = ("model", "optimizer", "step", "config", "args", "evals", "rng")
+# A train.py --fsdp run's ckpt.pt names, under "sharded", the folder next to it that holds the model and the
+# optimizer as shards (torch.distributed.checkpoint); the rest of the dict is as above.
+SHARDED_KEYS = ("model", "optimizer")
 
 
 def read_checkpoint(path, keys=CKPT_KEYS):
-    """The checkpoint dict, or CheckpointError for a missing, truncated, foreign or incomplete file."""
+    """The checkpoint dict, or CheckpointError for a missing, truncated, foreign or incomplete file.
+    A sharded checkpoint's model and optimizer stay in their folder: read the model with
+    read_shards."""
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint at {path}: train one first (python train.py --out_dir DIR writes "
                               f"DIR/ckpt.pt)")
@@ -148,10 +153,37 @@ def read_checkpoint(path, keys=CKPT_KEYS):
     except Exception as e:
         raise CheckpointError(f"cannot read checkpoint {path}: it is truncated or not a train.py checkpoint "
                               f"({type(e).__name__}: {one_line(e)[:120]})") from None
-    missing = [k for k in keys if k not in ckpt] if isinstance(ckpt, dict) else list(keys)
+    ckpt = ckpt if isinstance(ckpt, dict) else {}
+    missing = [k for k in keys if k not in ckpt and not ("sharded" in ckpt and k in SHARDED_KEYS)]
     if missing:
         raise CheckpointError(f"{path} is not a train.py checkpoint (missing {', '.join(missing)})")
+    if "sharded" in ckpt and not (Path(path).parent / ckpt["sharded"] / ".metadata").is_file():
+        raise CheckpointError(f"{path} keeps its model in the folder {ckpt['sharded']} next to it, which is "
+                              f"missing or incomplete: copy the folder along with ckpt.pt")
     return ckpt
+
+
+def read_shards(folder, prefix="model."):
+    """The tensors of a sharded checkpoint folder (train.py --fsdp) whose names start with `prefix`, without
+    it: {"embed.weight": ...} for the model. Read whole in this one process (no collective, also inside a
+    distributed run), on the CPU, in the dtypes they were saved in; CheckpointError when a file is broken."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    try:
+        reader = dcp.FileSystemReader(folder)
+        state = {name: torch.empty(meta.size, dtype=meta.properties.dtype)
+                 for name, meta in reader.read_metadata().state_dict_metadata.items()
+                 if name.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")  # what no_dist asks for
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"cannot read the shards in {folder}: a file is truncated or missing "
+                              f"({type(e).__name__}: {one_line(e)[:120]})") from None
+    return {name.removeprefix(prefix): tensor for name, tensor in state.items()}
 
 
 def unwrapped(state):
@@ -169,7 +201,8 @@ def load_model(path, device="cpu"):
     ckpt = read_checkpoint(path, keys=("model", "config"))
     try:
         model = mhar.GPT(mhar.Config(**{**ckpt["config"], "fused": False}))
-        model.load_state_dict(unwrapped(ckpt["model"]))
+        state = read_shards(Path(path).parent / ckpt["sharded"]) if "sharded" in ckpt else ckpt["model"]
+        model.load_state_dict(unwrapped(state))
     except (TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint {path} does not fit this mhar.py: {one_line(e)}") from None
     return model.to(device).eval(), ckpt
