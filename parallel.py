@@ -10,10 +10,9 @@ gradients are reduce-scattered, so each rank ends the backward holding the gradi
 which its optimizer updates. The batches, the loss and the update are those of DDP.
 
     shard(model, mesh, dtype)         one FSDP unit per sublayer, the rest at the root; bf16 compute
-    build_sharded(build, mesh, ...)   rank 0 builds the model, the others only its shape: one full copy
+    build_sharded(build, device, dtype)   rank 0 builds the model, the others its shape: one full copy
     save(folder, model, optimizer)    a sharded checkpoint (torch.distributed.checkpoint): each rank its shard
     load(folder, model, optimizer)    ... read back into a sharded model, whatever its number of ranks
-    any_rank(flag, device)            one decision for all ranks (stop, give up) from each rank's own flag
 """
 import shutil
 from pathlib import Path
@@ -61,7 +60,7 @@ def shard(model, mesh, dtype):
     return model
 
 
-def build_sharded(build, mesh, device, dtype):
+def build_sharded(build, device, dtype):
     """A sharded model whose full copy exists on rank 0's CPU alone.
 
     `build()` runs on rank 0 only and returns the model as a single process would build it (initialized
@@ -76,7 +75,7 @@ def build_sharded(build, mesh, device, dtype):
     dist.broadcast_object_list(shape, src=0)  # the config: build() may have read it from a checkpoint
     with torch.device("meta"):
         model = mhar.GPT(shape[0])
-    shard(model, mesh, dtype)
+    shard(model, device_mesh(device), dtype)
     model.to_empty(device=device)  # allocates each rank's shards, uninitialized
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full.state_dict() if full is not None else {}, options=options)
@@ -110,11 +109,3 @@ def load(folder, model, optimizer):
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=Path(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-
-
-def any_rank(flag, device):
-    """True on every rank when `flag` is true on at least one (an all-reduce of the flags): ranks must take
-    the same decision at the same step, or the next collective waits forever for the one that left."""
-    flag = torch.tensor(int(bool(flag)), device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())

@@ -66,15 +66,14 @@ def main():
     import parallel
     dist.init_process_group("gloo")
     rank, world, device = dist.get_rank(), dist.get_world_size(), torch.device("cpu")
-    mesh = parallel.device_mesh(device)
     out = Path(args.out)
-    model = parallel.build_sharded(build, mesh, device, torch.float32)
+    model = parallel.build_sharded(build, device, torch.float32)
     optimizer = model.configure_optimizers(learning_rate=LR)
     stop = args.resume_at or args.steps
     log = train_steps(model, optimizer, range(stop), args.grad_accum, rank, world)
     parallel.save(out / "shards", model, optimizer)
     if args.resume_at is not None:  # a fresh model and optimizer, then the checkpoint
-        model = parallel.build_sharded(build, mesh, device, torch.float32)
+        model = parallel.build_sharded(build, device, torch.float32)
         optimizer = model.configure_optimizers(learning_rate=LR)
         parallel.load(out / "shards", model, optimizer)
         log += train_steps(model, optimizer, range(stop, args.steps), args.grad_accum, rank, world)

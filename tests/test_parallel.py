@@ -62,3 +62,33 @@ def test_fsdp_matches_one_process_resumes_bitwise_and_launches_as_two_nodes(tmp_
     a, b = (read_shards(tmp_path / run / "shards", prefix="") for run in ("straight", "resumed"))
     assert a.keys() == b.keys() and any(k.startswith("optimizer.state.") for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+@pytest.fixture
+def one_rank():
+    """A process group of this one process (gloo), for FSDP in-process: no torchrun, no subprocess."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_bf16_compute_keeps_fp32_weights_and_gradients_and_untied_embeddings_get_units(one_rank):
+    """--dtype bfloat16 (the GPU default): a sublayer runs on bf16 weights and inputs, while the
+    sharded weights Adam updates and their gradients stay fp32. Tied embeddings stay at the root;
+    untied ones (large vocabularies) are FSDP units of their own."""
+    import parallel
+    from torch.distributed.fsdp import FSDPModule
+    model, seen = parallel.build_sharded(build, torch.device("cpu"), torch.bfloat16), {}
+    model.layers[0].register_forward_pre_hook(
+        lambda layer, args: seen.update(weight=layer.q_proj.weight.dtype, input=args[0].dtype))
+    x = torch.randint(model.config.vocab_size, (2, 16))
+    model(x, x)[1].backward()
+    assert seen == {"weight": torch.bfloat16, "input": torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {p.grad.dtype for p in model.parameters()} == {torch.float32}
+    assert model.lm_head.weight is model.embed.weight and not isinstance(model.embed, FSDPModule)
+
+    untied = build()
+    untied.lm_head.weight = torch.nn.Parameter(untied.embed.weight.detach().clone())
+    parallel.shard(untied, parallel.device_mesh(torch.device("cpu")), torch.float32)
+    assert isinstance(untied.embed, FSDPModule) and isinstance(untied.lm_head, FSDPModule)
