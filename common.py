@@ -206,3 +206,12 @@ def load_model(path, device="cpu"):
     except (TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint {path} does not fit this mhar.py: {one_line(e)}") from None
     return model.to(device).eval(), ckpt
+
+
+def training_data(ckpt):
+    """(the --data a train.py checkpoint was trained on, that folder's meta.json): "synthetic" or a folder,
+    train.py's default data/pystdlib when the run named none; the meta is {} for synthetic data or a folder
+    that is gone. UserError when the meta.json is broken."""
+    import prepare  # for the default corpus's name; imported here because prepare.py imports this file
+    data = (ckpt.get("args") or {}).get("data") or str(Path("data") / prepare.DEFAULT_NAME)
+    return data, ({} if data == "synthetic" else read_meta(data))

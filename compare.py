@@ -1,37 +1,74 @@
 """
-The paper's comparison in one command: train each method with the same seed and data order, then
-print the table (tail-mean validation loss, its difference to the baseline, parameters, tokens/s,
-peak memory) and draw the loss curves.
+The paper's comparison in one command: train each method with the same seeds and data order, then print
+the paired differences to the baseline and every run's row, and draw the loss curves.
 
     python compare.py                                               # the four methods, small preset, CPU
-    python compare.py --methods baseline,mhar --seeds 0,1           # two seeds of each
+    python compare.py --methods baseline,mhar --seeds 0,1,2         # three seeds: paired Δ ± standard error
     python compare.py --baseline_seeds 1,2                          # the four, and the baseline's noise level
-    python compare.py --route_heads 1,2,4,8                         # the H sweep (the paper's U-curve)
+    python compare.py --route_heads 1,2,4,8                         # the H sweep (the U-curve), with the baseline
+    python compare.py --route_heads 1,2,4,8 --n_head 8 --n_kv_head 1,2,4,8   # the KV x H grid, a baseline per KV
     python compare.py --preset 100m --out_dir runs/100m --nproc_per_node 8   # GPUs: each run under torchrun
 
-Any other flag goes to every train.py run unchanged (--preset, --max_steps, --batch_size, ...), but
---fused, which only the routed runs (attnres, mhar) take.
-Each run is a train.py process of its own (so its peak memory is its own) writing
-runs/compare/<method>-s<seed>/; a finished run is not trained again. The comparison writes
-results.md, results.json and loss_curves.png (with matplotlib) into --out_dir.
+Runs. A run is a method (with --route_heads: mhar once per H, named mhar-H<h>), a model shape and a seed.
+A shape flag (--n_layer, --n_embd, --n_head, --n_kv_head, --ffn_hidden) given a comma-separated list is a
+grid axis: every method is trained at every combination, and the run's name carries its value
+(mhar-H4-kv2-s0 and baseline-kv2-s0); one value goes to every run and stays out of the names. Every
+combination is checked against mhar.Config before anything trains. Any other flag goes to every train.py
+run unchanged (--preset, --max_steps, --batch_size, ...), but --fused, which only the routed runs
+(attnres, mhar) take. Each run is a train.py process of its own (so its peak memory is its own) writing
+runs/compare/<name>/; a finished run is not trained again.
+
+Pairs. Each run is paired with the baseline of the same shape and the same seed: the same initialization
+seed and the same batches, so their difference is free of most of the noise that separates two seeds. The
+paired table gives, per method and shape, the mean over seeds of (method - baseline) and its standard
+error (sample standard deviation / sqrt(n), n = the seeds with both runs; one seed: no error bar). The
+per-run table gives each run's own difference to its baseline. --baseline_seeds trains the baseline alone
+at more seeds: the spread between seeds, the noise that unpaired differences carry.
+
+Writes results.md (both tables), results.json and loss_curves.png (with matplotlib) into --out_dir.
+A flag out of range or an impossible shape is one line on stderr and exit status 2.
 """
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import mhar
 import probe
+from common import exit_error, one_line
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("baseline", "hyper", "attnres", "mhar")
+# the shape fields of mhar.Config that a grid can sweep, and their tags in run names (n_head "nh": "H" is
+# --route_heads)
+SHAPE_FLAGS = {"n_layer": "L", "n_embd": "d", "n_head": "nh", "n_kv_head": "kv", "ffn_hidden": "ffn"}
+
+
+@dataclass
+class Run:
+    name: str               # its folder under --out_dir: variant + "-s<seed>"
+    variant: str            # method and shape without the seed ("mhar-H4-kv2"): its seeds are averaged
+    baseline: str           # the variant it is paired with ("baseline-kv2"); None for a baseline
+    method: str             # its --residual
+    seed: int
+    flags: list = field(default_factory=list)  # train.py flags of this run (the shared ones come first)
+
+
+def int_list(text):
+    return [int(v) for v in text.split(",") if v.strip()]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="compare.py", description=__doc__.split("\n\n")[0].strip())
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated residual modes ({','.join(METHODS)})")
-    p.add_argument("--route_heads", help="comma-separated head counts: train mhar once per H instead of --methods")
+    p.add_argument("--methods", help=f"comma-separated residual modes (default {','.join(METHODS)}; with "
+                                     "--route_heads: baseline,mhar)")
+    p.add_argument("--route_heads", help="comma-separated head counts: train mhar once per H")
+    for name in SHAPE_FLAGS:
+        p.add_argument(f"--{name}", help=f"train.py's --{name}; a comma-separated list is a grid axis")
     p.add_argument("--seeds", default="0", help="comma-separated seeds of every run (default 0)")
     p.add_argument("--baseline_seeds", default="", help="extra seeds for the baseline alone: the noise level")
     p.add_argument("--out_dir", default="runs/compare", help="one folder per run inside (default runs/compare)")
@@ -39,30 +76,78 @@ def parse_args(argv=None):
     args, train_flags = p.parse_known_args(argv)
     for flag in ("--residual", "--out_dir", "--seed", "--resume"):
         if any(f == flag or f.startswith(flag + "=") for f in train_flags):
-            p.error(f"{flag} is set per run by compare.py; leave it out")
+            exit_error("compare.py", f"{flag} is set per run by compare.py; leave it out")
     try:
-        args.seeds = [int(s) for s in args.seeds.split(",")]
-        args.baseline_seeds = [int(s) for s in args.baseline_seeds.split(",") if s]
-        args.route_heads = [int(h) for h in args.route_heads.split(",")] if args.route_heads else None
+        args.seeds = int_list(args.seeds)
+        args.baseline_seeds = int_list(args.baseline_seeds)
+        args.route_heads = int_list(args.route_heads) if args.route_heads else None
+        args.shape = {k: int_list(getattr(args, k)) for k in SHAPE_FLAGS if getattr(args, k)}
     except ValueError:
-        p.error("--seeds and --route_heads take comma-separated integers, e.g. --seeds 0,1")
-    args.methods = args.methods.split(",")
+        exit_error("compare.py", "--seeds, --route_heads and the shape flags take comma-separated integers, "
+                                 "e.g. --seeds 0,1")
+    if not args.seeds:
+        exit_error("compare.py", "--seeds needs at least one seed, e.g. --seeds 0")
+    default = ("baseline", "mhar") if args.route_heads else METHODS
+    args.methods = (args.methods or ",".join(default)).split(",")
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
-        p.error(f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}")
+        exit_error("compare.py", f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}")
+    if args.route_heads and "mhar" not in args.methods:
+        exit_error("compare.py", "--route_heads sweeps mhar's heads: add mhar to --methods")
+    if args.nproc_per_node < 1:
+        exit_error("compare.py", f"--nproc_per_node must be at least 1, got {args.nproc_per_node}")
     return args, train_flags
 
 
+def shapes_of(args):
+    """Every combination of the shape axes: [(name suffix, {field: value})], e.g. ("-kv2", {"n_kv_head": 2})"""
+    cells = [("", {})]
+    for name, values in args.shape.items():
+        tag = SHAPE_FLAGS[name] if len(values) > 1 else None  # one value: for every run, not in names
+        cells = [(suffix + (f"-{tag}{v}" if tag else ""), {**shape, name: v}) for suffix, shape in cells
+                 for v in values]
+    return cells
+
+
 def runs_of(args):
-    """(name, train.py flags) for every run of the comparison."""
-    if args.route_heads:
-        variants = [(f"mhar-H{h}", ["--residual", "mhar", "--route_heads", str(h)]) for h in args.route_heads]
-    else:
-        variants = [(m, ["--residual", m]) for m in args.methods]
-    runs = [(f"{name}-s{seed}", [*flags, "--seed", str(seed)]) for seed in args.seeds for name, flags in variants]
-    trained = {name for name, _ in runs}
-    return runs + [(f"baseline-s{seed}", ["--residual", "baseline", "--seed", str(seed)])
-                   for seed in args.baseline_seeds if f"baseline-s{seed}" not in trained]
+    """Every Run: per seed, per shape, the methods in order; then the extra baseline seeds."""
+    variants = []  # (method name, --residual, its own flags)
+    for method in args.methods:
+        if method == "mhar" and args.route_heads:
+            variants += [(f"mhar-H{h}", "mhar", ["--route_heads", str(h)]) for h in args.route_heads]
+        else:
+            variants.append((method, method, []))
+
+    def run(name, method, flags, suffix, shape, seed):
+        shape_flags = [f for k, v in shape.items() for f in (f"--{k}", str(v))]
+        return Run(name=f"{name}{suffix}-s{seed}", variant=name + suffix, seed=seed, method=method,
+                   baseline=None if method == "baseline" else "baseline" + suffix,
+                   flags=["--residual", method, *flags, *shape_flags, "--seed", str(seed)])
+
+    runs = [run(*variant, *cell, seed)
+            for seed in args.seeds for cell in shapes_of(args) for variant in variants]
+    names = {r.name for r in runs}
+    runs += [r for seed in args.baseline_seeds for cell in shapes_of(args)
+             for r in [run("baseline", "baseline", [], *cell, seed)] if r.name not in names]
+    return runs
+
+
+def check_shapes(runs, train_flags):
+    """Build every run's mhar.Config (at the preset the runs train) before anything trains: a grid cell that
+    cannot exist (n_kv_head not dividing n_head, ...) stops the comparison at once, with one line."""
+    import train  # its default preset
+    preset = argparse.ArgumentParser(add_help=False)
+    preset.add_argument("--preset", default=train.DEFAULT_PRESET)
+    preset = preset.parse_known_args(train_flags)[0].preset
+    if preset not in mhar.PRESETS:
+        exit_error("compare.py", f"unknown --preset {preset}: choose from {', '.join(mhar.PRESETS)}")
+    for run in runs:
+        fields = dict(zip(run.flags[::2], run.flags[1::2]))  # {"--residual": "mhar", "--n_kv_head": "2", ...}
+        fields.pop("--seed")
+        try:
+            mhar.preset(preset, **{k[2:]: v if k == "--residual" else int(v) for k, v in fields.items()})
+        except ValueError as e:
+            exit_error("compare.py", f"run {run.name} cannot be built at preset {preset}: {one_line(e)}")
 
 
 def train_once(command, out_dir):
@@ -74,49 +159,109 @@ def train_once(command, out_dir):
     return json.loads(summary_path.read_text())
 
 
-def table(rows, baseline_loss):
-    """The paper-style table, as markdown."""
-    lines = ["| run | parameters | tail-mean val loss | Δ vs baseline | tokens/s | peak memory |",
-             "|---|---|---|---|---|---|"]
-    for row in rows:
-        delta = "—" if baseline_loss is None else f"{row['tail_val_loss'] - baseline_loss:+.4f}"
-        lines.append(f"| {row['name']} | {row['params']:,} | {row['tail_val_loss']:.4f} | {delta} | "
-                     f"{row['tokens_per_s']:,.0f} | {row['peak_mem'] / 2**30:.2f} GiB |")
-    return "\n".join(lines)
+# ----------------------------------------------------------------------------------------------
+# Pairs and tables: pure functions of the rows (one dict per run, as in results.json).
+
+def paired(rows, key="tail_val_loss"):
+    """Per non-baseline variant: its differences to the baseline of the same shape at each seed both were
+    trained at, their mean and standard error (None for one seed). Works for any per-run metric `key`."""
+    value = {(r["variant"], r["seed"]): r[key] for r in rows}
+    pairs = {}
+    for r in rows:
+        if r["baseline"] is not None and (r["baseline"], r["seed"]) in value:
+            pairs.setdefault(r["variant"], dict(variant=r["variant"], baseline=r["baseline"], seeds=[],
+                                                deltas=[]))
+            pairs[r["variant"]]["seeds"].append(r["seed"])
+            pairs[r["variant"]]["deltas"].append(r[key] - value[r["baseline"], r["seed"]])
+    for p in pairs.values():
+        p["n"], p["mean"] = len(p["deltas"]), statistics.mean(p["deltas"])
+        p["se"] = statistics.stdev(p["deltas"]) / math.sqrt(p["n"]) if p["n"] > 1 else None
+    return list(pairs.values())
+
+
+def with_deltas(rows, key="tail_val_loss"):
+    """The rows, each with "delta": its `key` minus its baseline's at the same seed (None without one)."""
+    value = {(r["variant"], r["seed"]): r[key] for r in rows}
+    return [{**r, "delta": None if (r["baseline"], r["seed"]) not in value else
+             r[key] - value[r["baseline"], r["seed"]]} for r in rows]
+
+
+def signed(x, se=None):
+    return "—" if x is None else f"{x:+.4f}" + ("" if se is None else f" ± {se:.4f}")
+
+
+# The tables' columns: (header, cell of a row). A metric added to the rows (an lm-eval score, say) becomes a
+# column by appending it here, and a paired column by paired(rows, key=its name).
+PAIR_COLUMNS = [
+    ("method", lambda p: p["variant"]),
+    ("paired with", lambda p: p["baseline"]),
+    ("seeds", lambda p: ",".join(map(str, p["seeds"]))),
+    ("n", lambda p: str(p["n"])),
+    ("Δ tail-mean val loss (mean ± s.e.)", lambda p: signed(p["mean"], p["se"])),
+]
+RUN_COLUMNS = [
+    ("run", lambda r: r["name"]),
+    ("parameters", lambda r: f"{r['params']:,}"),
+    ("tail-mean val loss", lambda r: f"{r['tail_val_loss']:.4f}"),
+    ("Δ vs its baseline", lambda r: signed(r["delta"])),
+    ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
+    ("peak memory", lambda r: f"{r['peak_mem'] / 2**30:.2f} GiB"),
+]
+
+
+def markdown(columns, rows):
+    lines = ["| " + " | ".join(header for header, _ in columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(cell(row) for _, cell in columns) + " |" for row in rows])
+
+
+def report(rows):
+    """results.md: the paired table, the per-run table, and the baselines' spread over seeds."""
+    pairs, rows = paired(rows), with_deltas(rows)
+    parts = []
+    if pairs:
+        parts.append("Paired: each method minus the baseline of the same shape and seed (same initialization "
+                     "seed, same batches); mean ± standard error over the n seeds (n = 1: no error bar).\n\n"
+                     + markdown(PAIR_COLUMNS, pairs))
+    parts.append(markdown(RUN_COLUMNS, rows))
+    for variant in dict.fromkeys(r["variant"] for r in rows if r["baseline"] is None):
+        losses = [r["tail_val_loss"] for r in rows if r["variant"] == variant]
+        if len(losses) > 1:
+            parts.append(f"{variant} over {len(losses)} seeds: {statistics.mean(losses):.4f} ± "
+                         f"{statistics.stdev(losses):.4f} (sample standard deviation): the noise between "
+                         f"seeds.")
+    return "\n\n".join(parts)
 
 
 def main(argv=None):
     args, train_flags = parse_args(argv)
+    runs = runs_of(args)
+    check_shapes(runs, train_flags)
     out_dir = Path(args.out_dir)
-    rows = []
     launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone",
                                     f"--nproc_per_node={args.nproc_per_node}"] if args.nproc_per_node > 1 else [])
-    for name, flags in runs_of(args):
-        routed = flags[1] in ("attnres", "mhar")  # --fused applies to the routed runs alone
+    rows = []
+    for run in runs:
+        routed = run.method in ("attnres", "mhar")  # --fused applies to the routed runs alone
         shared = [f for f in train_flags if routed or f != "--fused"]
-        command = [*launcher, str(HERE / "train.py"), *shared, *flags, "--out_dir", str(out_dir / name)]
-        print(f"=== {name}: {' '.join(command[1:])}", flush=True)
-        summary = train_once(command, out_dir / name)
-        rows.append(dict(name=name, params=summary["params"], tail_val_loss=summary["tail_val_loss"],
+        command = [*launcher, str(HERE / "train.py"), *shared, *run.flags,
+                   "--out_dir", str(out_dir / run.name)]
+        print(f"=== {run.name}: {' '.join(command[1:])}", flush=True)
+        summary = train_once(command, out_dir / run.name)
+        rows.append(dict(name=run.name, variant=run.variant, baseline=run.baseline, seed=run.seed,
+                         params=summary["params"], tail_val_loss=summary["tail_val_loss"],
                          tokens_per_s=summary["tokens_per_s"] or 0.0, peak_mem=summary["peak_mem"] or 0,
-                         path=str(out_dir / name)))
-    # Δ against the mean of the baselines (of every seed), when there are any
-    baselines = [r["tail_val_loss"] for r in rows if r["name"].startswith("baseline-")]
-    baseline_loss = statistics.mean(baselines) if baselines else None
-    results = table(rows, baseline_loss)
-    if len(baselines) > 1:
-        results += (f"\n\nBaseline over {len(baselines)} seeds: {baseline_loss:.4f} ± "
-                    f"{statistics.stdev(baselines):.4f} (sample standard deviation): the noise level.")
+                         path=str(out_dir / run.name)))
+    results = report(rows)
     print("\n" + results)
     (out_dir / "results.md").write_text(results + "\n")
-    (out_dir / "results.json").write_text(json.dumps(dict(rows=rows, baseline_loss=baseline_loss,
+    (out_dir / "results.json").write_text(json.dumps(dict(rows=with_deltas(rows), pairs=paired(rows),
                                                           train_flags=train_flags), indent=2))
     plt = probe.pyplot()
     if plt is None:
         print("loss curves: pip install matplotlib, then run this command again (the trained runs are reused)")
         return
-    runs = [(row["path"], row["name"], probe.read_log(row["path"])) for row in rows]
-    probe.plot_loss_curves(plt, runs, out_dir / "loss_curves.png")
+    curves = [(row["path"], row["name"], probe.read_log(row["path"])) for row in rows]
+    probe.plot_loss_curves(plt, curves, out_dir / "loss_curves.png")
     print(f"wrote {out_dir / 'results.md'} and {out_dir / 'loss_curves.png'}")
 
 

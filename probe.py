@@ -8,7 +8,10 @@ Look at what the routing learned, and compare training runs.
 
 The routing is read on --batches batches of --batch_size sequences of the model's seq_len tokens: train.py's
 fixed validation batches of --data (default: the checkpoint's training data), or random tokens when the
-data is synthetic or missing (with a note). It measures, for attnres and mhar checkpoints:
+data is synthetic or missing (with a note). A --data folder whose tokenizer (its meta.json) differs from
+the one of the model's training data is refused: the same ids would be other tokens to the model. Bad
+input (a missing or foreign checkpoint, such data, an absent --device) is one line on stderr, exit 2.
+It measures, for attnres and mhar checkpoints:
 
 1. Depth maps. At site j (in front of sublayer j, or the final norm) head h reads source n with weight
    α[n, h] (a softmax over the site's sources); averaged over the probed tokens this gives a
@@ -82,14 +85,13 @@ import dataclasses
 import itertools
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import mhar
-from common import UserError, load_model, pick_device, read_tokens, sample_rows
+from common import UserError, exit_error, load_model, pick_device, read_tokens, sample_rows, training_data
 
 FIGURE_DPI = 110  # README-sized PNGs (tens of KB)
 
@@ -288,12 +290,12 @@ def summarize(measured, config):
 def validation_batches(ckpt, data, batches, batch_size, seq_len, vocab_size):
     """(list of (B, T) token batches, what was read, notes): train.py's fixed validation batches i = 0, 1, ...
 
-    data: a prepare.py folder, "synthetic", or None for the checkpoint's own training data.
+    data: a prepare.py folder, "synthetic", or None for the checkpoint's own training data. A folder tokenized
+    otherwise than the model's training data is refused: its ids would mean other tokens to the model.
     """
-    import prepare
     notes = []
-    if data is None:
-        data = (ckpt.get("args") or {}).get("data") or str(Path("data") / prepare.DEFAULT_NAME)
+    trained_on, trained_meta = training_data(ckpt)
+    data = data or trained_on
     tokens, source = None, "random tokens"
     if data == "synthetic":
         notes.append("the data is synthetic: the routing was read on uniform random tokens")
@@ -301,15 +303,35 @@ def validation_batches(ckpt, data, batches, batch_size, seq_len, vocab_size):
         notes.append(f"no val.bin in {data}: the routing was read on uniform random tokens (pass --data DIR)")
     else:
         files = read_tokens(data, splits=("val",))
+        if trained_meta and tokenizer_of(files.meta) != tokenizer_of(trained_meta):
+            raise UserError(f"{data} is tokenized with {describe(files.meta)} but the model was trained on "
+                            f"{trained_on}, tokenized with {describe(trained_meta)}: pass --data {trained_on}, "
+                            f"or a folder prepared with the same tokenizer")
         if files.meta.get("vocab_size", 0) > vocab_size:
-            raise ValueError(f"{data} has a vocabulary of {files.meta['vocab_size']} tokens, more than the model's "
-                             f"{vocab_size}: pass the --data the model was trained on")
+            raise UserError(f"{data} has a vocabulary of {files.meta['vocab_size']} tokens, more than the "
+                            f"model's {vocab_size}: pass the --data the model was trained on")
+        if trained_on == "synthetic":
+            notes.append(f"the model was trained on uniform random tokens (--data synthetic), read here on "
+                         f"{data}")
+        elif not trained_meta and Path(data).resolve() != Path(trained_on).resolve():
+            notes.append(f"the model was trained on {trained_on}, whose meta.json is not here: probe.py could "
+                         f"not check that {data} has the same tokenizer")
         tokens, source = files.val, str(data)
         if len(tokens) <= seq_len + 1:
-            raise ValueError(f"{data}/val.bin has {len(tokens)} tokens, fewer than one sequence of {seq_len}")
+            raise UserError(f"{data}/val.bin has {len(tokens)} tokens, fewer than one sequence of {seq_len}")
     rows = [sample_rows(tokens, ("val", i), batch_size, 0, batch_size, seq_len, vocab_size)[:, :seq_len]
             for i in range(batches)]
     return rows, source, notes
+
+
+def tokenizer_of(meta):
+    """What identifies the tokenizer of a prepare.py folder: its name, its vocabulary, the hash of its
+    tokenizer.json (prepare.py --tokenizer), and the end-of-text id."""
+    return tuple(meta.get(k) for k in ("tokenizer", "vocab_size", "tokenizer_sha256", "eot"))
+
+
+def describe(meta):
+    return f"{meta.get('tokenizer', 'an unnamed tokenizer')} ({meta.get('vocab_size', '?')} ids)"
 
 
 def read_log(path):
@@ -589,8 +611,7 @@ def main(argv=None):
     try:
         summary, out_dir = probe(parse_args(argv))
     except (UserError, ValueError) as e:
-        print(f"probe.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        exit_error("probe.py", str(e))
     print(report(summary, out_dir))
 
 

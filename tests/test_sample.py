@@ -1,44 +1,152 @@
-"""sample.py: sampling from checkpoints, deterministic per seed."""
+"""sample.py: the tokenizer the model was trained with, only decodable ids, flags checked; every sample is checked
+against a reference computed without sample.py (the model's logits, the tokenizer)."""
 import dataclasses
+import json
 
 import pytest
 import torch
 
 import mhar
+import prepare
 import sample
 from common import load_model
 from helpers import VOCAB
 from mhar import GPT
 
+PADDING_LOGIT = 1e3  # the scale of the padding rows below: their logits dwarf every real token's
 
-def test_sample_is_deterministic_for_a_seed(probe_runs, capsys):
-    def run(seed):
-        sample.main(["--ckpt", str(probe_runs["mhar"] / "ckpt.pt"), "--prompt", "1 2 3", "--max_new_tokens", "12",
-                     "--num_samples", "2", "--seed", str(seed), "--top_k", "10"])
-        return capsys.readouterr().out
 
-    first = run(0)
-    samples = first.strip().split("\n" + "-" * 40 + "\n")
-    assert len(samples) == 2 and all(len(s.split()) == 3 + 12 and s.startswith("1 2 3 ") for s in samples)
-    assert all(0 <= int(t) < VOCAB for s in samples for t in s.split())
-    assert run(0) == first and run(1) != first
-    with pytest.raises(SystemExit):  # a vocabulary that is not GPT-2's takes token ids
+def save_model(folder, vocab_size, limit, data):
+    """A train.py-style checkpoint of an untrained tiny model whose padding ids (limit..vocab_size-1) would win
+    every draw: their rows of the tied embedding are +-PADDING_LOGIT along the first coordinates, so some
+    padding logit is PADDING_LOGIT x the largest |coordinate| of the final hidden state."""
+    torch.manual_seed(0)
+    config = mhar.preset("tiny", vocab_size=vocab_size, seq_len=32)
+    model = GPT(config)
+    with torch.no_grad():
+        for n, i in enumerate(range(limit, vocab_size)):
+            model.embed.weight[i] = 0
+            model.embed.weight[i, n // 2] = PADDING_LOGIT * (-1) ** n
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(dict(model=model.state_dict(), config=dataclasses.asdict(config), args=dict(data=str(data)), step=0),
+               folder / "ckpt.pt")
+    return folder / "ckpt.pt", model.eval()
+
+
+def gpt2_data(folder):
+    """A prepare.py folder's meta.json for GPT-2's BPE (sample.py reads only the meta)."""
+    folder.mkdir(parents=True)
+    (folder / "meta.json").write_text(json.dumps({"tokenizer": "gpt2", "vocab_size": 50257, "eot": 50256}))
+    return folder
+
+
+@torch.no_grad()
+def reference_logits(model, rows, limit):
+    """The next-token logits after every prefix of rows (B, T), over the ids below limit: (B, T, limit)."""
+    return model(rows)[0][..., :limit]
+
+
+def run(capsys, *argv):
+    sample.main([*map(str, argv)])
+    return capsys.readouterr().out.strip().split("\n" + "-" * 40 + "\n")
+
+
+def test_greedy_text_is_the_argmax_of_the_decodable_ids(tmp_path, capsys):
+    ckpt, model = save_model(tmp_path / "run", 50304, 50257, gpt2_data(tmp_path / "data"))
+    enc = prepare.get_encoding()
+    prompt = enc.encode_ordinary("def main(")
+    assert model(torch.tensor([prompt]))[0][0, -1].argmax() >= 50257  # unconstrained, a padding id would win
+    idx = torch.tensor([prompt])
+    for _ in range(8):  # the reference: plain greedy decoding, a full forward per token, padding excluded
+        idx = torch.cat([idx, reference_logits(model, idx, 50257)[:, -1].argmax(-1, keepdim=True)], 1)
+    texts = run(capsys, "--ckpt", ckpt, "--prompt", "def main(", "--temperature", "0", "--max_new_tokens", 8,
+                "--num_samples", 2)
+    assert texts == [enc.decode(idx[0].tolist())] * 2
+
+
+def test_top_k_samples_only_among_the_k_likeliest_decodable_ids(tmp_path):
+    _, model = save_model(tmp_path / "run", 50304, 50257, "synthetic")
+    codec = sample.Codec(None, 50304)  # ids in and out, so the draws can be read back exactly
+    codec.vocab_limit = 50257  # as for GPT-2's tokenizer
+    draws = []
+    for seed in (0, 1):
+        texts = sample.sample(model, codec, "50256", num_samples=3, max_new_tokens=10, temperature=1.0, top_k=3,
+                              seed=seed)
+        rows = torch.tensor([list(map(int, t.split())) for t in texts])                        # (3, 11)
+        top3 = reference_logits(model, rows[:, :-1], 50257).topk(3).indices                     # (3, 10, 3)
+        assert (top3 == rows[:, 1:, None]).any(-1).all()  # every draw is one of its step's three likeliest
+        draws.append(rows)
+    assert not torch.equal(draws[0], draws[1])  # the seed matters
+
+
+def test_the_seed_fixes_the_draws(probe_runs, capsys):
+    """A token-id model: the printed ids are the model's own draws after torch.manual_seed(seed)."""
+    model, _ = load_model(probe_runs["mhar"] / "ckpt.pt")
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        expected = model.generate(torch.tensor([[1, 2, 3]] * 2), 12, temperature=0.8, top_k=10, vocab_limit=VOCAB,
+                                  cache=True)
+        samples = run(capsys, "--ckpt", probe_runs["mhar"] / "ckpt.pt", "--prompt", "1 2 3", "--max_new_tokens", 12,
+                      "--num_samples", 2, "--seed", seed, "--top_k", 10)
+        assert samples == [" ".join(map(str, row)) for row in expected.tolist()]
+    with pytest.raises(SystemExit):  # trained without a tokenizer: the prompt is token ids
         sample.main(["--ckpt", str(probe_runs["mhar"] / "ckpt.pt"), "--prompt", "hello"])
     assert "token ids" in capsys.readouterr().err
 
 
-def test_sample_decodes_gpt2_text(tmp_path):
-    torch.manual_seed(0)
-    config = mhar.preset("tiny", seq_len=32)  # GPT-2's padded vocabulary, untrained
-    torch.save(dict(model=GPT(config).state_dict(), config=dataclasses.asdict(config), args={}, step=0),
-               tmp_path / "ckpt.pt")
-    model, _ = load_model(tmp_path / "ckpt.pt")
-    codec = sample.Codec(model.config.vocab_size)
-    texts = sample.sample(model, codec, "def main(", num_samples=2, max_new_tokens=8, seed=3)
-    assert texts == sample.sample(model, codec, "def main(", num_samples=2, max_new_tokens=8, seed=3)
-    assert all(t.startswith("def main(") for t in texts) and texts[0] != texts[1]
-    assert codec.decode([50256, 50300]) == "<|endoftext|><|50300|>"  # padding ids print as ids
-    new_document = sample.sample(model, codec, "", max_new_tokens=4, seed=3)[0]
-    assert not new_document.startswith("<|endoftext|>")
+def test_a_model_trained_with_its_own_tokenizer_samples_with_it(tmp_path, capsys):
+    """prepare.py --tokenizer DIR records DIR in meta.json; sample.py decodes with it, and never samples the model's
+    padding ids (61..63 of 64) that the tokenizer cannot decode."""
+    tokenizers = pytest.importorskip("tokenizers", reason="prepare.py --tokenizer needs it: pip install tokenizers")
+    words = {f"w{i}": i for i in range(60)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([tokenizers.AddedToken("<eos>", special=True)])  # id 60
+    model_dir = tmp_path / "wordlevel"
+    model_dir.mkdir()
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "config.json").write_text(json.dumps({"eos_token_id": 60}))
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"w{i} w{(i * 7) % 60} w5"}) + "\n" for i in range(20)))
+    data = prepare.prepare([corpus], out=tmp_path, tokenizer=model_dir, val_fraction=0.5, quiet=True)
+    ckpt, model = save_model(tmp_path / "run", VOCAB, 61, data)
+    idx = torch.tensor([[3, 1, 4]])
+    for _ in range(6):
+        idx = torch.cat([idx, reference_logits(model, idx, 61)[:, -1].argmax(-1, keepdim=True)], 1)
+    assert model(idx)[0][0, -1].argmax() >= 61  # unconstrained, a padding id would win
+    argv = ["--ckpt", ckpt, "--prompt", "w3 w1 w4", "--temperature", "0", "--max_new_tokens", 6, "--num_samples", 1]
+    assert run(capsys, *argv) == [tok.decode(idx[0].tolist(), skip_special_tokens=False)]
+    # the model folder moved: the recorded path is gone; --tokenizer names the new place
+    model_dir.rename(tmp_path / "moved")
+    with pytest.raises(SystemExit) as exc:
+        sample.main(list(map(str, argv)))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "pass the model folder with --tokenizer DIR" in err
+    assert run(capsys, *argv, "--tokenizer", tmp_path / "moved") == [tok.decode(idx[0].tolist(),
+                                                                               skip_special_tokens=False)]
 
 
+def test_the_prompt_may_hold_end_of_text(tmp_path):
+    ckpt, _ = save_model(tmp_path / "run", 50304, 50257, gpt2_data(tmp_path / "data"))
+    model, ckpt_dict = load_model(ckpt)
+    codec = sample.codec_for(model, ckpt_dict)
+    assert codec.encode("a<|endoftext|>b") == [64, 50256, 65] and codec.encode("") == [50256]
+    assert codec.vocab_limit == 50257
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--top_k", "-5"], "--top_k must be at least 0, got -5"),
+    (["--num_samples", "0"], "--num_samples must be at least 1, got 0"),
+    (["--max_new_tokens", "-1"], "--max_new_tokens must be at least 1, got -1"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0 (0 = greedy), got nan"),
+    (["--device", "gpu"], "unknown device 'gpu': use auto, cpu, cuda, cuda:N or mps"),
+    (["--device", "cuda"], "--device cuda: this machine has no CUDA GPU that torch can use"),
+], ids=["top_k_negative", "no_samples", "no_tokens", "temperature_negative", "temperature_nan", "device_gpu",
+        "device_cuda_without_gpu"])
+def test_bad_flags_are_one_line_and_exit_2(flags, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a GPU machine
+    with pytest.raises(SystemExit) as exc:
+        sample.main(["--ckpt", str(tmp_path / "never_read.pt"), *flags])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and err.startswith(f"sample.py: error: {message}"), err

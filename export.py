@@ -1,0 +1,53 @@
+"""
+Export a train.py checkpoint as a Hugging Face directory.
+
+    python export.py out/ckpt.pt out/hf                          # tensors as trained (float32)
+    python export.py runs/qwen3-mhar/ckpt.pt out/qwen3-mhar --dtype bfloat16 \\
+        --tokenizer models/Qwen3-0.6B
+
+A baseline becomes a Qwen3 checkpoint (config.json, model.safetensors) that transformers loads
+with the same logits; a routed model (attnres, mhar, hyper) is written in this project's format,
+which mhar.GPT.from_pretrained reads back exactly and transformers refuses (hf.py says how).
+--tokenizer copies the tokenizer files and special token ids of a Hugging Face model directory;
+by default those of the directory the run was initialized from, when there is one.
+"""
+import argparse
+from pathlib import Path
+
+from common import UserError, exit_error, load_model, one_line
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="export.py", description=__doc__.split("\n\n")[0].strip())
+    p.add_argument("ckpt", help="a train.py checkpoint (ckpt.pt)")
+    p.add_argument("out_dir", help="the directory to write (created; an earlier export is replaced)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="the tensors' dtype in the files (default: as trained)")
+    p.add_argument("--tokenizer", help="a Hugging Face model directory whose tokenizer files to copy "
+                                       "(default: the run's --init_from directory, if any)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        if args.tokenizer and not Path(args.tokenizer).is_dir():
+            raise UserError(f"--tokenizer {args.tokenizer} is not a directory: give a Hugging Face "
+                            f"model directory")
+        model, ckpt = load_model(args.ckpt)
+        init_from = (ckpt.get("args") or {}).get("init_from")
+        from_dir = init_from and Path(init_from, "config.json").is_file()
+        source = args.tokenizer or (init_from if from_dir else None)
+        out = model.save_pretrained(args.out_dir, source=source, dtype=args.dtype)
+    except (UserError, ValueError, OSError) as e:
+        exit_error("export.py", one_line(e))
+    if model.config.residual == "baseline":
+        how = "a Qwen3 checkpoint: transformers.AutoModelForCausalLM.from_pretrained"
+    else:
+        how = f"{model.config.residual} routing, transformers cannot run it: mhar.GPT.from_pretrained"
+    tokenizer = f"tokenizer from {source}" if source else "no tokenizer files (pass --tokenizer DIR)"
+    print(f"wrote {out}: {how}({str(out)!r}); {model.num_params():,} parameters; {tokenizer}")
+
+
+if __name__ == "__main__":
+    main()

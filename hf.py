@@ -1,0 +1,509 @@
+"""
+Hugging Face Qwen3 checkpoints in and out.
+
+This project's decoder is Qwen3's (Qwen3 Technical Report, arXiv:2505.09388): given the same
+weights, transformers' Qwen3ForCausalLM computes the same logits. So a Qwen3 directory
+(config.json, and model.safetensors or the shards a model.safetensors.index.json lists) loads as
+this project's baseline, or as a delta-routed model that starts as that baseline exactly, and a
+trained model goes back to a directory:
+
+    model = GPT.from_pretrained("models/Qwen3-0.6B")                             # the baseline
+    model = GPT.from_pretrained("models/Qwen3-0.6B", residual="mhar", route_block=8, route_heads=8)
+    model.save_pretrained("out/qwen3-0.6b-mhar")
+
+The mapping, config.json -> Config:
+
+    hidden_size -> n_embd, num_hidden_layers -> n_layer, num_attention_heads -> n_head,
+    num_key_value_heads -> n_kv_head, intermediate_size -> ffn_hidden, head_dim -> head_dim,
+    rope_parameters.rope_theta (transformers 4.x: rope_theta) -> rope_theta,
+    rms_norm_eps -> norm_eps, tie_word_embeddings -> tie_embeddings, vocab_size -> vocab_size,
+    max_position_embeddings -> seq_len (the longest sequence; train.py sets its own)
+
+and the tensors, block i of Qwen3 being sublayers 2i (attention) and 2i + 1 (MLP) here:
+
+    model.embed_tokens                          embed
+    model.layers.i.input_layernorm              layers.2i.norm
+    model.layers.i.self_attn.{q,k,v,o}_proj     layers.2i.{q,k,v,o}_proj
+    model.layers.i.self_attn.{q,k}_norm         layers.2i.{q,k}_norm
+    model.layers.i.post_attention_layernorm     layers.2i+1.norm
+    model.layers.i.mlp.{gate,up,down}_proj      layers.2i+1.{gate,up,down}_proj
+    model.norm                                  norm
+    lm_head (untied embeddings only)            lm_head
+
+A field that asks for something this decoder does not compute (another model_type, attention
+biases, sliding windows, scaled rotary embeddings, another activation, ...) is one error naming
+the field.
+
+A routed model (attnres, mhar, hyper; delta or not) has no transformers class. It is written as
+a config.json with model_type "mhar" and an "mhar" section, and its tensors in mhar.safetensors:
+the Qwen3 names above plus "mhar.<name>" for what routing adds. transformers refuses such a
+directory (AutoModelForCausalLM: unknown model type; Qwen3ForCausalLM: no model.safetensors)
+instead of loading a Qwen3 without its routing; GPT.from_pretrained reads it back exactly.
+
+Only safetensors is needed here (and huggingface_hub to fetch a model by its hub id);
+transformers, the tests' oracle, is imported by the CPU demonstration alone (python hf.py). The
+end of the file holds the paper's 8B mid-training recipe, for train.py --init_from DIR, and that
+demonstration.
+"""
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from common import CheckpointError, one_line
+from mhar import ADDED_BY_RESIDUAL, GPT, Config
+
+# Absent fields take the defaults of transformers' Qwen3Config (transformers 5), as it would.
+QWEN3_DEFAULTS = dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,
+                      num_hidden_layers=32, num_attention_heads=32, head_dim=128,
+                      max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      rope_theta=10000.0)
+
+# What this decoder computes, for every field that could ask for something else:
+# field -> (the value it needs, why). An absent field counts as its transformers default, this.
+REQUIRED = {
+    "model_type": ("qwen3", "its decoder is Qwen3's: QK-norm, SwiGLU, no biases"),
+    "architectures": (["Qwen3ForCausalLM"], "a language model with its LM head"),
+    "hidden_act": ("silu", "the MLP is SwiGLU, SiLU(gate) * up"),
+    "attention_bias": (False, "the projections have no biases"),
+    "attention_dropout": (0.0, "the model has no dropout"),
+    "use_sliding_window": (False, "every layer attends to the whole causal context"),
+    "layer_types": (["full_attention"], "every layer attends to the whole causal context"),
+    "rope_type": ("default", "plain rotary embeddings, no YaRN, linear or dynamic scaling"),
+    "partial_rotary_factor": (1.0, "rotary embeddings turn the whole head width"),
+    "quantization_config": (None, "weights are plain floating-point tensors"),
+}
+
+MODEL_TYPE = "mhar"                          # a routed model's: transformers knows no such type
+ROUTING = ("residual", "route_heads", "route_block", "delta", "hc_streams")  # its "mhar" section
+WEIGHTS = {"qwen3": "model", MODEL_TYPE: "mhar"}                             # <stem>.safetensors
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
+CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id")  # the model ignores them, its users not
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")           # "Qwen/Qwen3-0.6B"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def safetensors_api():
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise CheckpointError("reading and writing Hugging Face checkpoints needs safetensors: "
+                              "pip install safetensors") from None
+    return safetensors
+
+
+def torch_dtype(dtype, default, caller):
+    """torch.float32 / bfloat16 / float16 from a dtype or its name; None is `default`."""
+    dtype = DTYPES.get(dtype, dtype) or default
+    if dtype not in DTYPES.values():
+        raise ValueError(f"{caller}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return dtype
+
+
+# ----------------------------------------------------------------------------------------------
+# config.json <-> Config
+
+def rope_settings(hf_config):
+    """Rotary settings: transformers 5 keeps theta and type in rope_parameters, earlier versions
+    kept rope_theta at the top level and the type in rope_scaling (null for plain rotary)."""
+    rope = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
+    if set(rope) == {"full_attention"}:                    # per layer type, all of one type
+        rope = dict(rope["full_attention"])
+    if any(isinstance(v, dict) for v in rope.values()):
+        rope = {"rope_type": f"one per layer type ({', '.join(rope)})"}
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope.setdefault("rope_theta", hf_config.get("rope_theta", QWEN3_DEFAULTS["rope_theta"]))
+    return rope
+
+
+def check_mappable(hf_config, where):
+    """Raise CheckpointError naming the first field of config.json this decoder cannot compute."""
+    get, rope = hf_config.get, rope_settings(hf_config)
+    found = dict(model_type=get("model_type"),
+                 architectures=get("architectures") or ["Qwen3ForCausalLM"],
+                 hidden_act=get("hidden_act", "silu"),
+                 attention_bias=get("attention_bias", False),
+                 attention_dropout=get("attention_dropout", 0.0),
+                 use_sliding_window=get("use_sliding_window", False),
+                 layer_types=sorted(set(get("layer_types") or ["full_attention"])),
+                 rope_type=rope["rope_type"],
+                 partial_rotary_factor=rope.get("partial_rotary_factor",
+                                                get("partial_rotary_factor", 1.0)),
+                 quantization_config=get("quantization_config"))
+    for field, value in found.items():
+        needed, why = REQUIRED[field]
+        if value != needed:
+            raise CheckpointError(f"{where}: {field} = {json.dumps(value)} cannot be mapped onto "
+                                  f"this project's decoder, which needs {json.dumps(needed)} "
+                                  f"({why})")
+
+
+def config_from_hf(hf_config, where="config.json"):
+    """The Config fields of a Qwen3 config.json: a baseline, or the routing of an export's "mhar"
+    section."""
+    if hf_config.get("model_type") == MODEL_TYPE:
+        routing = hf_config.get(MODEL_TYPE)
+        if not isinstance(routing, dict):
+            raise CheckpointError(f"{where}: model_type {MODEL_TYPE!r} without an {MODEL_TYPE!r} "
+                                  f"section: export the model again (save_pretrained, export.py)")
+        hf_config = {**hf_config, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    else:
+        routing = {"residual": "baseline"}
+    check_mappable(hf_config, where)
+    get = lambda field: hf_config.get(field, QWEN3_DEFAULTS[field])  # noqa: E731
+    d, n_head, head_dim = get("hidden_size"), get("num_attention_heads"), get("head_dim")
+    return dict(vocab_size=get("vocab_size"), n_embd=d, n_layer=get("num_hidden_layers"),
+                n_head=n_head,
+                n_kv_head=hf_config.get("num_key_value_heads") or n_head,  # null: no grouping
+                ffn_hidden=get("intermediate_size"),
+                head_dim=0 if head_dim * n_head == d else head_dim,        # 0: Config's d / n_head
+                rope_theta=float(rope_settings(hf_config)["rope_theta"]),
+                norm_eps=get("rms_norm_eps"), tie_embeddings=get("tie_word_embeddings"),
+                seq_len=get("max_position_embeddings"),
+                **{k: routing[k] for k in ROUTING if k in routing})
+
+
+def config_to_hf(config, dtype):
+    """config.json of a model: Qwen3's fields, and for a routed model model_type "mhar" and its
+    routing."""
+    hf_config = dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=config.vocab_size,
+        hidden_size=config.n_embd, intermediate_size=config.ffn_hidden,
+        num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
+        num_key_value_heads=config.n_kv_head, head_dim=config.head_width, hidden_act="silu",
+        max_position_embeddings=config.seq_len, rms_norm_eps=config.norm_eps,
+        rope_parameters=dict(rope_theta=config.rope_theta, rope_type="default"),
+        rope_theta=config.rope_theta,  # where transformers 4.x reads it
+        tie_word_embeddings=config.tie_embeddings, attention_bias=False, attention_dropout=0.0,
+        use_sliding_window=False, sliding_window=None, dtype=str(dtype).removeprefix("torch."))
+    if config.residual != "baseline":
+        hf_config.update(architectures=["MHARForCausalLM"], model_type=MODEL_TYPE)
+        hf_config[MODEL_TYPE] = {
+            **{k: getattr(config, k) for k in ROUTING},
+            "note": "Multi-Head Attention Residuals (Luo, Cai, Hu, 2026) on a Qwen3 decoder: "
+                    "transformers cannot run it; load it with mhar.GPT.from_pretrained"}
+    return hf_config
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor names
+
+def tensor_names(config):
+    """{this project's name: the Qwen3 name} for every tensor of the baseline decoder."""
+    names = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    if not config.tie_embeddings:
+        names["lm_head.weight"] = "lm_head.weight"
+    for i in range(config.n_layer):
+        attention, mlp, block = f"layers.{2 * i}.", f"layers.{2 * i + 1}.", f"model.layers.{i}."
+        names[attention + "norm.weight"] = block + "input_layernorm.weight"
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            names[f"{attention}{p}.weight"] = f"{block}self_attn.{p}.weight"
+        names[mlp + "norm.weight"] = block + "post_attention_layernorm.weight"
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            names[f"{mlp}{p}.weight"] = f"{block}mlp.{p}.weight"
+    return names
+
+
+def file_names(config, state, routed_file):
+    """{name in the file: name in the model}: the Qwen3 names, and in a routed model's export
+    "mhar.<name>" for the parameters routing adds (a converted model starts them at their init)."""
+    names = {hf_name: name for name, hf_name in tensor_names(config).items()}
+    added = [name for name in state if name.startswith(ADDED_BY_RESIDUAL)]
+    if routed_file:
+        names.update({f"{MODEL_TYPE}.{name}": name for name in added})
+    shared = {"lm_head.weight"} if config.tie_embeddings else set()  # the embedding's second name
+    assert set(state) == set(names.values()) | set(added) | shared, "a tensor without a file name"
+    return names
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+def read_json(path):
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {path} ({one_line(e)}): download or export the model "
+                              f"again") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def local_dir(path):
+    """The directory of a model: `path` itself, or, for a hub id such as Qwen/Qwen3-0.6B that is
+    not a local path, its snapshot from the Hugging Face hub (needs huggingface_hub, network)."""
+    directory = Path(path)
+    if directory.is_dir():
+        return directory
+    download = f"hf download {path} --local-dir DIR" if HUB_ID.fullmatch(str(path)) else None
+    if directory.exists() or download is None:
+        raise CheckpointError(f"{path} is not a directory: give the directory that holds "
+                              f"config.json and model.safetensors (hf download ORG/NAME "
+                              f"--local-dir DIR)")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise CheckpointError(f"no directory {path}, and fetching it from the hub needs "
+                              f"huggingface_hub: pip install huggingface_hub, or {download}"
+                              ) from None
+    try:
+        patterns = ["*.json", "*.safetensors", "merges.txt"]
+        return Path(snapshot_download(str(path), allow_patterns=patterns))
+    except Exception as e:  # offline, unknown repository, gated model, ...
+        raise CheckpointError(f"no directory {path}, and fetching it from the hub failed "
+                              f"({one_line(e)[:120]}); on a machine with network: {download}"
+                              ) from None
+
+
+def tensor_files(directory, stem):
+    """{tensor name: file} of <stem>.safetensors, or of the shards <stem>.safetensors.index.json
+    lists."""
+    index, single = directory / f"{stem}.safetensors.index.json", directory / f"{stem}.safetensors"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map: download the model again")
+        return {name: directory / file for name, file in weight_map.items()}
+    if single.is_file():
+        with safetensors_api().safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise CheckpointError(f"no {single.name} or {index.name} in {directory}: download the model's "
+                          f"safetensors files (pytorch_model.bin: resave it with transformers)")
+
+
+def load(path, dtype=None, **overrides):
+    """A GPT from a Hugging Face directory (or hub id): a Qwen3 checkpoint, or this project's
+    export.
+
+    overrides: Config fields. On a Qwen3 checkpoint, residual="attnres"/"mhar" (with route_heads,
+    route_block) converts it to delta routing: the parameters routing adds keep their init, gates
+    at zero, so the model computes the checkpoint's logits exactly (as GPT.from_baseline, but one
+    tensor at a time). seq_len and fused are free; config.json fixes the shape. dtype: float32
+    (default), bfloat16 or float16, the parameters' dtype; the files' tensors are cast to it.
+    """
+    safetensors = safetensors_api()
+    dtype = torch_dtype(dtype, torch.float32, "from_pretrained")
+    directory = local_dir(path)
+    hf_config = read_json(directory / "config.json")
+    fields = config_from_hf(hf_config, directory / "config.json")
+    exported = fields["residual"] != "baseline"
+    free = ("seq_len", "fused") + (() if exported else ROUTING)
+    for k, v in overrides.items():
+        if k not in Config.__dataclass_fields__:
+            raise ValueError(f"from_pretrained: Config has no field {k!r}")
+        if k not in free and fields.get(k, v) != v:
+            kept = " (a routed export keeps its routing)" if exported else ""
+            raise ValueError(f"from_pretrained: {k}={v!r}, but {directory}/config.json fixes it at "
+                             f"{fields[k]!r}{kept}")
+    converting = not exported and overrides.get("residual", "baseline") != "baseline"
+    config = Config(**{**fields, **({"delta": True} if converting else {}), **overrides})
+    if converting and not config.delta:
+        raise ValueError(f"from_pretrained: residual={config.residual!r} with delta={config.delta} "
+                         f"does not start as the checkpoint; convert with residual='attnres' or "
+                         f"'mhar' and delta=True (the default)")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters made in their dtype: an 8B model is not built twice
+    try:
+        model = GPT(config)
+    finally:
+        torch.set_default_dtype(default)
+    state = model.state_dict()  # shares the parameters' storage: copying into it loads the model
+    names = file_names(config, state, routed_file=exported)
+    files = tensor_files(directory, WEIGHTS[hf_config.get("model_type")])
+    ignored = {"lm_head.weight"} if config.tie_embeddings else set()  # tied, yet stored (0.6B)
+    missing = [k for k in names if k not in files]
+    unexpected = [k for k in files if k not in names and k not in ignored]
+    if missing or unexpected:
+        raise CheckpointError(f"{directory}: the tensors do not fit its config.json ("
+                              + (f"missing {', '.join(missing[:3])}" if missing else
+                                 f"no place for {', '.join(unexpected[:3])}") + ")")
+    by_file = {}
+    for name, file in files.items():
+        if name in names:
+            by_file.setdefault(file, []).append(name)
+    with torch.no_grad():
+        for file, in_file in by_file.items():
+            with safetensors.safe_open(file, framework="pt") as f:
+                for name in in_file:
+                    tensor, target = f.get_tensor(name), state[names[name]]
+                    if tensor.shape != target.shape:
+                        raise CheckpointError(f"{file}: {name} has shape {tuple(tensor.shape)}, "
+                                              f"config.json makes it {tuple(target.shape)}")
+                    target.copy_(tensor)
+    model.pretrained_from = directory  # save_pretrained copies its tokenizer files from here
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+
+def save(model, directory, source=None, dtype=None):
+    """Write `model` as a Hugging Face directory: a baseline as a Qwen3 checkpoint transformers
+    loads, a routed model as this project's export (see the top of the file). The tokenizer files
+    and special token ids of `source` (default: the directory from_pretrained read) come along.
+    dtype: the tensors' dtype in the file (default: the model's)."""
+    safetensors = safetensors_api()
+    config, directory, state = model.config, Path(directory), model.state_dict()
+    dtype = torch_dtype(dtype, state["embed.weight"].dtype, "save_pretrained")
+    source = source or getattr(model, "pretrained_from", None)
+    source = Path(source) if source else None
+    has_config = source is not None and (source / "config.json").is_file()
+    source_config = read_json(source / "config.json") if has_config else {}
+    hf_config = {**{k: source_config[k] for k in CARRIED if k in source_config},
+                 **config_to_hf(config, dtype)}
+    # a model trained on shorter sequences keeps the positions its source was made for
+    hf_config["max_position_embeddings"] = max(config.seq_len,
+                                               source_config.get("max_position_embeddings", 0))
+    names = file_names(config, state, routed_file=hf_config["model_type"] == MODEL_TYPE)
+    tensors = {file_name: state[name].detach().to("cpu", dtype).contiguous()
+               for file_name, name in names.items()}
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = directory / f"{WEIGHTS[hf_config['model_type']]}.safetensors"
+    for stale in WEIGHTS.values():  # an earlier export's weights of the other kind would be read
+        for file in [directory / f"{stale}.safetensors.index.json",
+                     *directory.glob(f"{stale}*.safetensors")]:
+            if file != weights:
+                file.unlink(missing_ok=True)
+    temporary = weights.with_suffix(".tmp")
+    # metadata format "pt": transformers 4 checks it
+    safetensors.torch.save_file(tensors, temporary, metadata={"format": "pt"})
+    os.replace(temporary, weights)
+    for name in TOKENIZER_FILES:
+        if source and (source / name).is_file() and source.resolve() != directory.resolve():
+            shutil.copyfile(source / name, directory / name)
+    (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    return directory
+
+
+# ----------------------------------------------------------------------------------------------
+# The mid-training recipe: train.py --init_from DIR continues a pretrained model as delta MHAR.
+#
+# The paper (Luo, Cai, Hu, 2026, "Multi-Head Attention Residuals", section Mid-training and
+# appendix Training and reproducibility details) converts Marin-8B, a Llama-3.1-8B model at its
+# pre-decay plateau, and trains it 9,500 steps on an anneal corpus against a schedule-matched
+# plain continued-pretraining control. Its from-scratch recipe (train.py's defaults) differs in
+# several places; each flag below says where its value comes from, and "ours" marks a choice the
+# paper leaves open. The recipe also implies, for train.py: the step count and the schedule start
+# at 0 (a new run); AdamW starts cold ("we cold-start AdamW": the checkpoint has no moments), with
+# betas (0.9, 0.95) and eps 1e-8 as from scratch ("the settings below are common to every method
+# and scale unless noted"); weight decay on the matrices alone (midtrain_param_groups).
+MIDTRAIN = {  # train.py flag: (default, where it comes from)
+    "residual": ("mhar", "'We convert with the delta (additive-stream) form of attention "
+                         "residuals'"),
+    "delta": (True, "'adds the routed term to the intact residual stream ... closing the gate "
+                    "therefore leaves the pretrained computation untouched'"),
+    "route_block": (8, "'one delta per block of four consecutive layers': 4 layers = 8 sublayers"),
+    "route_heads": (8, "'each routing site attends over at most nine sources with H=8 heads'"),
+    "lr": (4e-4, "'cools from peak 4e-4 to 4e-6 over 9,500 steps'"),
+    "min_lr_ratio": (0.01, "the same line: 4e-6 / 4e-4"),
+    "max_steps": (9500, "the same line"),
+    "warmup_steps": (100, "'a short linear re-warmup (0 -> peak) to rebuild the second moment "
+                          "before decaying'; no length given. Ours: 5 time constants of "
+                          "beta2 = 0.95 (1 / (1 - 0.95) = 20 steps), about 1% of the run"),
+    "schedule": ("cosine", "the decay shape is not named ('the same peak rate, decay shape, "
+                           "batch'). Ours: train.py's cosine, which ends at min_lr_ratio x peak"),
+    "weight_decay": (0.05, "'weight decay 0.05 (excluding embeddings, norms, biases)'; from "
+                           "scratch it is 0.1 on all parameters"),
+    "grad_clip": (1.0, "'Gradients are clipped to global norm 1.0' (common to every run)"),
+    "seq_len": (4096, "'sequence length 4096'"),
+    "global_batch": (256, "'a global batch of about 1.05M tokens': 256 x 4096 = 1,048,576"),
+    "dtype": ("bfloat16", "'Training uses FSDP full-shard, bfloat16, and activation "
+                          "checkpointing'"),
+    "ema": (0.999, "'weight-EMA (beta = 0.999, evaluated)': the EMA weights are evaluated and "
+                   "released"),
+    "z_loss": (1e-4, "'a logit z-loss (1e-4)'"),
+}
+
+
+def midtrain_param_groups(model, lr, weight_decay=MIDTRAIN["weight_decay"][0]):
+    """AdamW parameter groups of the recipe: weight decay on the matrices alone.
+
+    The paper excludes embeddings, norms and biases (this decoder has no biases). The parameters
+    routing adds (queries, gates, null source, key norms) are vectors and scalars like those; the
+    paper does not name them, and decay would pull the zero-initialized gates back shut, so they
+    are not decayed either. An untied LM head is a matrix (GPT.param_groups) and is decayed.
+    """
+    return [{"name": name, "params": params, "lr": lr,
+             "weight_decay": weight_decay if name == "matrices" else 0.0}
+            for name, params in model.param_groups().items() if params]
+
+
+def z_loss(logits):
+    """The mean squared log-partition function of the logits (PaLM, arXiv:2204.02311, section 5):
+    added to the loss times MIDTRAIN["z_loss"], it keeps log Z near 0, the bf16 softmax stable."""
+    return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+
+
+# ----------------------------------------------------------------------------------------------
+# The CPU demonstration: python hf.py [DIR]. transformers saves a tiny random Qwen3 into DIR (no
+# download); it is read, converted, trained five steps with the recipe's groups, written back.
+
+def demo(directory, steps=5):
+    import time
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    def max_diff(a, b):
+        return (a.float() - b.float()).abs().max().item()
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64,  # 4 x 64 > d, as Qwen3
+                 tie_word_embeddings=False, max_position_embeddings=512,
+                 rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+    Qwen3ForCausalLM(Qwen3Config(**shape)).save_pretrained(directory)
+    theirs = {dtype: Qwen3ForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+              for dtype in (torch.float32, torch.bfloat16)}
+    rows = torch.randint(0, 1024, (steps, 4, 257), generator=torch.Generator().manual_seed(0))
+    x, y = rows[0, :, :-1], rows[0, :, 1:]                                     # random tokens
+    t0 = time.perf_counter()
+    baseline = GPT.from_pretrained(directory)
+    print(f"{directory}: a random Qwen3 saved by transformers; from_pretrained "
+          f"{time.perf_counter() - t0:.2f} s, {baseline.num_params():,} parameters")
+    with torch.no_grad():
+        truth = theirs[torch.float32](x).logits
+        print(f"float32 logits, max |ours - transformers| {max_diff(baseline(x)[0], truth):.3g}")
+        ours16 = GPT.from_pretrained(directory, dtype=torch.bfloat16)(x)[0]
+        relative = lambda a: ((a.float() - truth).norm() / truth.norm()).item()  # noqa: E731
+        print(f"bfloat16 logits, relative error to float32: ours {relative(ours16):.2e}, "
+              f"transformers {relative(theirs[torch.bfloat16](x).logits):.2e}")
+    model = GPT.from_pretrained(directory, residual="mhar", route_block=8, route_heads=8)
+    with torch.no_grad():
+        print(f"converted (mhar, delta, H 8, one delta per 4 layers): max |logit difference| to "
+              f"the baseline {max_diff(model(x)[0], baseline(x)[0]):g}")
+        first_baseline_loss = baseline(x, y)[1].item()
+    groups = midtrain_param_groups(model, lr=MIDTRAIN["lr"][0])
+    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-8)
+    for step in range(steps):
+        _, loss = model(rows[step, :, :-1], rows[step, :, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        gates = torch.stack([site.gate.detach() for site in model.sites]).abs()
+        baseline_loss = f" (the baseline's on this batch: {first_baseline_loss:.6f})"
+        print(f"step {step + 1}: loss {loss.item():.6f}{baseline_loss if step == 0 else ''} | "
+              f"max |gate| {gates.max().item():.2e}")
+    model.save_pretrained(f"{directory}-mhar")
+    with torch.no_grad():
+        back = GPT.from_pretrained(f"{directory}-mhar")
+        print(f"{directory}-mhar: the trained model written and read back, max |logit difference| "
+              f"{max_diff(back(x)[0], model(x)[0]):g}")
+    try:
+        AutoModelForCausalLM.from_pretrained(f"{directory}-mhar")
+    except ValueError as e:
+        print(f"  transformers refuses it: {one_line(e)[:90]}...")
+    baseline.save_pretrained(f"{directory}-baseline")
+    with torch.no_grad():
+        exported = AutoModelForCausalLM.from_pretrained(f"{directory}-baseline",
+                                                        dtype=torch.float32)
+        print(f"{directory}-baseline: the baseline written back, transformers reads it: max |logit "
+              f"difference| {max_diff(exported.eval()(x).logits, truth):g}")
+
+
+if __name__ == "__main__":
+    import sys
+    demo(sys.argv[1] if len(sys.argv) > 1 else "models/tiny-qwen3")

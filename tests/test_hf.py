@@ -1,0 +1,400 @@
+"""hf.py and export.py: Qwen3 checkpoints in and out, checked against transformers (tiny random
+models that transformers saves offline)."""
+import dataclasses
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import hf
+from common import CheckpointError
+from helpers import ROOT, rel_err, save_tiny_qwen3, tiny
+from mhar import GPT
+
+transformers = pytest.importorskip("transformers")  # installed in CI (.ci/run); optional for users
+
+# name: save_tiny_qwen3 arguments. Head width 16 = d / n_head; 32 and 24 are Qwen3's kind (0.6B:
+# 16 heads of 128 at d 1024); GQA, or one key per query head (mha); rope theta 1e6 (Qwen3's) or 1e4.
+QWEN3S = {
+    "tied": dict(tied=True),
+    "untied-hd32": dict(tied=False, head_dim=32),
+    "mha-sharded": dict(tied=False, head_dim=24, n_kv_head=4, rope_theta=1e4, max_shard_size="20KB"),
+}
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """{name: (directory, transformers model)} for every QWEN3S entry."""
+    models = {}
+    for name, kwargs in QWEN3S.items():
+        directory = tmp_path_factory.mktemp(name)
+        models[name] = directory, save_tiny_qwen3(directory, **kwargs)
+    return models
+
+
+def tokens(T=24, B=2, seed=0):
+    return torch.randint(0, 100, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def logits_of(model, idx):
+    with torch.no_grad():
+        return model(idx)[0] if isinstance(model, GPT) else model(idx).logits.float()
+
+
+def edited(directory, copy, drop=(), **changes):
+    """A copy of a checkpoint directory, its config.json with `changes` and without `drop`."""
+    copy.mkdir(exist_ok=True)
+    for file in directory.iterdir():
+        (copy / file.name).write_bytes(file.read_bytes())
+    config = {**json.loads((directory / "config.json").read_text()), **changes}
+    (copy / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in drop}))
+    return copy
+
+
+def open_routing(model, seed=0):
+    """Move every parameter routing adds off its init, so that an export that lost one shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith(hf.ADDED_BY_RESIDUAL):
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+def test_the_tiny_checkpoints_are_what_they_say(qwen3):
+    sharded = qwen3["mha-sharded"][0]
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 3
+    untied = json.loads((qwen3["untied-hd32"][0] / "config.json").read_text())
+    assert untied["head_dim"] * untied["num_attention_heads"] != untied["hidden_size"]
+    assert untied["rope_parameters"]["rope_theta"] == 1e6 and not untied["tie_word_embeddings"]
+
+
+@pytest.mark.parametrize("name", QWEN3S)
+def test_from_pretrained_gives_transformers_logits(qwen3, name):
+    directory, reference = qwen3[name]
+    model = GPT.from_pretrained(directory)
+    idx = tokens()
+    assert rel_err(logits_of(model, idx), logits_of(reference, idx)) < 1e-5
+    assert model.config.tie_embeddings == QWEN3S[name].get("tied")
+    assert (model.lm_head.weight is model.embed.weight) == model.config.tie_embeddings
+
+
+def test_from_pretrained_in_bf16_is_as_close_as_transformers_bf16(qwen3):
+    directory, reference = qwen3["untied-hd32"]
+    idx = tokens(T=48)
+    truth = logits_of(reference, idx)                                          # float32
+    ours = GPT.from_pretrained(directory, dtype=torch.bfloat16)
+    theirs = transformers.Qwen3ForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval()
+    assert ours.embed.weight.dtype == torch.bfloat16
+    error, their_error = rel_err(logits_of(ours, idx), truth), rel_err(logits_of(theirs, idx), truth)
+    assert error < 2e-2 and error < 1.5 * their_error, (error, their_error)
+
+
+def test_a_transformers_4_config_reads_the_same(qwen3, tmp_path):
+    """transformers 4.x wrote rope_theta at the top level, rope_scaling null (Qwen3-0.6B's)."""
+    directory, reference = qwen3["untied-hd32"]
+    copy = edited(directory, tmp_path, drop=["rope_parameters"], rope_theta=1e6, rope_scaling=None)
+    model = GPT.from_pretrained(copy)
+    assert model.config.rope_theta == 1e6
+    assert rel_err(logits_of(model, tokens()), logits_of(reference, tokens())) < 1e-5
+
+
+def test_a_tied_checkpoint_that_stores_its_lm_head_too_loads(qwen3, tmp_path):
+    """Qwen3-0.6B is tied yet stores lm_head.weight too; transformers ties it, and so do we."""
+    from safetensors.torch import load_file, save_file
+    directory, reference = qwen3["tied"]
+    copy = edited(directory, tmp_path)
+    tensors = load_file(directory / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, copy / "model.safetensors")
+    ours = GPT.from_pretrained(copy)
+    assert rel_err(logits_of(ours, tokens()), logits_of(reference, tokens())) < 1e-5
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(model_type="llama"), "model_type"),
+    (dict(architectures=["Qwen3ForSequenceClassification"]), "architectures"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(use_sliding_window=True, sliding_window=16), "use_sliding_window"),
+    (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}), "rope_type"),
+    (dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}), "rope_type"),
+    (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+], ids=["llama", "classifier", "gelu", "bias", "sliding", "layer-types", "yarn", "linear-4.x", "fp8"])
+def test_an_unmappable_config_is_one_clear_error(qwen3, tmp_path, changes, field):
+    with pytest.raises(CheckpointError) as error:
+        GPT.from_pretrained(edited(qwen3["tied"][0], tmp_path, **changes))
+    message = str(error.value)
+    assert "\n" not in message and f": {field} = " in message and "cannot be mapped" in message
+
+
+def test_tensors_that_do_not_fit_the_config_are_one_clear_error(qwen3, tmp_path):
+    from safetensors.torch import load_file, save_file
+    directory = qwen3["untied-hd32"][0]
+    with pytest.raises(CheckpointError, match="has shape"):  # another head width than the tensors'
+        GPT.from_pretrained(edited(directory, tmp_path / "a", head_dim=16))
+    tensors = load_file(directory / "model.safetensors")
+    copy = edited(directory, tmp_path / "b")
+    bias = {"model.layers.0.self_attn.q_proj.bias": torch.zeros(128)}
+    save_file({**tensors, **bias}, copy / "model.safetensors")
+    with pytest.raises(CheckpointError, match="no place for model.layers.0.self_attn.q_proj.bias"):
+        GPT.from_pretrained(copy)
+    del tensors["model.norm.weight"]
+    save_file(tensors, copy / "model.safetensors")
+    with pytest.raises(CheckpointError, match="missing model.norm.weight"):
+        GPT.from_pretrained(copy)
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        GPT.from_pretrained(tmp_path / "nowhere")
+
+
+def test_overrides(qwen3, tmp_path):
+    directory = qwen3["tied"][0]
+    assert GPT.from_pretrained(directory).config.seq_len == 64                # max_position_embeddings
+    assert GPT.from_pretrained(directory, seq_len=16).config.seq_len == 16
+    with pytest.raises(ValueError, match="n_embd=32, but .* fixes it at 64"):
+        GPT.from_pretrained(directory, n_embd=32)
+    with pytest.raises(ValueError, match="delta=True"):
+        GPT.from_pretrained(directory, residual="mhar", delta=False)
+    with pytest.raises(ValueError, match="no field 'layers'"):
+        GPT.from_pretrained(directory, layers=3)
+    with pytest.raises(ValueError, match="dtype 'fp8' is not one of float32, bfloat16, float16"):
+        GPT.from_pretrained(directory, dtype="fp8")
+    GPT.from_pretrained(directory, residual="mhar", route_heads=2).save_pretrained(tmp_path)
+    assert GPT.from_pretrained(tmp_path, residual="mhar", seq_len=8).config.depth_heads == 2
+    with pytest.raises(ValueError, match="keeps its routing"):
+        GPT.from_pretrained(tmp_path, route_heads=4)
+
+
+def test_a_hub_id_is_fetched_only_when_no_such_directory_exists(qwen3, monkeypatch, tmp_path):
+    calls = []
+
+    def snapshot_download(repo_id, allow_patterns):
+        calls.append(repo_id)
+        if repo_id == "offline/model":
+            raise OSError("no network")
+        return str(qwen3["tied"][0])
+
+    hub = types.SimpleNamespace(snapshot_download=snapshot_download)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
+    monkeypatch.chdir(tmp_path)
+    assert GPT.from_pretrained("Qwen/Qwen3-Tiny").config.n_embd == 64
+    with pytest.raises(CheckpointError, match="hf download offline/model --local-dir"):
+        GPT.from_pretrained("offline/model")
+    (tmp_path / "Qwen" / "local").mkdir(parents=True)     # a local directory: never the hub
+    with pytest.raises(CheckpointError, match="cannot read Qwen/local/config.json"):
+        GPT.from_pretrained("Qwen/local")
+    assert calls == ["Qwen/Qwen3-Tiny", "offline/model"]
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    with pytest.raises(CheckpointError, match="pip install huggingface_hub"):
+        GPT.from_pretrained("Qwen/Qwen3-Tiny")
+
+
+def test_the_scripts_import_without_the_optional_packages(qwen3):
+    """transformers, tokenizers, safetensors and huggingface_hub are optional: blocked, the scripts
+    still import, and reading a checkpoint says what to install."""
+    code = f"""
+import sys
+for name in ("transformers", "tokenizers", "safetensors", "huggingface_hub"):
+    sys.modules[name] = None  # `import name` raises ImportError
+import mhar, train, sample, hf, export
+try:
+    mhar.GPT.from_pretrained({str(qwen3['tied'][0])!r})
+except hf.CheckpointError as e:
+    print(e)
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "pip install safetensors" in result.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# Conversion
+
+@pytest.mark.parametrize("name", ["tied", "untied-hd32"])
+@pytest.mark.parametrize("route_heads, route_block", [(1, 1), (2, 2), (8, 3), (4, 8)],
+                         ids=["H1-S1", "H2-S2", "H8-S3", "H4-S8"])
+def test_conversion_gives_the_baseline_logits_exactly(qwen3, name, route_heads, route_block):
+    directory = qwen3[name][0]
+    baseline = GPT.from_pretrained(directory)
+    routing = dict(residual="attnres") if route_heads == 1 else dict(residual="mhar",
+                                                                     route_heads=route_heads)
+    converted = GPT.from_pretrained(directory, route_block=route_block, **routing)
+    assert converted.config.delta and converted.config.depth_heads == route_heads
+    idx = tokens()
+    assert (logits_of(converted, idx) - logits_of(baseline, idx)).abs().max().item() == 0.0
+
+
+def test_conversion_in_bf16_is_exact_too(qwen3):
+    directory = qwen3["untied-hd32"][0]
+    baseline = GPT.from_pretrained(directory, dtype="bfloat16")
+    converted = GPT.from_pretrained(directory, dtype="bfloat16", residual="mhar", route_heads=8,
+                                    route_block=8)
+    assert converted.sites[0].gate.dtype == torch.bfloat16
+    assert torch.equal(logits_of(converted, tokens()), logits_of(baseline, tokens()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+
+@pytest.mark.parametrize("name", QWEN3S)
+def test_a_baseline_exports_to_transformers(qwen3, name, tmp_path):
+    directory, reference = qwen3[name]
+    model = GPT.from_pretrained(directory, seq_len=32)
+    model.save_pretrained(tmp_path / "out")
+    loaded = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "out").eval()
+    idx = tokens()
+    assert torch.equal(logits_of(loaded, idx), logits_of(reference, idx))
+    assert loaded.config.max_position_embeddings == 64  # not the shorter seq_len it was loaded with
+    assert torch.equal(logits_of(GPT.from_pretrained(tmp_path / "out"), idx), logits_of(model, idx))
+
+
+def test_a_model_trained_here_exports_to_transformers(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(tiny("baseline"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path, dtype="float32")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    idx = torch.randint(0, 128, (2, 32))
+    assert rel_err(logits_of(loaded, idx), logits_of(model, idx)) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["converted-mhar", "mhar-S2", "attnres", "hyper"])
+def test_a_routed_model_round_trips_and_transformers_refuses_it(qwen3, kind, tmp_path):
+    torch.manual_seed(0)
+    if kind == "converted-mhar":
+        model = GPT.from_pretrained(qwen3["untied-hd32"][0], residual="mhar", route_heads=8,
+                                    route_block=4)
+    else:
+        residual, _, block = kind.partition("-S")
+        model = GPT(tiny(residual, route_block=int(block or 1)))
+    open_routing(model)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "mhar" and config["mhar"]["residual"] == model.config.residual
+    loaded = GPT.from_pretrained(tmp_path)
+    assert loaded.config == model.config
+    pairs = zip(loaded.state_dict().values(), model.state_dict().values())
+    assert all(torch.equal(a, b) for a, b in pairs)
+    assert torch.equal(logits_of(loaded, tokens()), logits_of(model, tokens()))
+    with pytest.raises(ValueError, match="model type `mhar`"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(OSError, match="model.safetensors"):
+        transformers.Qwen3ForCausalLM.from_pretrained(tmp_path)
+
+
+def test_an_export_replaces_the_weights_of_an_earlier_one(qwen3, tmp_path):
+    directory = qwen3["tied"][0]
+    GPT.from_pretrained(directory).save_pretrained(tmp_path)
+    open_routing(GPT.from_pretrained(directory, residual="mhar")).save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["mhar.safetensors"]
+    GPT.from_pretrained(directory).save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
+
+
+def test_tokenizer_files_and_token_ids_travel_with_the_model(qwen3, tmp_path):
+    source = edited(qwen3["tied"][0], tmp_path / "source", eos_token_id=7, bos_token_id=5)
+    (source / "tokenizer.json").write_text('{"stand-in": true}')
+    GPT.from_pretrained(source, residual="mhar").save_pretrained(tmp_path / "out")
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"stand-in": true}'
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (exported["eos_token_id"], exported["bos_token_id"]) == (7, 5)
+
+
+# ----------------------------------------------------------------------------------------------
+# The mid-training recipe
+
+def test_midtrain_recipe_matches_the_paper_and_its_groups_decay_the_matrices_alone(qwen3):
+    values = {k: v for k, (v, _) in hf.MIDTRAIN.items()}
+    assert values["lr"] * values["min_lr_ratio"] == pytest.approx(4e-6)           # 4e-4 -> 4e-6
+    assert values["route_block"] == 2 * 4                                        # 4 layers
+    assert values["global_batch"] * values["seq_len"] == 1_048_576               # ~1.05M tokens
+    model = GPT.from_pretrained(qwen3["untied-hd32"][0], residual="mhar", route_block=8,
+                                route_heads=8)
+    groups = hf.midtrain_param_groups(model, lr=4e-4)
+    params = [id(p) for g in groups for p in g["params"]]
+    assert sorted(params) == sorted(id(p) for p in model.parameters())           # each exactly once
+    decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    named = dict(model.named_parameters())
+    assert {n for n, p in named.items() if id(p) in decayed} == {
+        n for n, p in named.items() if p.dim() == 2 and n != "embed.weight"}
+    assert all(g["weight_decay"] == 0.05 for g in groups if g["weight_decay"] > 0)
+
+
+def test_a_converted_qwen3_trains_from_the_baselines_loss(qwen3):
+    """Five AdamW steps with the recipe's groups on random tokens: the first loss is the
+    unconverted model's, the gates open."""
+    directory = qwen3["untied-hd32"][0]
+    baseline = GPT.from_pretrained(directory)
+    model = GPT.from_pretrained(directory, residual="mhar", route_block=8, route_heads=8)
+    optimizer = torch.optim.AdamW(hf.midtrain_param_groups(model, lr=1e-2), betas=(0.9, 0.95))
+    batches = torch.randint(0, 100, (5, 4, 33), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for rows in batches:
+        _, loss = model(rows[:, :-1], rows[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    with torch.no_grad():
+        assert losses[0] == baseline(batches[0, :, :-1], batches[0, :, 1:])[1].item()
+    gates = torch.stack([site.gate for site in model.sites])
+    assert (gates != 0).all() and losses[-1] != losses[0]
+
+
+def test_z_loss_is_the_squared_log_partition():
+    logits = torch.randn(2, 3, 7)
+    expected = (torch.logsumexp(logits, -1) ** 2).mean().item()
+    assert hf.z_loss(logits).item() == pytest.approx(expected)
+    uniform = torch.full((1, 4), -torch.tensor(4.0).log().item())               # Z = 1
+    assert hf.z_loss(uniform).item() == pytest.approx(0.0, abs=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------
+# export.py
+
+def write_checkpoint(path, model, **args):
+    """A checkpoint with what export.py reads of train.py's."""
+    torch.save(dict(model=model.state_dict(), config=dataclasses.asdict(model.config), args=args),
+               path)
+    return path
+
+
+@pytest.mark.parametrize("residual", ["baseline", "mhar"])
+def test_export_writes_a_checkpoint_as_a_hugging_face_directory(qwen3, tmp_path, capsys, residual):
+    import export
+    source = qwen3["untied-hd32"][0]
+    model = GPT.from_pretrained(source, residual=residual)
+    if residual == "mhar":
+        open_routing(model)
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", model, init_from=str(source))
+    export.main([str(ckpt), str(tmp_path / "hf"), "--dtype", "bfloat16"])
+    assert "tokenizer from" in capsys.readouterr().out
+    loaded = GPT.from_pretrained(tmp_path / "hf")
+    assert loaded.config == model.config
+    assert torch.equal(loaded.embed.weight, model.embed.weight.bfloat16().float())  # bf16 in the file
+    if residual == "baseline":
+        theirs = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+        assert torch.equal(logits_of(theirs.eval(), tokens()), logits_of(loaded, tokens()))
+
+
+def test_export_errors_are_one_line(tmp_path, capsys):
+    import export
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", GPT(tiny("baseline")))
+    for argv in ([str(tmp_path / "missing.pt"), str(tmp_path / "hf")],
+                 [str(ckpt), str(tmp_path / "hf"), "--tokenizer", str(tmp_path / "nowhere")]):
+        with pytest.raises(SystemExit) as exit_:
+            export.main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith("export.py: error: ") and err.count("\n") == 1
+    assert not (tmp_path / "hf").exists()  # nothing half-written
