@@ -11,7 +11,8 @@ import torch
 
 from common import read_shards
 from fsdp_loop import LR, build, train_steps
-from helpers import ROOT, rel_err
+import mhar
+from helpers import ROOT, rel_err, tiny
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -88,7 +89,6 @@ def test_bf16_compute_keeps_fp32_weights_and_gradients_and_untied_embeddings_get
     assert {p.dtype for p in model.parameters()} == {p.grad.dtype for p in model.parameters()} == {torch.float32}
     assert model.lm_head.weight is model.embed.weight and not isinstance(model.embed, FSDPModule)
 
-    untied = build()
-    untied.lm_head.weight = torch.nn.Parameter(untied.embed.weight.detach().clone())
-    parallel.shard(untied, parallel.device_mesh(torch.device("cpu")), torch.float32)
+    untied = parallel.build_sharded(lambda: mhar.GPT(tiny(tie_embeddings=False)), torch.device("cpu"),
+                                    torch.float32)
     assert isinstance(untied.embed, FSDPModule) and isinstance(untied.lm_head, FSDPModule)
