@@ -1,274 +1,488 @@
 """
-Fused Triton kernels for the multi-head depth route of MHAR (DESIGN §2.2, §4).
+Fused Triton kernels for the multi-head depth route of MHAR.
 
-The readable reference is `mhar.route(V, q, g, heads)`: sources V (N, B, T, d), a pseudo-query q
-and an RMSNorm weight g of width d, H heads of width K = d / H. Per position and source n:
-r_n = rsqrt(mean(V_n²) + eps) over the full width, logits ℓ[n, h] = r_n·<q_h ⊙ g_h, V_n,h>,
-α[:, h] = softmax over n, output slice h = Σ_n α[n, h]·V_n,h.
+The contract is `mhar.route(V, q, g, heads)`: sources V (N, B, T, d), a pseudo-query q and an
+RMSNorm weight g of width d, H heads of width K = d / H. Per position and source n:
 
-Memory traffic, counted in bytes per source element (bf16 storage, E = B·T·d elements per
-source, a site reads N sources). Routing is memory-bound, so these counts are the cost:
+    r_n      = rsqrt(mean(V_n²) + eps)                  over the full width d
+    ℓ[n, h]  = r_n · <(q ⊙ g)_h, V_n,h>                  one logit per source and head
+    α[:, h]  = softmax_n ℓ[:, h]
+    out_h    = Σ_n α[n, h] · V_n,h
 
-  readable eager forward   ≈ 68 B: torch.stack (read 2 + write 2), V.float() twice (2 + 4 each),
-                           then pow, mean, ·r, ·g, ·q, sum over K, α·V, sum over n: each reads
-                           and most write an fp32 copy of all N·E elements; autograd keeps
-                           several of those copies alive for backward (why it runs out of memory).
-  fused forward            = 2 B: each source row is read once; the RMS statistic, norm, logits,
-                           online softmax and mix happen in registers. Per site, not per source:
-                           the output (2 B·E) and α (4·N·B·T·H bytes, a factor d/H below V).
-  fused backward           = 12 B: pass 1 reads the rows (2) for the softmax coupling term, pass 2
-                           reads them again (2) and read-modify-writes the fp32 source-gradient
-                           buffer (4 + 4). Per site: dout (2 B·E), the dq/dg partials (2·4 B·E
-                           written, read again by the torch sum).
+computed in float32 for float32 or bfloat16 sources, returned in the sources' dtype. Routing is
+memory-bound: a site does a few flops per element it reads, so the bytes moved are the cost.
 
-So a whole network (2L + 1 sites, Σ_j N_j = (2L+1)(2L+2)/2 source rows) moves at least
-14 B·E·Σ_j N_j with this one-pass-per-site algorithm: the floor DESIGN §5 quotes
-(2.9 / 5.4 / 14.8 ms on an H100 at the paper's 100M / 350M / 1B kernel-table shapes).
-`FusedHistory` adds one copy per site (2 + 2 B·E) to write each source into the shared buffer.
+Two algorithms, one pair of kernels (`Config.fused_group`):
 
-The backward is bitwise deterministic: every position is owned by one program, which
-read-modify-writes its own rows of the gradient buffer (no atomics), and dq, dg leave as
-per-position partials that torch sums in a fixed order.
+  one pass per site (group 1)   each site reads all its sources once forward; backward reads them
+      again and read-modify-writes an fp32 gradient row per source. A network of S = 2L+1 sites
+      reads Σ_j (j+1) ≈ S²/2 source rows: ≈ 6·S² bytes per element of a bf16 source.
+  grouped (the default)         q and g are parameters, not activations, so G consecutive sites
+      j0..j0+G-1 can share one read of the sources written before the group. Phase 1 reads
+      sources 0..j0 once and keeps G online-softmax states; the group's first site is then
+      complete, and each later site merges its partial state (normalized output + log-sum-exp)
+      with the few sources written inside the group (phase 2). Backward mirrors it: phase 1
+      updates each gradient row once for all G sites. ≈ 6·S²/G + 6·S·G bytes per element.
+
+`traffic()` counts every byte the kernels load and store (exactly: a test compares it with what
+the Triton interpreter loads and stores), and separately the torch ops around them;
+`python kernel.py --traffic` prints both algorithms at the paper's kernel-table shapes.
+
+Autograd without Python-side state. Each launch is a torch custom operator with a functional
+signature (a list of source tensors, which the kernel reads through a table of addresses: no
+copies), so `torch.compile(fullgraph=True)` traces a fused model. The fp32 source-gradient buffer
+travels backward as the gradient of a "carrier" tensor (no memory) that each launch hands to the
+next; each launch adds its share into the buffer in place and returns, in their own dtype, the
+final gradients of the sources it read first (it is the last to touch them in backward). Nothing
+is zero-filled: the first launch to touch a row in backward writes it instead of adding to it.
+No atomics: every position belongs to one program, and dq, dg come from one per-program partial
+of Σ dℓ·r·V that torch sums in a fixed order, so the backward is bitwise deterministic.
 
 Without a CUDA GPU the kernels run in the Triton interpreter, on CPU tensors, when
 TRITON_INTERPRET=1 is set before this file is imported (slow; for tests). `python kernel.py`
 checks the kernels against `mhar.route`, then benchmarks them when a GPU is present.
 """
 import os
-from functools import partial
+from collections import namedtuple
 
 import torch
+from torch import Tensor
 
 if __name__ == "__main__" and not torch.cuda.is_available():
-    # `python kernel.py` without a GPU runs its check in the interpreter, which triton.jit
+    # `python kernel.py` without a GPU runs its checks in the interpreter, which triton.jit
     # consults when it decorates the kernels below: switch it on before importing triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-UNAVAILABLE = ("fused routing needs a CUDA GPU, or TRITON_INTERPRET=1 set before triton is imported "
-               "to run the kernels on the CPU (slow; for tests)")
+UNAVAILABLE = ("fused routing needs a CUDA GPU, or TRITON_INTERPRET=1 set before triton is "
+               "imported to run the kernels on the CPU (slow; for tests)")
 try:
     import triton
     import triton.language as tl
 except ImportError as error:
     raise RuntimeError(f"{UNAVAILABLE}; triton is not installed (pip install triton)") from error
 
-# One program holds a position's whole row of width d as an (H_PAD, K_PAD) fp32 tile, several
-# times over (the source, q·g, dout, the output or the dq/dg accumulator). At 16 warps ptxas
-# (sm_90) keeps an 8192-element tile in registers; at 16384 the backward spills heavily.
+SOURCE_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
+# A program keeps three (G, H, K) fp32 tiles of its G sites in registers through the backward's
+# loop (q ⊙ g, the output gradients, the gradient of q ⊙ g). Compiled for sm_90 at 8 warps, 8192
+# lanes (8 sites at d = 1024) take 251 registers per thread without spilling; 10240 (8 sites at
+# d = 1280) spill at 4, 8 and 16 warps. Larger groups are refused.
 MAX_TILE = 8192
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+# Each program routes a contiguous block of positions, so that dq and dg leave as one partial per
+# program. 256 programs fill the 132 SMs of an H100/H200 about twice.
+PROGRAMS = 256
+INTERPRETED_PROGRAMS = 3    # the interpreter runs programs one after another: few, of many positions
+NUM_STAGES = 3              # source rows in flight in the software pipeline of the loop over sources
 
 
-# N and M stay runtime integers: triton would turn a value of 1 into a constexpr (no `.to`), and
-# specializing on N's divisibility by 16 would compile more variants for no gain.
-@triton.jit(do_not_specialize=["N", "M"])
+# %% The kernels
+#
+# A row of width d is held as two tiles of heads × lanes: the first K1 lanes of every head (K1
+# the largest power of two ≤ K) and the remaining K2 = K − K1. Every tile dimension must be a
+# power of two, so one (H, K) tile would pad K = 160 (d = 1280, H = 8) to 256 lanes, 37.5 % of
+# them idle; 160 = 128 + 32 has none. The states of a program's G sites add a leading dimension.
+# (The loops' arithmetic is written out rather than in @triton.jit helpers: the interpreter
+# re-patches the language at every helper call, which would double the tests' time.)
+
+@triton.jit
+def _row_tiles(K: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K2_PAD: tl.constexpr,
+               H: tl.constexpr, H_PAD: tl.constexpr):
+    """Offsets and masks of the two tiles that cover a row: (H_PAD, K1) and (H_PAD, K2_PAD)."""
+    heads = tl.arange(0, H_PAD)
+    lanes1 = tl.arange(0, K1)
+    lanes2 = tl.arange(0, K2_PAD)
+    cols1 = heads[:, None] * K + lanes1[None, :]
+    cols2 = heads[:, None] * K + K1 + lanes2[None, :]
+    mask1 = (heads[:, None] < H) & (lanes1[None, :] < K1)
+    mask2 = (heads[:, None] < H) & (lanes2[None, :] < K2)
+    return cols1, cols2, mask1, mask2
+
+
+@triton.jit
+def _addresses(entries, mask, ELEMENT: tl.constexpr):
+    """Table entries as pointers to ELEMENT, 16-byte aligned (the launchers make sure of it), so
+    that the loads through them are vectorized and pipelined."""
+    return tl.multiple_of(tl.load(entries, mask=mask, other=0).to(tl.pointer_type(ELEMENT)), 16)
+
+
+# N, M and the row indices stay runtime integers: triton would turn a value of 1 into a
+# constexpr, and specializing on their divisibility by 16 would compile more variants for no gain.
+@triton.jit(do_not_specialize=["N", "M", "per_program"])
 def _route_forward_kernel(
-    sources_ptr,        # [rows, M, D] source buffer (fp32 or bf16); rows [0, N) are read
-    q_ptr,              # [D] pseudo-query of the site
-    g_ptr,              # [D] RMSNorm weight of the site
-    out_ptr,            # [M, D] routed output, written in the sources' dtype
-    alpha_ptr,          # [N, M, H] fp32 routing weights, written: the only thing backward keeps
-    N,                  # number of sources this site reads
-    M,                  # number of positions B·T (= the number of programs)
+    table_ptr,          # int64 addresses: the N sources, then per site its output and lse (and,
+                        # with INIT, the output and lse of the partial state it continues)
+    qg_ptr,             # [G, D] fp32: q ⊙ g of each site (g folded into the query once)
+    N,                  # number of sources to read
+    M,                  # number of positions B·T
+    per_program,        # positions routed by each program
     eps,                # RMSNorm epsilon
-    D: tl.constexpr,    # width d
-    H: tl.constexpr,    # heads
-    K: tl.constexpr,    # head width d / H
-    H_PAD: tl.constexpr,  # next power of two >= H
-    K_PAD: tl.constexpr,  # next power of two >= K
-    N_PAD: tl.constexpr,  # next power of two >= N: the logits of all sources stay in registers
+    SOURCE: tl.constexpr,   # element type of sources and outputs: tl.float32 or tl.bfloat16
+    D: tl.constexpr,        # width d
+    H: tl.constexpr,        # heads
+    K: tl.constexpr,        # head width d / H
+    K1: tl.constexpr,       # lanes of the first tile: the largest power of two <= K
+    K2: tl.constexpr,       # lanes of the second tile: K - K1 (0: none)
+    K2_PAD: tl.constexpr,   # next power of two >= K2 (1 when K2 = 0)
+    H_PAD: tl.constexpr,    # next power of two >= H
+    G: tl.constexpr,        # sites routed together
+    G_PAD: tl.constexpr,    # next power of two >= G
+    INIT: tl.constexpr,     # each site continues a partial state instead of starting empty
+    NUM_STAGES: tl.constexpr,
 ):
-    position = tl.program_id(0).to(tl.int64)
-    row_stride = M.to(tl.int64) * D                  # int64: rows · B·T·d passes 2^31 at large batches
-    alpha_stride = M.to(tl.int64) * H
+    program = tl.program_id(0)
+    first = program.to(tl.int64) * per_program      # int64: pos · d passes 2^31 at large B·T
+    last = tl.minimum(first + per_program, M)
+    cols1, cols2, mask1, mask2 = _row_tiles(K, K1, K2, K2_PAD, H, H_PAD)
+    sites = tl.arange(0, G_PAD)
     heads = tl.arange(0, H_PAD)
-    lanes = tl.arange(0, K_PAD)
-    rows = tl.arange(0, N_PAD)                       # source indices
-    # The row of width d seen as H head slices of width K; K need not be a power of two.
-    cols = heads[:, None] * K + lanes[None, :]                           # (H_PAD, K_PAD)
-    mask = (heads[:, None] < H) & (lanes[None, :] < K)
-    # ℓ[n, h] = r_n·<q_h ⊙ g_h, V_n,h>: fold g into the query once instead of norming every source.
-    qg = (tl.load(q_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-          * tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32))
+    site_mask = sites < G
+    state_mask = site_mask[:, None] & (heads[None, :] < H)                         # (G_PAD, H_PAD)
+    tile1 = site_mask[:, None, None] & mask1[None, :, :]                           # (G_PAD, H_PAD, K1)
+    tile2 = site_mask[:, None, None] & mask2[None, :, :]                           # (.., K2_PAD)
+    qg1 = tl.load(qg_ptr + sites[:, None, None] * D + cols1[None, :, :], mask=tile1, other=0.0)
+    qg2 = tl.load(qg_ptr + sites[:, None, None] * D + cols2[None, :, :], mask=tile2, other=0.0)
+    site_table = table_ptr + N + sites * (4 if INIT else 2)                        # entries per site
+    out_at = _addresses(site_table, site_mask, SOURCE)
+    lse_at = _addresses(site_table + 1, site_mask, tl.float32)
+    if INIT:
+        init_out_at = _addresses(site_table + 2, site_mask, SOURCE)
+        init_lse_at = _addresses(site_table + 3, site_mask, tl.float32)
 
-    row_max = tl.full([H_PAD], float("-inf"), tl.float32)                # online softmax, per head
-    row_sum = tl.zeros([H_PAD], tl.float32)
-    acc = tl.zeros([H_PAD, K_PAD], tl.float32)                           # Σ_n exp(ℓ_n - max)·V_n
-    logits = tl.zeros([N_PAD, H_PAD], tl.float32)
-    for n in range(0, N):
-        v = tl.load(sources_ptr + n * row_stride + position * D + cols, mask=mask, other=0.0).to(tl.float32)
-        r = tl.rsqrt(tl.sum(tl.sum(v * v, axis=1), axis=0) / D + eps)   # RMS over the full width
-        logit = r * tl.sum(v * qg, axis=1)                               # (H_PAD,)
-        new_max = tl.maximum(row_max, logit)
-        rescale = tl.exp(row_max - new_max)
-        weight = tl.exp(logit - new_max)
-        row_sum = row_sum * rescale + weight
-        acc = acc * rescale[:, None] + weight[:, None] * v
-        row_max = new_max
-        logits = tl.where(rows[:, None] == n, logit[None, :], logits)
+    for pos in range(first, last):
+        row1 = pos * D + cols1[None, :, :]
+        row2 = pos * D + cols2[None, :, :]
+        state = pos * H + heads[None, :]
+        if INIT:    # a normalized partial state (out, lse) is the online softmax (max lse, sum 1, acc out)
+            acc1 = tl.load(init_out_at[:, None, None] + row1, mask=tile1, other=0.0).to(tl.float32)
+            acc2 = tl.load(init_out_at[:, None, None] + row2, mask=tile2, other=0.0).to(tl.float32)
+            row_max = tl.load(init_lse_at[:, None] + state, mask=state_mask, other=0.0)
+            row_sum = tl.full([G_PAD, H_PAD], 1.0, tl.float32)
+        else:
+            acc1 = tl.zeros([G_PAD, H_PAD, K1], tl.float32)                     # Σ_n exp(ℓ_n − max)·V_n
+            acc2 = tl.zeros([G_PAD, H_PAD, K2_PAD], tl.float32)
+            row_max = tl.full([G_PAD, H_PAD], float("-inf"), tl.float32)        # online softmax per head
+            row_sum = tl.zeros([G_PAD, H_PAD], tl.float32)
+        for n in tl.range(0, N, num_stages=NUM_STAGES):
+            source = tl.multiple_of(tl.load(table_ptr + n).to(tl.pointer_type(SOURCE)), 16) + pos * D
+            v1 = tl.load(source + cols1, mask=mask1, other=0.0).to(tl.float32)   # (H_PAD, K1)
+            v2 = tl.load(source + cols2, mask=mask2, other=0.0).to(tl.float32)   # (H_PAD, K2_PAD)
+            r = tl.rsqrt((tl.sum(v1 * v1) + tl.sum(v2 * v2)) / D + eps)         # over the full width
+            logit = r * (tl.sum(qg1 * v1[None, :, :], axis=2) + tl.sum(qg2 * v2[None, :, :], axis=2))
+            new_max = tl.maximum(row_max, logit)
+            rescale = tl.exp(row_max - new_max)
+            weight = tl.exp(logit - new_max)
+            row_sum = row_sum * rescale + weight
+            acc1 = acc1 * rescale[:, :, None] + weight[:, :, None] * v1[None, :, :]
+            acc2 = acc2 * rescale[:, :, None] + weight[:, :, None] * v2[None, :, :]
+            row_max = new_max
+        tl.store(out_at[:, None, None] + row1, (acc1 / row_sum[:, :, None]).to(SOURCE), mask=tile1)
+        tl.store(out_at[:, None, None] + row2, (acc2 / row_sum[:, :, None]).to(SOURCE), mask=tile2)
+        tl.store(lse_at[:, None] + state, row_max + tl.log(row_sum), mask=state_mask)
 
-    out = acc / row_sum[:, None]
-    tl.store(out_ptr + position * D + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
-    alpha = tl.exp(logits - row_max[None, :]) / row_sum[None, :]
-    alpha_mask = (rows[:, None] < N) & (heads[None, :] < H)
-    tl.store(alpha_ptr + rows[:, None] * alpha_stride + position * H + heads[None, :], alpha, mask=alpha_mask)
 
-
-@triton.jit(do_not_specialize=["N", "M"])
+@triton.jit(do_not_specialize=["N", "M", "per_program", "row0", "own_lo", "fresh_lo"])
 def _route_backward_kernel(
-    sources_ptr,        # [rows, M, D] source buffer (fp32 or bf16); rows [0, N) are read
-    q_ptr,              # [D] pseudo-query of the site
-    g_ptr,              # [D] RMSNorm weight of the site
-    alpha_ptr,          # [N, M, H] fp32 routing weights saved by the forward
-    dout_ptr,           # [M, D] gradient of the routed output
-    dsources_ptr,       # [rows, M, D] fp32 source gradients: rows [0, N) accumulated in place
-    dq_ptr,             # [M, D] fp32 per-position partials of dq, written
-    dg_ptr,             # [M, D] fp32 per-position partials of dg, written
-    N,                  # number of sources this site reads
-    M,                  # number of positions B·T (= the number of programs)
+    table_ptr,          # int64 addresses: the N sources, then per site its output, output gradient,
+                        # lse and lse gradient (and, with INIT, its partial state's output and lse,
+                        # and where their gradients go)
+    qg_ptr,             # [G, D] fp32: q ⊙ g of each site
+    grads_ptr,          # [rows, M, D] fp32 source-gradient buffer: source n is row row0 + n
+    owned_ptr,          # [N - own_lo, M, D] final gradients of sources own_lo.., in their dtype
+    qg_grad_ptr,        # [programs, G, D] fp32: each program's Σ over positions and sources of dℓ·r·V
+    N,                  # number of sources to read
+    M,                  # number of positions B·T
+    per_program,        # positions handled by each program
+    row0,               # buffer row of source 0
+    own_lo,             # sources own_lo.. are complete after this launch: written to owned_ptr
+    fresh_lo,           # sources fresh_lo.. have no earlier gradient: rows written, not added to
     eps,                # RMSNorm epsilon
-    D: tl.constexpr,    # width d
-    H: tl.constexpr,    # heads
-    K: tl.constexpr,    # head width d / H
-    H_PAD: tl.constexpr,  # next power of two >= H
-    K_PAD: tl.constexpr,  # next power of two >= K
+    SOURCE: tl.constexpr, D: tl.constexpr, H: tl.constexpr, K: tl.constexpr, K1: tl.constexpr,
+    K2: tl.constexpr, K2_PAD: tl.constexpr, H_PAD: tl.constexpr, G: tl.constexpr,
+    G_PAD: tl.constexpr, INIT: tl.constexpr, NUM_STAGES: tl.constexpr,     # as in the forward
 ):
-    position = tl.program_id(0).to(tl.int64)
-    row_stride = M.to(tl.int64) * D
-    alpha_stride = M.to(tl.int64) * H
+    program = tl.program_id(0)
+    first = program.to(tl.int64) * per_program
+    last = tl.minimum(first + per_program, M)
+    cols1, cols2, mask1, mask2 = _row_tiles(K, K1, K2, K2_PAD, H, H_PAD)
+    sites = tl.arange(0, G_PAD)
     heads = tl.arange(0, H_PAD)
-    lanes = tl.arange(0, K_PAD)
-    cols = heads[:, None] * K + lanes[None, :]                           # (H_PAD, K_PAD)
-    mask = (heads[:, None] < H) & (lanes[None, :] < K)
-    head_mask = heads < H
-    qg = (tl.load(q_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-          * tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32))
-    dout = tl.load(dout_ptr + position * D + cols, mask=mask, other=0.0).to(tl.float32)
+    site_mask = sites < G
+    state_mask = site_mask[:, None] & (heads[None, :] < H)
+    tile1 = site_mask[:, None, None] & mask1[None, :, :]
+    tile2 = site_mask[:, None, None] & mask2[None, :, :]
+    qg1 = tl.load(qg_ptr + sites[:, None, None] * D + cols1[None, :, :], mask=tile1, other=0.0)
+    qg2 = tl.load(qg_ptr + sites[:, None, None] * D + cols2[None, :, :], mask=tile2, other=0.0)
+    site_table = table_ptr + N + sites * (8 if INIT else 4)
+    out_at = _addresses(site_table, site_mask, SOURCE)
+    dout_at = _addresses(site_table + 1, site_mask, SOURCE)
+    lse_at = _addresses(site_table + 2, site_mask, tl.float32)
+    dlse_at = _addresses(site_table + 3, site_mask, tl.float32)
+    if INIT:
+        init_out_at = _addresses(site_table + 4, site_mask, SOURCE)
+        init_lse_at = _addresses(site_table + 5, site_mask, tl.float32)
+        init_dout_at = _addresses(site_table + 6, site_mask, SOURCE)
+        init_dlse_at = _addresses(site_table + 7, site_mask, tl.float32)
+    row_stride = M.to(tl.int64) * D                 # int64: rows · B·T·d passes 2^31 at large batches
+    qg_grad1 = tl.zeros([G_PAD, H_PAD, K1], tl.float32)                        # Σ dℓ·r·V per site
+    qg_grad2 = tl.zeros([G_PAD, H_PAD, K2_PAD], tl.float32)
 
-    # Pass 1: the softmax couples the sources, dℓ[n, h] = α[n, h]·(<dout_h, V_n,h> − S_h) with
-    # S_h = Σ_n α[n, h]·<dout_h, V_n,h>, so S must be complete before any dV_n can be emitted.
-    coupling = tl.zeros([H_PAD], tl.float32)
-    for n in range(0, N):
-        v = tl.load(sources_ptr + n * row_stride + position * D + cols, mask=mask, other=0.0).to(tl.float32)
-        a = tl.load(alpha_ptr + n * alpha_stride + position * H + heads, mask=head_mask, other=0.0)
-        coupling += a * tl.sum(v * dout, axis=1)
-
-    # Pass 2: recompute r_n (cheaper than saving it: backward reads the row anyway) and emit
-    # dV_n = r·(g ⊙ dk) − (r³/d)·<g ⊙ dk, V_n>·V_n + α_n ⊙ dout, with dk = dℓ_n ⊗ q per head.
-    qg_grad = tl.zeros([H_PAD, K_PAD], tl.float32)                       # Σ_n dℓ_n·r_n·V_n
-    for n in range(0, N):
-        v = tl.load(sources_ptr + n * row_stride + position * D + cols, mask=mask, other=0.0).to(tl.float32)
-        a = tl.load(alpha_ptr + n * alpha_stride + position * H + heads, mask=head_mask, other=0.0)
-        r = tl.rsqrt(tl.sum(tl.sum(v * v, axis=1), axis=0) / D + eps)
-        dlogit = a * (tl.sum(v * dout, axis=1) - coupling)               # (H_PAD,)
-        g_dk = dlogit[:, None] * qg
-        dv = r * g_dk - (r * r * r / D) * tl.sum(tl.sum(g_dk * v, axis=1), axis=0) * v + a[:, None] * dout
-        # This program owns the position, so the read-modify-write of its rows needs no atomics.
-        dsources = dsources_ptr + n * row_stride + position * D + cols
-        tl.store(dsources, tl.load(dsources, mask=mask, other=0.0) + dv, mask=mask)
-        qg_grad += (dlogit * r)[:, None] * v
-
-    # ℓ = <q, r·V ⊙ g> per head: dq = Σ_n dℓ_n·r_n·V_n ⊙ g and dg = Σ_n dℓ_n·r_n·V_n ⊙ q.
-    # q and g are loaded again rather than kept: one tile fewer in registers during the loops.
-    g = tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dq_ptr + position * D + cols, qg_grad * g, mask=mask)
-    q = tl.load(q_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dg_ptr + position * D + cols, qg_grad * q, mask=mask)
+    for pos in range(first, last):
+        row1 = pos * D + cols1[None, :, :]
+        row2 = pos * D + cols2[None, :, :]
+        state = pos * H + heads[None, :]
+        dout1 = tl.load(dout_at[:, None, None] + row1, mask=tile1, other=0.0).to(tl.float32)
+        dout2 = tl.load(dout_at[:, None, None] + row2, mask=tile2, other=0.0).to(tl.float32)
+        out1 = tl.load(out_at[:, None, None] + row1, mask=tile1, other=0.0).to(tl.float32)
+        out2 = tl.load(out_at[:, None, None] + row2, mask=tile2, other=0.0).to(tl.float32)
+        lse = tl.load(lse_at[:, None] + state, mask=state_mask, other=0.0)
+        dlse = tl.load(dlse_at[:, None] + state, mask=state_mask, other=0.0)
+        # The softmax couples the sources: dℓ_n = α_n·(<dout, V_n> − c) per head, and
+        # c = Σ_n α_n·<dout, V_n> − dlse = <dout, out> − dlse needs no pass over the sources.
+        # (As FlashAttention's rowsum(dO ∘ O): with bf16 outputs, c carries their rounding.)
+        coupling = tl.sum(dout1 * out1, axis=2) + tl.sum(dout2 * out2, axis=2) - dlse  # (G_PAD, H_PAD)
+        if INIT:    # out = β·init_out + Σ_n α_n·V_n, with β = exp(init_lse − lse)
+            init1 = tl.load(init_out_at[:, None, None] + row1, mask=tile1, other=0.0).to(tl.float32)
+            init2 = tl.load(init_out_at[:, None, None] + row2, mask=tile2, other=0.0).to(tl.float32)
+            beta = tl.exp(tl.load(init_lse_at[:, None] + state, mask=state_mask, other=0.0) - lse)
+            init_dout1 = beta[:, :, None] * dout1
+            init_dout2 = beta[:, :, None] * dout2
+            tl.store(init_dout_at[:, None, None] + row1, init_dout1.to(SOURCE), mask=tile1)
+            tl.store(init_dout_at[:, None, None] + row2, init_dout2.to(SOURCE), mask=tile2)
+            init_coupling = tl.sum(dout1 * init1, axis=2) + tl.sum(dout2 * init2, axis=2)
+            tl.store(init_dlse_at[:, None] + state, beta * (init_coupling - coupling), mask=state_mask)
+        for n in tl.range(0, N, num_stages=NUM_STAGES):
+            source = tl.multiple_of(tl.load(table_ptr + n).to(tl.pointer_type(SOURCE)), 16) + pos * D
+            v1 = tl.load(source + cols1, mask=mask1, other=0.0).to(tl.float32)
+            v2 = tl.load(source + cols2, mask=mask2, other=0.0).to(tl.float32)
+            # The gradient row is loaded before any reduction, so both loads are in flight at once.
+            # (Conditions on n as one-element tensors: the interpreter's loop indices are ints.)
+            index = tl.full([1], n, tl.int32)
+            grad_row = grads_ptr + (row0 + n) * row_stride + pos * D
+            earlier1 = tl.load(grad_row + cols1, mask=mask1 & (index < fresh_lo), other=0.0)
+            earlier2 = tl.load(grad_row + cols2, mask=mask2 & (index < fresh_lo), other=0.0)
+            r = tl.rsqrt((tl.sum(v1 * v1) + tl.sum(v2 * v2)) / D + eps)
+            logit = r * (tl.sum(qg1 * v1[None, :, :], axis=2) + tl.sum(qg2 * v2[None, :, :], axis=2))
+            alpha = tl.where(state_mask, tl.exp(logit - lse), 0.0)                 # (G_PAD, H_PAD)
+            dot = tl.sum(dout1 * v1[None, :, :], axis=2) + tl.sum(dout2 * v2[None, :, :], axis=2)
+            dlogit = alpha * (dot - coupling)
+            # dV_n = r·(g ⊙ dk) − (r³/d)·<g ⊙ dk, V_n>·V_n + Σ_sites α_n ⊙ dout,
+            # with g ⊙ dk = Σ_sites dℓ_n·(q ⊙ g) per head
+            g_dk1 = tl.sum(dlogit[:, :, None] * qg1, axis=0)                     # (H_PAD, K1)
+            g_dk2 = tl.sum(dlogit[:, :, None] * qg2, axis=0)
+            norm_coupling = r * r * r / D * (tl.sum(g_dk1 * v1) + tl.sum(g_dk2 * v2))
+            value1 = tl.sum(alpha[:, :, None] * dout1, axis=0)
+            value2 = tl.sum(alpha[:, :, None] * dout2, axis=0)
+            grad1 = earlier1 + r * g_dk1 - norm_coupling * v1 + value1
+            grad2 = earlier2 + r * g_dk2 - norm_coupling * v2 + value2
+            qg_grad1 += (dlogit * r)[:, :, None] * v1[None, :, :]
+            qg_grad2 += (dlogit * r)[:, :, None] * v2[None, :, :]
+            # This program owns the position: the read-modify-write of its rows needs no atomics.
+            tl.store(grad_row + cols1, grad1, mask=mask1 & (index < own_lo))
+            tl.store(grad_row + cols2, grad2, mask=mask2 & (index < own_lo))
+            owned_row = owned_ptr + tl.maximum(n - own_lo, 0) * row_stride + pos * D
+            tl.store(owned_row + cols1, grad1.to(SOURCE), mask=mask1 & (index >= own_lo))
+            tl.store(owned_row + cols2, grad2.to(SOURCE), mask=mask2 & (index >= own_lo))
+    partial = qg_grad_ptr + program * G * D + sites[:, None, None] * D
+    tl.store(partial + cols1[None, :, :], qg_grad1, mask=tile1)
+    tl.store(partial + cols2[None, :, :], qg_grad2, mask=tile2)
 
 
 # True when TRITON_INTERPRET=1 was set before import: triton.jit then made interpreted functions.
 INTERPRETED = not isinstance(_route_forward_kernel, triton.runtime.JITFunction)
 
 
-def _launch_config(sources, q, g, heads):
-    """Tile shape and warps for the kernels; raises on what they cannot run."""
-    d = sources.shape[-1]
-    if sources.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"fused routing stores sources in float32 or bfloat16, got {sources.dtype}")
-    if q.shape != (d,) or g.shape != (d,):
-        raise ValueError(f"q and g must have shape ({d},) to match the sources, "
-                         f"got {tuple(q.shape)} and {tuple(g.shape)}")
-    if d % heads != 0:
-        raise ValueError(f"the width d={d} must be divisible by heads={heads}")
-    h_pad, k_pad = triton.next_power_of_2(heads), triton.next_power_of_2(d // heads)
-    if h_pad * k_pad > MAX_TILE:
-        raise ValueError(f"fused routing holds a row of width d={d} as a {h_pad}x{k_pad} tile; past {MAX_TILE} "
-                         f"elements it does not fit in one program: use fused=False for this width")
-    # About 8 elements of each tile per thread: one 16-byte load of bf16 (two of fp32), and few
-    # enough that the tiles a program keeps stay in registers (ptxas, sm_90: no spills up to MAX_TILE).
-    num_warps = min(max(h_pad * k_pad // 256, 1), 16)
-    return dict(D=d, H=heads, K=d // heads, H_PAD=h_pad, K_PAD=k_pad, num_warps=num_warps)
+# %% Launchers
+
+def layout(width, heads, sites):
+    """The constexprs of a launch routing `sites` sites at this width and head count; raises on
+    what the kernels cannot hold."""
+    if width % heads != 0:
+        raise ValueError(f"the width d={width} must be divisible by heads={heads}")
+    K = width // heads
+    K1 = 1 << (K.bit_length() - 1)                  # the largest power of two <= K
+    K2 = K - K1
+    config = dict(D=width, H=heads, K=K, K1=K1, K2=K2, K2_PAD=triton.next_power_of_2(K2) if K2 else 1,
+                  H_PAD=triton.next_power_of_2(heads), G=sites, G_PAD=triton.next_power_of_2(sites))
+    if _tile(config) > MAX_TILE:
+        raise ValueError(f"fused routing holds {sites} site(s) of width d={width} as {_tile(config)} "
+                         f"fp32 lanes per tile; past {MAX_TILE} they do not fit in one program: use a "
+                         f"smaller fused_group, or fused=False for this width")
+    return config
 
 
-def route_forward(sources, n, q, g, heads, eps):
-    """Route over rows [0, n) of a contiguous source buffer [rows, B, T, d]:
-    returns the output (B, T, d) in the sources' dtype and α [n, B·T, H] fp32."""
-    config = _launch_config(sources, q, g, heads)
-    rows, B, T, d = sources.shape
-    out = torch.empty((B, T, d), dtype=sources.dtype, device=sources.device)
-    alpha = torch.empty((n, B * T, heads), dtype=torch.float32, device=sources.device)
-    _route_forward_kernel[(B * T,)](
-        sources, q.contiguous(), g.contiguous(), out, alpha, n, B * T, eps,
-        N_PAD=triton.next_power_of_2(n), **config,
-    )
-    return out, alpha
+def _tile(config):
+    """Lanes of a (G, H, K) tile of the sites' states (the second tile included, when there is one)."""
+    lanes = config["K1"] + (config["K2_PAD"] if config["K2"] else 0)
+    return config["G_PAD"] * config["H_PAD"] * lanes
 
 
-def route_backward(sources, n, q, g, alpha, dout, heads, eps, dsources):
-    """Add the source gradients of rows [0, n) into the fp32 buffer dsources [rows, B, T, d]
-    (in place) and return dq, dg (fp32, summed over positions)."""
-    config = _launch_config(sources, q, g, heads)
-    rows, B, T, d = sources.shape
-    dq = torch.empty((B * T, d), dtype=torch.float32, device=sources.device)
-    dg = torch.empty((B * T, d), dtype=torch.float32, device=sources.device)
-    _route_backward_kernel[(B * T,)](
-        sources, q.contiguous(), g.contiguous(), alpha, dout.contiguous(), dsources, dq, dg, n, B * T, eps,
-        **config,
-    )
-    return dq.sum(0), dg.sum(0)
+def _num_warps(config, backward):
+    # Tiles of up to 1024 lanes take 4 warps, so that each thread still loads several contiguous
+    # elements of a row at a time. Larger ones: the backward keeps three tiles and fits them at 8
+    # warps (see MAX_TILE); the forward, at 8 warps past 4096 lanes, gets 128 registers per thread
+    # from ptxas and spills (350M, 7 sites); at 16 it does not.
+    tile = _tile(config)
+    return 4 if tile <= 1024 else 8 if backward or tile <= 4096 else 16
 
 
-class _FusedRoute(torch.autograd.Function):
-    """mhar.route on a stacked V: saves V (an input anyway) and α, not a single fp32 copy of V."""
-
-    @staticmethod
-    def forward(ctx, V, q, g, heads, eps):
-        V = V.contiguous()
-        out, alpha = route_forward(V, V.shape[0], q, g, heads, eps)
-        ctx.save_for_backward(V, q, g, alpha)
-        ctx.heads, ctx.eps = heads, eps
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        V, q, g, alpha = ctx.saved_tensors
-        dV = torch.zeros(V.shape, dtype=torch.float32, device=V.device)
-        dq, dg = route_backward(V, V.shape[0], q, g, alpha, dout, ctx.heads, ctx.eps, dV)
-        return dV.to(V.dtype), dq.to(q.dtype), dg.to(g.dtype), None, None
+def _programs(M, target=None):
+    """Positions per program, and programs, for `target` programs (None: what this process
+    launches). A split fixed by M alone, for determinism."""
+    per_program = triton.cdiv(M, target or (INTERPRETED_PROGRAMS if INTERPRETED else PROGRAMS))
+    return per_program, triton.cdiv(M, per_program)
 
 
-class _HistoryRoute(torch.autograd.Function):
-    """One site of a FusedHistory. Saves q, g and α; the source buffer stays outside autograd
-    (later sites write later rows of it in place, which a saved tensor would forbid)."""
+def _address_table(tensors, device):
+    """The kernels read their tensors through a table of addresses: no copy into one buffer.
+    They take every address as 16-byte aligned (vector loads): see _aligned."""
+    assert all(t.data_ptr() % 16 == 0 for t in tensors), "a routed tensor is not 16-byte aligned"
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
 
-    @staticmethod
-    def forward(ctx, source, q, g, history):
-        site = history._append(source)
-        out, alpha = route_forward(history.sources, site + 1, q, g, history.heads, history.eps)
-        ctx.save_for_backward(q, g, alpha)
-        ctx.history, ctx.site = history, site
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        history, site = ctx.history, ctx.site
-        q, g, alpha = ctx.saved_tensors
-        grads = history._backward_rows(site)
-        dq, dg = route_backward(history.sources, site + 1, q, g, alpha, dout, history.heads, history.eps, grads)
-        # Sites after this one have already added their share of row `site` (they ran first),
-        # and sites before it never read it: its gradient is complete.
-        dsource = grads[site].to(history.source_dtypes[site])
-        return dsource, dq.to(q.dtype), dg.to(g.dtype), None
+def _aligned(tensor):
+    """The tensor, 16-byte aligned: a fresh allocation is, a view (a row of a stacked V) may not
+    be. (Called inside the custom ops only: traced code cannot read addresses.)"""
+    tensor = tensor.contiguous()
+    return tensor if tensor.data_ptr() % 16 == 0 else tensor.clone()
+
+
+def _check_sources(sources, qg, heads):
+    first = sources[0]
+    if first.dtype not in SOURCE_TYPES:
+        raise TypeError(f"fused routing stores sources in float32 or bfloat16, got {first.dtype}")
+    for source in sources:
+        if source.shape != first.shape or source.dtype != first.dtype:
+            raise ValueError(f"fused routing needs sources of one shape and dtype, got {tuple(source.shape)} "
+                             f"{source.dtype} next to {tuple(first.shape)} {first.dtype}")
+    if qg.shape[1:] != first.shape[-1:]:
+        raise ValueError(f"q and g must have shape ({first.shape[-1]},) to match the sources")
+    return layout(first.shape[-1], heads, qg.shape[0])
+
+
+def _route_forward(sources, qg, init, heads, eps):
+    """Route G sites over `sources` (each (B, T, d)); init = [] or, per site, the output and lse
+    of the partial state it continues. Returns the G outputs (sources' dtype) and G lse (fp32)."""
+    config = _check_sources(sources, qg, heads)
+    sources, init = [_aligned(t) for t in sources], [_aligned(t) for t in init]
+    source, G = sources[0], qg.shape[0]
+    M = source.numel() // source.shape[-1]
+    outs = [torch.empty(source.shape, dtype=source.dtype, device=source.device) for _ in range(G)]
+    lses = [torch.empty((*source.shape[:-1], heads), dtype=torch.float32, device=source.device)
+            for _ in range(G)]
+    per_site = [[outs[i], lses[i], *init[i::G]] for i in range(G)]
+    table = _address_table(sources + [t for site in per_site for t in site], source.device)
+    per_program, programs = _programs(M)
+    _route_forward_kernel[(programs,)](
+        table, qg.contiguous(), len(sources), M, per_program, eps, SOURCE=SOURCE_TYPES[source.dtype],
+        INIT=bool(init), NUM_STAGES=NUM_STAGES, num_warps=_num_warps(config, backward=False), **config)
+    return outs, lses
+
+
+def _route_backward(grads, owned, qg_grads, init_grads, sources, qg, outs, douts, lses, dlses, init,
+                    heads, eps, row0, own_lo, fresh_lo):
+    """Add the gradients of `sources` into rows row0.. of the fp32 buffer `grads` (in place); write
+    the final gradients of sources own_lo.. into `owned` (their dtype), each program's partial
+    gradient of qg into `qg_grads` (programs, G, d), and the gradients of `init` into init_grads."""
+    config = _check_sources(sources, qg, heads)
+    sources, outs, douts, lses, dlses, init = ([_aligned(t) for t in tensors]
+                                               for tensors in (sources, outs, douts, lses, dlses, init))
+    source, G = sources[0], qg.shape[0]
+    M = source.numel() // source.shape[-1]
+    per_site = [[outs[i], douts[i], lses[i], dlses[i], *init[i::G], *init_grads[i::G]] for i in range(G)]
+    table = _address_table(sources + [t for site in per_site for t in site], source.device)
+    per_program, programs = _programs(M)
+    _route_backward_kernel[(programs,)](
+        table, qg.contiguous(), grads, owned, qg_grads, len(sources), M, per_program, row0, own_lo,
+        fresh_lo, eps, SOURCE=SOURCE_TYPES[source.dtype], INIT=bool(init), NUM_STAGES=NUM_STAGES,
+        num_warps=_num_warps(config, backward=True), **config)
+
+
+# %% Custom operators and autograd
+#
+# `route_sites` is one launch: G sites over a list of sources, optionally continuing partial
+# states. Its outputs are the G routed outputs, their G log-sum-exps and the carrier: a tensor of
+# the gradient buffer's shape and no memory (a stride-0 view of one element). Autograd hands the
+# buffer from launch to launch backward as the carrier's gradient, which orders the launches'
+# backward exactly in reverse, under torch.compile too.
+
+@torch.library.custom_op("mhar::route_sites", mutates_args=())
+def route_sites(carrier: Tensor, sources: list[Tensor], qg: Tensor, init: list[Tensor], heads: int,
+                eps: float, rows: int, row0: int, own_lo: int, fresh_lo: int, last: bool) -> list[Tensor]:
+    """Route the G = len(qg) sites over `sources`: [out × G, lse × G, carrier].
+
+    The sources are rows row0.. of the history's gradient buffer of `rows` rows (an extra source
+    past them, a block's partial sum, has no row); own_lo and fresh_lo say which of them this
+    launch completes and which it touches first in backward. The last launch of a forward passes
+    on an empty carrier: nothing consumes it, and a gradient for it would be zero-filled.
+    """
+    outs, lses = _route_forward(sources, qg, init, heads, eps)
+    return [*outs, *lses, _carrier(sources[0], 0 if last else rows)]
+
+
+def _carrier(like, rows):
+    return torch.zeros((), dtype=torch.float32, device=like.device).expand(rows, *like.shape)
+
+
+@route_sites.register_fake
+def _(carrier, sources, qg, init, heads, eps, rows, row0, own_lo, fresh_lo, last):
+    source, G = sources[0], qg.shape[0]
+    outs = [source.new_empty(source.shape) for _ in range(G)]
+    lses = [source.new_empty((*source.shape[:-1], heads), dtype=torch.float32) for _ in range(G)]
+    carrier = source.new_empty((), dtype=torch.float32).expand(0 if last else rows, *source.shape)
+    return [*outs, *lses, carrier]
+
+
+# A custom op that mutates arguments may not also return tensors (functionalization needs outputs
+# without aliases): the backward writes into tensors its caller allocates.
+@torch.library.custom_op("mhar::route_sites_backward",
+                         mutates_args=("grads", "owned", "qg_grads", "init_grads"))
+def route_sites_backward(grads: Tensor, owned: Tensor, qg_grads: Tensor, init_grads: list[Tensor],
+                         sources: list[Tensor], qg: Tensor, outs: list[Tensor], douts: list[Tensor],
+                         lses: list[Tensor], dlses: list[Tensor], init: list[Tensor], heads: int,
+                         eps: float, row0: int, own_lo: int, fresh_lo: int) -> None:
+    """Backward of one route_sites launch: adds into the buffer `grads` in place, writes the final
+    gradients of sources own_lo.. into `owned`, per-program partial gradients of qg into
+    `qg_grads`, and the gradients of the partial states `init` into `init_grads`."""
+    _route_backward(grads, owned, qg_grads, init_grads, sources, qg, outs, douts, lses, dlses, init,
+                    heads, eps, row0, own_lo, fresh_lo)
+
+
+def _setup_route_sites(ctx, inputs, output):
+    carrier, sources, qg, init, heads, eps, rows, row0, own_lo, fresh_lo, last = inputs
+    G = qg.shape[0]
+    # Saved: the sources (inputs, alive anyway), the outputs and their lse (the only new
+    # activations: an output is the next sublayer's input, and the lse are d/H times smaller).
+    ctx.save_for_backward(qg, *sources, *init, *output[:2 * G])
+    ctx.counts = len(sources), len(init), G
+    ctx.heads, ctx.eps, ctx.rows, ctx.row0, ctx.own_lo, ctx.fresh_lo, ctx.last = (
+        heads, eps, rows, row0, own_lo, fresh_lo, last)
+
+
+def _route_sites_backward(ctx, grads):
+    n_sources, n_init, G = ctx.counts
+    qg, *saved = ctx.saved_tensors
+    sources, saved = saved[:n_sources], saved[n_sources:]
+    init, outs, lses = saved[:n_init], saved[n_init:n_init + G], saved[n_init + G:]
+    douts, dlses, dcarrier = grads[:G], grads[G:2 * G], grads[2 * G]
+    source = sources[0]
+    douts = [d.contiguous() if d is not None else torch.zeros_like(source) for d in douts]
+    dlses = [d.contiguous() if d is not None else torch.zeros_like(lse) for d, lse in zip(dlses, lses)]
+    if ctx.last:    # the first launch in backward: no gradient yet, and every row it reads is fresh
+        buffer = torch.empty((ctx.rows, *source.shape), dtype=torch.float32, device=source.device)
+    else:
+        buffer = dcarrier.contiguous()
+    owned = torch.empty((n_sources - ctx.own_lo, *source.shape), dtype=source.dtype, device=source.device)
+    programs = _programs(source.numel() // source.shape[-1])[1]
+    qg_grads = torch.empty((programs, *qg.shape), dtype=torch.float32, device=source.device)
+    init_grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in init]
+    route_sites_backward(buffer, owned, qg_grads, init_grads, sources, qg, outs, douts, lses, dlses,
+                         init, ctx.heads, ctx.eps, ctx.row0, ctx.own_lo, ctx.fresh_lo)
+    qg_grad = qg_grads.sum(0)                           # over programs, in a fixed order: deterministic
+    source_grads = [None] * ctx.own_lo + list(owned.unbind(0))
+    carrier_grad = buffer if ctx.needs_input_grad[0] else None
+    return carrier_grad, source_grads, qg_grad, init_grads, None, None, None, None, None, None, None
+
+
+route_sites.register_autograd(_route_sites_backward, setup_context=_setup_route_sites)
 
 
 def check_available(device=None):
@@ -280,86 +494,329 @@ def check_available(device=None):
 
 
 def fused_route(V, q, g, heads, eps=1e-6):
-    """The multi-head depth route, fused: same contract as mhar.route (V (N, B, T, d) -> (B, T, d)
-    in V.dtype, computed in float32; gradients in the dtypes of V, q, g)."""
+    """The multi-head depth route of one site in one launch: the contract of mhar.route
+    (V (N, B, T, d) -> (B, T, d) in V.dtype, float32 inside; gradients in the dtypes of V, q, g)."""
     check_available(V.device)
-    return _FusedRoute.apply(V, q, g, heads, eps)
+    if q.shape != V.shape[-1:] or g.shape != V.shape[-1:]:
+        raise ValueError(f"q and g must have shape ({V.shape[-1]},) to match the sources, "
+                         f"got {tuple(q.shape)} and {tuple(g.shape)}")
+    qg = (q.float() * g.float())[None]                                         # (1, d)
+    sources = list(V.contiguous().unbind(0))
+    return route_sites(_carrier(V[0], 0), sources, qg, [], heads, eps, 0, 0, 0, 0, True)[0]
+
+
+# %% The history of one forward pass
+#
+# The schedule of launches is static: it depends on the number of sites, the block size and the
+# group size only. A source is "committed" once no later sum changes it (every source in full
+# routing; the embedding and each completed block sum in block routing, after delta routing's
+# null source); the committed sources are the rows of the gradient buffer. Block routing's partial
+# sum of the current block is read by one site only, so it travels outside the buffer.
+
+Launch = namedtuple("Launch", "phase site sites lo hi partial own_lo fresh_lo last")
+Launch.__doc__ = """One route_sites call, made when site `site` is read. Phase 1: sites site..
+(`sites` of them) over committed rows 0..hi-1; phase 2: site `site` continues its phase-1 state
+over rows lo..hi-1. Either also reads the site's partial block sum when `partial`. The launch
+completes the gradients of its sources own_lo.. and touches its sources fresh_lo.. first in
+backward; the last launch of the forward has no successor to hand the gradient buffer to."""
+
+
+def committed_rows(site, block=1, delta=False):
+    """How many sources are committed once site `site`'s source has been appended."""
+    return (2 if delta else 1) + site // block
+
+
+def reads_partial(site, block=1, delta=False):
+    """Whether site `site` also reads its block's partial sum (block routing inside a block)."""
+    return not delta and site % block != 0
+
+
+@torch.compiler.assume_constant_result     # a pure function of ints: torch.compile calls it, not traces it
+def auto_group(n_sites, width, heads, block=1, delta=False):
+    """The group size for Config.fused_group = 0: the one whose kernels move the fewest bytes by
+    the traffic model (at a nominal B·T: the choice hardly depends on it), among the groups one
+    program holds. Near √S for full routing, where groups that tile the sites evenly beat powers
+    of two (25 sites move 13 % fewer bytes in 5 groups of 5 than in groups of 4); for block and
+    delta routing usually the block or a multiple of it."""
+    key = n_sites, width, heads, block, delta
+    if key not in _AUTO_GROUPS:                                       # a history is built at every forward
+        def kernel_bytes(group):
+            return sum(sum(launch_bytes(launch, 4096, width, heads, 2, PROGRAMS))
+                       for launch in schedule(n_sites, group, block, delta))
+        groups = [G for G in range(1, n_sites + 1) if _fits(width, heads, G)]
+        _AUTO_GROUPS[key] = min(groups, key=kernel_bytes)
+    return _AUTO_GROUPS[key]
+
+
+_AUTO_GROUPS = {}
+
+
+def _fits(width, heads, sites):
+    try:
+        layout(width, heads, sites)
+    except ValueError:
+        return False
+    return True
+
+
+def schedule(n_sites, group, block=1, delta=False):
+    """The launches of one forward, in order (see Launch): `group` consecutive sites share phase 1."""
+    launches = []
+    for leader in range(0, n_sites, group):
+        sites = min(group, n_sites - leader)
+        shared = committed_rows(leader, block, delta)              # what every site of the group reads
+        # A group of one reads its partial block sum in phase 1: one pass per site.
+        launches.append(dict(phase=1, site=leader, sites=sites, lo=0, hi=shared,
+                             partial=sites == 1 and reads_partial(leader, block, delta)))
+        for site in range(leader, leader + sites if sites > 1 else leader):
+            rows = committed_rows(site, block, delta)
+            if rows > shared or reads_partial(site, block, delta):   # phase 2: merge what came later
+                launches.append(dict(phase=2, site=site, sites=1, lo=shared, hi=rows,
+                                     partial=reads_partial(site, block, delta)))
+    # A row's gradient is complete after the backward of its first reader, which runs last.
+    read = 0
+    for launch in launches:
+        launch["own_lo"] = max(read, launch["lo"]) - launch["lo"]
+        read = max(read, launch["hi"])
+    # A launch is the first to touch its rows in backward when no later launch reads them.
+    last_reader = {row: i for i, launch in enumerate(launches) for row in range(launch["lo"], launch["hi"])}
+    for i, launch in enumerate(launches):
+        mine = [last_reader[row] == i for row in range(launch["lo"], launch["hi"])]
+        assert all(mine) or not any(mine), "a launch touches some of its rows first and others not"
+        launch["fresh_lo"] = 0 if all(mine) else launch["hi"] - launch["lo"]
+        launch["last"] = i == len(launches) - 1
+    return [Launch(**launch) for launch in launches]
 
 
 class FusedHistory:
-    """The depth history of ONE forward pass, in one shared buffer [n_sources, B, T, d].
+    """The depth history of ONE forward pass, routed by the fused kernels.
 
-    Each call to `route(source, q, g)` writes `source` into the next row and routes over all rows
-    written so far. Backward accumulates every site's source gradients into one fp32 buffer;
-    that is exact only if the sites backpropagate once each, last site first — which autograd
-    does for a chain where each site's output feeds the sublayer that produces the next source.
-    Activation checkpointing (re-running forwards) and a second backward through the same graph
-    break that; both raise.
+        history.append(source)    # (B, T, d): s_0 (the embedding) first, then each sublayer's output
+        h = history.read(site)    # (B, T, d): the route of site `site` over what the history holds
+
+    from per-site parameters queries[site], norms[site] ((d,) each; a list or an (S, d) tensor),
+    for full routing (block=1), block routing (block > 1: the completed block sums and the current
+    block's partial sum) and delta routing (null given: [null, completed block deltas]). Site j
+    is read right after the (j+1)-th append. `group` sites share each phase 1 (0: auto_group).
     """
 
-    def __init__(self, n_sources, heads, eps=1e-6):
-        self.n_sources, self.heads, self.eps = n_sources, heads, eps
-        self.sources = None             # [n_sources, B, T, d] in the first source's dtype, at the first route
-        self.source_dtypes = []         # dtype of each appended source: its gradient leaves in it
-        self.grads = None               # [n_sources, B, T, d] fp32, at the first backward
-        self.last_backward = None       # the site whose backward ran last: the next must be earlier
+    def __init__(self, queries, norms, heads, eps=1e-6, block=1, group=0, null=None):
+        n_sites, width = len(queries), queries[0].shape[-1]
+        delta = null is not None
+        group = group or auto_group(n_sites, width, heads, block, delta)
+        layout(width, heads, group)                                  # fails here if a group cannot fit
+        self.queries, self.norms, self.heads, self.eps = queries, norms, heads, eps
+        self.block, self.null = block, null
+        self.launches = {}                                           # site -> the launches its read makes
+        for launch in schedule(n_sites, group, block, delta):
+            self.launches.setdefault(launch.site, []).append(launch)
+        self.rows_total = committed_rows(n_sites - 1, block, delta)
+        self.rows = []              # committed sources: (delta's null,) b_0 = s_0, completed blocks
+        self.partial = None         # the current block's partial sum, not yet committed
+        self.in_block = 0           # how many outputs it holds
+        self.appended = 0
+        self.carrier = None         # hands the source-gradient buffer backward from launch to launch
+        self.states = {}            # site -> (out, lse): its phase-1 partial state, or its final one
+        self.outputs = {}           # site -> its routed output, once read
 
-    def route(self, source, q, g):
-        """Append `source` (B, T, d) as the next row and route over all rows: (B, T, d)."""
-        return _HistoryRoute.apply(source, q, g, self)
-
-    def _append(self, source):
-        site = len(self.source_dtypes)
-        if self.last_backward is not None:
-            raise RuntimeError("FusedHistory.route ran after backward began; activation checkpointing re-runs "
-                               "forwards during backward, which the shared buffer cannot support: "
-                               "use fused=False or no activation checkpointing")
-        if site == self.n_sources:
-            raise RuntimeError(f"FusedHistory.route called more than n_sources={self.n_sources} times; a history "
-                               f"serves one forward pass (activation checkpointing re-running the forward also "
-                               f"does this: use fused=False or no activation checkpointing)")
-        if self.sources is None:
+    def append(self, source):
+        """Append a source (B, T, d): the embedding first, then each sublayer's raw output."""
+        if self.appended == len(self.queries):
+            raise RuntimeError(f"FusedHistory holds the sources of {len(self.queries)} sites: a history "
+                               f"serves one forward pass (with activation checkpointing, checkpoint the "
+                               f"sublayers, not the history's append and read)")
+        if self.appended == 0:
             check_available(source.device)
-            self.sources = torch.empty((self.n_sources, *source.shape), dtype=source.dtype, device=source.device)
-        elif source.shape != self.sources.shape[1:]:
-            raise ValueError(f"source {site} has shape {tuple(source.shape)}, "
-                             f"the history holds {tuple(self.sources.shape[1:])}")
-        self.sources[site].copy_(source)
-        self.source_dtypes.append(source.dtype)
-        return site
+            if self.null is not None:
+                self.rows.append(self.null.to(source.dtype).expand_as(source).contiguous())
+            self.rows.append(source.contiguous())                   # b_0 = s_0
+        else:
+            self.partial = source if self.partial is None else self.partial + source
+            self.in_block += 1
+            if self.in_block == self.block:
+                self.rows.append(self.partial.contiguous())
+                self.partial, self.in_block = None, 0
+        self.appended += 1
 
-    def _backward_rows(self, site):
-        """The fp32 gradient buffer, after checking that backward runs in reverse site order."""
-        if self.last_backward is not None and site >= self.last_backward:
-            raise RuntimeError(f"FusedHistory: the backward of routing site {site} ran after that of site "
-                               f"{self.last_backward}; the shared gradient buffer needs each site to backpropagate "
-                               f"once, last site first. A second backward through the same graph (retain_graph) "
-                               f"or activation checkpointing (torch.utils.checkpoint) breaks that: use fused=False "
-                               f"or no activation checkpointing, and one backward per forward")
-        self.last_backward = site
-        if self.grads is None:
-            self.grads = torch.zeros(self.sources.shape, dtype=torch.float32, device=self.sources.device)
-        return self.grads
+    def read(self, site):
+        """The routed input of site `site` (B, T, d), once the history holds its sources."""
+        if site != self.appended - 1:
+            raise ValueError(f"FusedHistory.read({site}): site j is read right after the (j+1)-th "
+                             f"append, and the history holds {self.appended} sources")
+        if site not in self.outputs:
+            for launch in self.launches.get(site, []):
+                self._launch(launch)
+            self.outputs[site] = self.states[site][0]
+        return self.outputs[site]
+
+    def _launch(self, launch):
+        sites = range(launch.site, launch.site + launch.sites)
+        sources = self.rows[launch.lo:launch.hi] + ([self.partial.contiguous()] if launch.partial else [])
+        queries = torch.stack([self.queries[j] for j in sites]).float()
+        qg = queries * torch.stack([self.norms[j] for j in sites]).float()   # (G, d)
+        init = list(self.states[launch.site]) if launch.phase == 2 else []
+        if self.carrier is None:
+            self.carrier = _carrier(sources[0], self.rows_total)
+        results = route_sites(self.carrier, sources, qg, init, self.heads, self.eps, self.rows_total,
+                              launch.lo, launch.own_lo, launch.fresh_lo, launch.last)
+        outs, lses, self.carrier = results[:launch.sites], results[launch.sites:-1], results[-1]
+        for j, out, lse in zip(sites, outs, lses):
+            self.states[j] = (out, lse)                              # phase 2 replaces its site's state
 
 
-def _stacked_network(route, s0, qs, gs, heads, sublayer):
-    """Every site of a network, stacking the sources for each site as the readable path does;
-    `sublayer` turns site j's output into source j+1."""
-    sources = [s0]
-    h = route(torch.stack(sources), qs[0], gs[0], heads)
-    for q, g in zip(qs[1:], gs[1:]):
-        sources.append(sublayer(h))
-        h = route(torch.stack(sources), q, g, heads)
-    return h
+# %% Traffic: the bytes each algorithm moves
+#
+# Routing is memory-bound, so bytes are its cost model. `launch_bytes` mirrors the kernels' loads
+# and stores term by term; `count_bytes` counts what the interpreter actually loads and stores,
+# and a test checks that the two agree exactly. The torch ops around the kernels are modeled only.
+
+def launch_bytes(launch, positions, width, heads, source_bytes, target=None):
+    """Bytes one launch's forward and backward kernels load and store: (forward, backward), when
+    launched as `target` programs (None: as in this process)."""
+    M, d, H, b, G = positions, width, heads, source_bytes, launch.sites
+    N = launch.hi - launch.lo + launch.partial                        # sources read
+    init = launch.phase == 2                                           # continues a partial state
+    programs = _programs(M, target)[1]
+    row, state = d * b, 4 * H                                          # bytes of an output row, of its lse
+    # forward: per program q ⊙ g and the sites' addresses; per position a table entry and a row per
+    # source, the partial states read, the outputs and their lse written
+    forward = (programs * G * (4 * d + 8 * (4 if init else 2))
+               + M * (N * (8 + row) + G * (row + state) * (2 if init else 1)))
+    # backward: per program q ⊙ g, addresses, and the partial gradient of q ⊙ g; per position the
+    # outputs, their gradients, lse and lse gradients, the partial states and their gradients; per
+    # source the table entry, the row, the fp32 gradient row (read unless fresh), and the gradient
+    # written, to the buffer, or in the source dtype for a source this launch completes
+    per_source = [8 + row + 4 * d * (n < launch.fresh_lo) + (4 * d if n < launch.own_lo else row)
+                  for n in range(N)]
+    backward = (programs * G * (8 * d + 8 * (8 if init else 4))
+                + M * (G * (2 * row + 2 * state) * (2 if init else 1) + sum(per_source)))
+    return forward, backward
 
 
-def _fused_network(s0, qs, gs, heads, sublayer):
-    """The same network through one FusedHistory."""
-    history = FusedHistory(len(qs), heads)
-    h = history.route(s0, qs[0], gs[0])
-    for q, g in zip(qs[1:], gs[1:]):
-        h = history.route(sublayer(h), q, g)
-    return h
+def torch_bytes(launch, positions, width, heads, source_bytes, target=None):
+    """A model of the bytes the torch ops around one launch move: (forward, backward). q ⊙ g from
+    the stacked parameters and its gradient, the address tables, the sum of the per-program
+    partials of q ⊙ g's gradient, and the zero gradients autograd makes for unused lse outputs."""
+    M, d, G = positions, width, launch.sites
+    N = launch.hi - launch.lo + launch.partial
+    init = launch.phase == 2
+    qg = 4 * G * d
+    forward = 7 * qg + 8 * (N + G * (4 if init else 2))               # two stacks, a product; the table
+    unused_lse = 1 if init else G                # phase 2 consumes the lse of phase 1's partial states
+    programs = _programs(M, target)[1]
+    backward = (6 * qg + 8 * (N + G * (8 if init else 4)) + 4 * G * d * (programs + 1)
+                + unused_lse * M * heads * 4)
+    return forward, backward
+
+
+def traffic(n_layer, width, heads, positions, group=0, block=1, delta=False, source_bytes=2,
+            target=PROGRAMS):
+    """Bytes a fused forward and backward through all 2L+1 sites move, for `group` (0: auto_group;
+    1: one pass per site): {"forward"|"backward": {"kernels": bytes, "torch": bytes}, "saved":
+    bytes}, where "saved" is what the routing keeps for backward besides the sources (partial
+    states, lse). The kernels launched as `target` programs: a GPU's by default, None: this
+    process's."""
+    n_sites = 2 * n_layer + 1
+    group = group or auto_group(n_sites, width, heads, block, delta)
+    layout(width, heads, group)                                      # raises if the group cannot be fused
+    launches = schedule(n_sites, group, block, delta)
+    kernels = [launch_bytes(launch, positions, width, heads, source_bytes, target) for launch in launches]
+    around = [torch_bytes(launch, positions, width, heads, source_bytes, target) for launch in launches]
+    E = positions * width * source_bytes                             # bytes of one (B, T, d) source
+    # block and delta routing: each output that extends a partial block sum is added to it (read
+    # two, write one); backward accumulates the previous sum's gradient when a site read that sum
+    extends = [site for site in range(1, n_sites) if (site - 1) % block != 0]
+    sums_forward = 3 * E * len(extends)
+    sums_backward = 3 * E * sum(reads_partial(site - 1, block, delta) for site in extends)
+    null = (E + 4 * width) if delta else 0                           # delta's null: expanded, summed back
+    saved = (sum(launch.phase == 2 for launch in launches) * E      # the partial states phase 2 continues
+             + sum(launch.sites for launch in launches) * positions * heads * 4)      # every lse
+    return {"forward": {"kernels": sum(f for f, _ in kernels),
+                        "torch": sum(f for f, _ in around) + sums_forward + null},
+            "backward": {"kernels": sum(b for _, b in kernels),
+                         "torch": sum(b for _, b in around) + sums_backward + null},
+            "saved": saved}
+
+
+def count_bytes():
+    """A context manager counting the bytes the interpreted kernels load and store (every
+    masked-in element of every tl.load and tl.store): `with count_bytes() as counted: ...`, then
+    counted["load"], counted["store"]."""
+    from contextlib import contextmanager
+
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if not INTERPRETED:
+        raise RuntimeError("count_bytes counts in the Triton interpreter: set TRITON_INTERPRET=1 "
+                           "before triton is imported")
+    builder = interpreter.InterpreterBuilder
+
+    def elements(ptrs, mask):
+        return int(np.broadcast_to(mask.data, ptrs.data.shape).sum())
+
+    def itemsize(ptrs):
+        return np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
+
+    @contextmanager
+    def counting():
+        counted = {"load": 0, "store": 0}
+        load, store = builder.create_masked_load, builder.create_masked_store
+
+        def counted_load(self, ptrs, mask, other, *args):
+            counted["load"] += elements(ptrs, mask) * itemsize(ptrs)
+            return load(self, ptrs, mask, other, *args)
+
+        def counted_store(self, ptrs, value, mask, *args):
+            counted["store"] += elements(ptrs, mask) * itemsize(ptrs)
+            return store(self, ptrs, value, mask, *args)
+        builder.create_masked_load, builder.create_masked_store = counted_load, counted_store
+        try:
+            yield counted
+        finally:
+            builder.create_masked_load, builder.create_masked_store = load, store
+    return counting()
+
+
+# %% Checks and benchmark
+#
+# The paper's kernel table: all 2L+1 sites forward + backward for one microbatch, bf16 sources,
+# (preset, d, L, B, T). H = 8 at every scale, as in the paper's later version (the earlier one
+# used n_kv_head: 4 at 100M, 8 at 350M and 1B).
+KERNEL_TABLE = [("100m", 512, 12, 2, 2048), ("350m", 1024, 24, 1, 1024), ("1b", 1280, 36, 1, 1024)]
+HEADS = 8
+PAPER_MS = {"100m": (30.2, 5.7), "350m": (53.1, 11.4), "1b": (153.2, 42.4)}  # torch.compile, fused
+# What the first version of these kernels (one pass per site, a two-pass backward) moved at those
+# shapes with H = n_kv_head, counted as traffic() counts: every byte loaded or stored.
+PREVIOUS_GB = {"100m": 11.4, "350m": 19.9, "1b": 53.1}
+HBM = {"H100": 3.35e12, "H200": 4.8e12}         # bytes/s, vendor datasheets (H100 SXM, H200 SXM)
+
+
+def stacked_network(route):
+    """A network of sites over full routing, stacking each site's sources as the readable path
+    does: network(s0, qs, gs, heads, sublayer), where `sublayer` turns site j's output into
+    source j+1."""
+    def network(s0, qs, gs, heads, sublayer):
+        sources = [s0]
+        h = route(torch.stack(sources), qs[0], gs[0], heads)
+        for q, g in zip(qs[1:], gs[1:]):
+            sources.append(sublayer(h))
+            h = route(torch.stack(sources), q, g, heads)
+        return h
+    return network
+
+
+def fused_network(group):
+    """The same network through a FusedHistory that groups `group` sites (0: automatic)."""
+    def network(s0, qs, gs, heads, sublayer):
+        history = FusedHistory(qs, gs, heads, group=group)
+        history.append(s0)
+        h = history.read(0)
+        for site in range(1, len(qs)):
+            history.append(sublayer(h))
+            h = history.read(site)
+        return h
+    return network
 
 
 def _relative_error(a, b):
@@ -367,16 +824,18 @@ def _relative_error(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def _check(device, shapes, sites):
-    """fused_route and FusedHistory against mhar.route: output and every gradient, fp32 and bf16.
-    bf16 is compared with the float32 reference on the same bf16-rounded inputs."""
-    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}             # bf16 outputs and dV are rounded to 8 bits
-    # Along a chain of sites the two paths' roundings compound, and dq, dg come from a
-    # cancellation (<dout, V_n> − S) that magnifies them: ~1e-5 in fp32 at 25 sites, a few % in bf16.
+def _check(device, routes, networks):
+    """fused_route and FusedHistory (one pass per site and grouped) against mhar.route: the output
+    and every gradient, fp32 and bf16 (compared with the float32 reference on the same rounded
+    inputs). routes: (N, B, T, d, H) each; networks: (sites, B, T, d, H) each."""
+    import mhar
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}      # bf16: outputs rounded to 8 bits
+    # Along a chain of sites the two paths' roundings compound, and dq, dg come from a cancellation
+    # (<dout, V_n> − c) that magnifies them: a few 1e-6 in fp32, a few % in bf16.
     chain_tolerance = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
     failed = False
-    for dtype in SUPPORTED_DTYPES:
-        for N, B, T, d, heads in shapes:
+    for dtype in SOURCE_TYPES:
+        for N, B, T, d, heads in routes:
             V = torch.randn(N, B, T, d, device=device).to(dtype)
             q, g = 0.3 * torch.randn(d, device=device), 1 + 0.1 * torch.randn(d, device=device)
             dout = torch.randn(B, T, d, device=device).to(dtype)
@@ -388,119 +847,177 @@ def _check(device, shapes, sites):
                 results.append([out] + [x.grad for x in inputs])
             errors = [_relative_error(a, b) for a, b in zip(*results)]
             failed |= max(errors) > tolerance[dtype]
-            print(f"fused_route   {str(dtype)[6:]:8} N={N:<3} B·T={B * T:<5} d={d:<5} H={heads:<2} "
+            print(f"fused_route   {str(dtype)[6:]:8} N={N:<3} B·T={B * T:<4} d={d:<4} H={heads:<2}      "
                   + "  ".join(f"{name} {e:.1e}" for name, e in zip(("out", "dV", "dq", "dg"), errors)))
+        for sites, B, T, d, heads in networks:
+            s0 = torch.randn(B, T, d, device=device).to(dtype)
+            qs = [0.3 * torch.randn(d, device=device) for _ in range(sites)]
+            gs = [1 + 0.1 * torch.randn(d, device=device) for _ in range(sites)]
+            dout = torch.randn(B, T, d, device=device).to(dtype)
+            # The sublayer: a fixed random projection and tanh. (An identity, or sin, would make the
+            # later sources nearly equal to earlier ones: in bf16 the coupling c, taken from the
+            # rounded output, then loses most of its digits to the cancellation; see the README.)
+            projection = torch.randn(d, d, device=device) / d ** 0.5
 
-        N, B, T, d, heads = shapes[-1]
-        s0 = torch.randn(B, T, d, device=device).to(dtype)
-        qs = [0.3 * torch.randn(d, device=device) for _ in range(sites)]
-        gs = [1 + 0.1 * torch.randn(d, device=device) for _ in range(sites)]
-        dout = torch.randn(B, T, d, device=device).to(dtype)
-        results = []
-        for network in (_fused_network, partial(_stacked_network, mhar.route)):
-            leaves = [x.clone().requires_grad_() for x in [s0, *qs, *gs]]
-            # sin as the sublayer: an identity would make later sources copies of mixes of earlier ones
-            out = network(leaves[0], leaves[1:sites + 1], leaves[sites + 1:], heads, torch.sin)
-            out.backward(dout)
-            # dq and dg of all sites as one vector each: at site 0 (one source) they are exactly zero
-            results.append([out, leaves[0].grad, torch.cat([x.grad for x in leaves[1:sites + 1]]),
-                            torch.cat([x.grad for x in leaves[sites + 1:]])])
-        errors = [_relative_error(a, b) for a, b in zip(*results)]
-        failed |= max(errors) > chain_tolerance[dtype]
-        print(f"FusedHistory  {str(dtype)[6:]:8} {sites} sites, B·T={B * T:<5} d={d:<5} H={heads:<2} "
-              + "  ".join(f"{name} {e:.1e}" for name, e in zip(("out", "ds0", "dq", "dg"), errors)))
+            def sublayer(h):
+                return torch.tanh(h.float() @ projection).to(h.dtype)
+            for group in (1, 0):
+                results = []
+                for network in (fused_network(group), stacked_network(mhar.route)):
+                    leaves = [x.clone().requires_grad_() for x in [s0, *qs, *gs]]
+                    out = network(leaves[0], leaves[1:sites + 1], leaves[sites + 1:], heads, sublayer)
+                    out.backward(dout.to(out.dtype))
+                    # dq and dg of all sites as one vector each (site 0 reads one source: exactly zero)
+                    results.append([out, leaves[0].grad, torch.cat([x.grad for x in leaves[1:sites + 1]]),
+                                    torch.cat([x.grad for x in leaves[sites + 1:]])])
+                errors = [_relative_error(a, b) for a, b in zip(*results)]
+                failed |= max(errors) > chain_tolerance[dtype]
+                G = group or auto_group(sites, d, heads)
+                print(f"FusedHistory  {str(dtype)[6:]:8} {sites} sites B·T={B * T:<4} d={d:<4} H={heads:<2} "
+                      f"G={G:<2} "
+                      + "  ".join(f"{name} {e:.1e}" for name, e in zip(("out", "ds0", "dq", "dg"), errors)))
     print("check FAILED" if failed else "check passed")
     return not failed
 
 
-# DESIGN §5, the paper's kernel table: (preset, d, L, B, T, H = n_kv_head), bf16 sources.
-KERNEL_TABLE = [("100m", 512, 12, 2, 2048, 4), ("350m", 1024, 24, 1, 1024, 8), ("1b", 1280, 36, 1, 1024, 8)]
+def print_traffic():
+    """Bytes and bandwidth-bound time of both algorithms at the kernel-table shapes (traffic())."""
+    print("A fused forward + backward through all 2L+1 sites, bf16 sources, H = 8: the bytes the "
+          "kernels load and store, and the torch ops around them (traffic()); time at HBM bandwidth, "
+          "datasheet figures: H100 SXM 3.35 TB/s, H200 4.8 TB/s.")
+    print(f"{'shape':6} {'B·T':>5} {'algorithm':18} {'G':>2} {'kernels GB':>10} {'torch GB':>8} "
+          f"{'vs first':>8} {'H100 ms':>7} {'H200 ms':>7} {'saved MB':>8}")
+    for preset, d, L, B, T in KERNEL_TABLE:
+        for name, group in (("one pass per site", 1), ("grouped", 0)):
+            moved = traffic(L, d, HEADS, B * T, group)
+            kernels = moved["forward"]["kernels"] + moved["backward"]["kernels"]
+            total = kernels + moved["forward"]["torch"] + moved["backward"]["torch"]
+            G = group or auto_group(2 * L + 1, d, HEADS)
+            print(f"{preset:6} {B * T:5} {name:18} {G:2} {kernels / 1e9:10.2f} "
+                  f"{(total - kernels) / 1e9:8.3f} "
+                  f"{total / 1e9 / PREVIOUS_GB[preset]:7.2f}x {total / HBM['H100'] * 1e3:7.2f} "
+                  f"{total / HBM['H200'] * 1e3:7.2f} {moved['saved'] / 1e6:8.0f}")
+    print("vs first: total bytes over those of the first version of these kernels (11.4 / 19.9 / "
+          "53.1 GB). saved: the routing's activations kept for backward besides the sources (lse; "
+          "grouped: also the partial states phase 2 continues).")
 
 
-def _benchmark():
-    """Route every site of a network (identity sublayers), forward and forward+backward: readable,
-    compiled, fused. Returns the fused forward+backward ms per shape."""
-    from triton.testing import do_bench
-    x = torch.empty(2**28, device="cuda")
-    y = torch.empty_like(x)
-    bandwidth = 2 * x.nbytes / do_bench(lambda: y.copy_(x), return_mode="median") / 1e6   # GB/s, read + write
-    del x, y
-    print(f"\n{torch.cuda.get_device_name()}: copy bandwidth {bandwidth:.0f} GB/s. GB/s below count the one-pass "
-          f"floor's bytes (bf16 reads: 2 B per source element forward, 14 B forward+backward) over the time taken.")
-    compiled = torch.compile(mhar.route, dynamic=True)
-    networks = {"eager": partial(_stacked_network, mhar.route), "compile": partial(_stacked_network, compiled),
-                "fused": _fused_network}
-    identity = torch.nn.Identity()                                      # only the routing is timed
-    routing = {}                                                        # fused fwd+bwd ms per shape
-    print(f"{'shape':6} {'method':8} {'fwd ms':>9} {'GB/s':>7} {'fwd+bwd ms':>11} {'GB/s':>7} {'% of copy':>9}")
-    for preset, d, L, B, T, heads in KERNEL_TABLE:
+def _benchmark(device="cuda", shapes=KERNEL_TABLE, timer=None, compile_backend="inductor",
+               dtype=torch.bfloat16):
+    """Route every site of a network (identity sublayers: only the routing is timed), forward +
+    backward: readable, torch.compile'd, fused one pass per site, fused grouped. Prints ms,
+    achieved GB/s (the modeled bytes over the time) and % of the copy bandwidth; returns
+    {(preset, "fused 1" | "fused G"): ms}."""
+    import mhar
+    timer = timer or _do_bench
+    bandwidth = _copy_bandwidth(timer) if device == "cuda" else None
+    if bandwidth:
+        print(f"\n{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
+    compiled = torch.compile(mhar.route, dynamic=True, backend=compile_backend)
+    methods = {"eager": stacked_network(mhar.route), "compile": stacked_network(compiled),
+               "fused 1": fused_network(1), "fused G": fused_network(0)}
+    identity = torch.nn.Identity()
+    routing = {}
+    print(f"{'shape':6} {'method':8} {'G':>2} {'fwd+bwd ms':>10} {'GB/s':>6} {'% of copy':>9}   "
+          f"(paper, H100: torch.compile, fused)")
+    for preset, d, L, B, T in shapes:
         sites = 2 * L + 1
-        elements = sites * (sites + 1) // 2 * B * T * d                 # Σ_j N_j source rows of B·T·d
-        floor_forward, floor = 2 * elements, 14 * elements              # bytes
-        print(f"{preset:6} {'floor':8} {floor_forward / bandwidth / 1e6:9.2f} {bandwidth:7.0f} "
-              f"{floor / bandwidth / 1e6:11.2f} {bandwidth:7.0f} {100:9.0f}")
-        s0 = torch.randn(B, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        qs = [(0.02 * torch.randn(d, device="cuda")).requires_grad_() for _ in range(sites)]
-        gs = [torch.ones(d, device="cuda", requires_grad=True) for _ in range(sites)]
-        dout = torch.randn(B, T, d, device="cuda", dtype=torch.bfloat16)
-        for method, network in networks.items():
+        s0 = torch.randn(B, T, d, device=device, dtype=dtype, requires_grad=True)
+        qs = [(0.02 * torch.randn(d, device=device)).requires_grad_() for _ in range(sites)]
+        gs = [torch.ones(d, device=device, requires_grad=True) for _ in range(sites)]
+        dout = torch.randn(B, T, d, device=device, dtype=dtype)
+        for method, network in methods.items():
+            group = {"fused 1": 1, "fused G": auto_group(sites, d, HEADS)}.get(method)
             try:
-                with torch.no_grad():
-                    forward = do_bench(lambda: network(s0, qs, gs, heads, identity), return_mode="median")
-                both = do_bench(lambda: network(s0, qs, gs, heads, identity).backward(dout),
-                                grad_to_none=[s0, *qs, *gs], return_mode="median")
+                ms = timer(lambda: network(s0, qs, gs, HEADS, identity).backward(dout),
+                           grad_to_none=[s0, *qs, *gs])
             except torch.cuda.OutOfMemoryError:
-                print(f"{preset:6} {method:8} {'OOM':>9}")
+                print(f"{preset:6} {method:8} {'':2} {'OOM':>10}")
                 continue
             finally:
-                torch.cuda.empty_cache()
-            print(f"{preset:6} {method:8} {forward:9.2f} {floor_forward / forward / 1e6:7.0f} {both:11.2f} "
-                  f"{floor / both / 1e6:7.0f} {100 * floor / both / 1e6 / bandwidth:9.0f}")
-            if method == "fused":
-                routing[preset] = both
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            line = f"{preset:6} {method:8} {group or '':>2} {ms:10.2f}"
+            if group:
+                moved = traffic(L, d, HEADS, B * T, group, source_bytes=s0.element_size())
+                moved = sum(sum(moved[way].values()) for way in ("forward", "backward"))
+                per_second = moved / ms * 1e3                              # bytes/s
+                line += f" {per_second / 1e9:6.0f} {100 * per_second / bandwidth if bandwidth else 0:9.0f}"
+                routing[preset, method] = ms
+            if preset in PAPER_MS and method == "fused G":
+                line += f"   ({PAPER_MS[preset][0]} ms, {PAPER_MS[preset][1]} ms)"
+            print(line)
     return routing
 
 
-def _step_benchmark(routing):
-    """A whole training step (forward + backward, bf16 autocast, one microbatch of the kernel-table
-    shape): MHAR eager and fused against the baseline, and the fused routing's share of the step."""
-    from triton.testing import do_bench
-    print(f"\n{'shape':6} {'baseline ms':>11} {'MHAR eager ms':>13} {'MHAR fused ms':>13} {'fused speed':>11} "
-          f"{'routing share':>13}   (speed: baseline ms / fused ms, the paper's 0.88 / 0.71 / 0.55)")
-    for preset, d, L, B, T, heads in KERNEL_TABLE:
-        idx = torch.randint(0, 50257, (B, T), device="cuda")
+def _step_benchmark(routing, device="cuda", steps=None, timer=None, vocab_size=50304):
+    """A whole training step (forward + backward, bf16 autocast on a GPU, one microbatch of the
+    kernel-table shape): the baseline, MHAR eager and fused (both algorithms), and the grouped
+    routing's share of its step. Speed = baseline ms / fused ms (the paper: 0.88 / 0.71 / 0.55)."""
+    import mhar
+    timer = timer or _do_bench
+    steps = steps or [(preset, B, T) for preset, _, _, B, T in KERNEL_TABLE]
+    print(f"\n{'shape':6} {'baseline ms':>11} {'eager ms':>9} {'fused 1 ms':>10} {'fused G ms':>10} "
+          f"{'speed G':>7} {'routing share G':>15}")
+    for preset, B, T in steps:
+        idx = torch.randint(0, vocab_size, (B, T), device=device)
         step_ms = {}
-        for name, overrides in (("baseline", dict(residual="baseline")), ("eager", dict(residual="mhar")),
-                                ("fused", dict(residual="mhar", fused=True))):
-            model = mhar.GPT(mhar.preset(preset, **overrides)).cuda()
+        for name, overrides in (("baseline", dict(residual="baseline")), ("eager", dict(route_heads=HEADS)),
+                                ("fused 1", dict(route_heads=HEADS, fused=True, fused_group=1)),
+                                ("fused G", dict(route_heads=HEADS, fused=True))):
+            model = mhar.GPT(mhar.preset(preset, vocab_size=vocab_size, **overrides)).to(device)
 
             def step():
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+                with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
                     loss = model(idx, idx)[1]
                 loss.backward()
             try:
-                step_ms[name] = do_bench(step, grad_to_none=list(model.parameters()), return_mode="median")
+                step_ms[name] = timer(step, grad_to_none=list(model.parameters()))
             except torch.cuda.OutOfMemoryError:
-                step_ms[name] = float("nan")                            # the paper's eager 1B runs out too
+                step_ms[name] = float("nan")                        # the paper's eager 1B runs out too
             finally:
                 del model
-                torch.cuda.empty_cache()
-        print(f"{preset:6} {step_ms['baseline']:11.1f} {step_ms['eager']:13.1f} {step_ms['fused']:13.1f} "
-              f"{step_ms['baseline'] / step_ms['fused']:10.2f}x {100 * routing[preset] / step_ms['fused']:12.0f}%")
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+        share = routing.get((preset, "fused G"), float("nan")) / step_ms["fused G"]
+        print(f"{preset:6} {step_ms['baseline']:11.1f} {step_ms['eager']:9.1f} {step_ms['fused 1']:10.1f} "
+              f"{step_ms['fused G']:10.1f} {step_ms['baseline'] / step_ms['fused G']:6.2f}x "
+              f"{100 * share:14.0f}%")
+
+
+def _do_bench(fn, grad_to_none=None):
+    from triton.testing import do_bench
+    return do_bench(fn, grad_to_none=grad_to_none, return_mode="median")
+
+
+def _copy_bandwidth(timer):
+    x = torch.empty(2**28, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.nbytes / timer(lambda: y.copy_(x)) * 1e3           # bytes/s, read + write
+
+
+def main(argv=None):
+    import argparse
+    parser = argparse.ArgumentParser(description="Check the fused routing against mhar.route; with a "
+                                                 "GPU, benchmark it; --traffic prints the modeled bytes.")
+    parser.add_argument("--traffic", action="store_true", help="the traffic model at the kernel-table shapes")
+    args = parser.parse_args(argv)
+    if args.traffic:
+        print_traffic()
+        return 0
+    torch.manual_seed(0)
+    if torch.cuda.is_available() and not INTERPRETED:
+        # (N, B, T, d, H): one source; odd widths; the 1B width; the deepest site of 350M.
+        # Networks: the 100M depth at the 1B width, the 350M depth.
+        routes = [(1, 2, 33, 40, 8), (9, 3, 65, 520, 8), (25, 1, 257, 1280, 8), (49, 1, 129, 1024, 8)]
+        ok = _check("cuda", routes, [(25, 1, 257, 1280, 8), (49, 1, 65, 1024, 8)])
+        _step_benchmark(_benchmark())
+    else:
+        print("no CUDA GPU: checking the kernels in the Triton interpreter on small shapes; no benchmark")
+        ok = _check("cpu", [(1, 1, 3, 24, 2), (9, 3, 5, 40, 4)], [(7, 1, 5, 40, 4)])
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
     import sys
-
-    import mhar
-
-    torch.manual_seed(0)
-    if torch.cuda.is_available() and not INTERPRETED:
-        # (N, B, T, d, H): one source; odd widths; the 1B width; the deepest site of 350M at H = 4
-        shapes = [(1, 2, 33, 40, 8), (9, 3, 65, 520, 8), (25, 1, 257, 1280, 8), (49, 1, 129, 1024, 4)]
-        ok = _check("cuda", shapes, sites=25)
-        _step_benchmark(_benchmark())
-    else:
-        print("no CUDA GPU: checking the kernels in the Triton interpreter on small shapes; no benchmark")
-        ok = _check("cpu", [(1, 1, 3, 24, 2), (2, 3, 5, 40, 8), (9, 3, 5, 40, 4)], sites=5)
-    sys.exit(0 if ok else 1)
+    sys.exit(main())

@@ -61,6 +61,7 @@ class Config:
     delta: bool = False          # additive (delta) routing for conversion
     hc_streams: int = 4          # hyper-connection streams
     fused: bool = False          # route with the Triton kernels of kernel.py
+    fused_group: int = 0         # fused: sites per shared read of the sources; 0 = auto, 1 = one each
     checkpointing: bool = False  # recompute each sublayer's activations in backward (saves memory)
 
     def __post_init__(self):  # the mistakes a user can make, each with its fix
@@ -73,12 +74,14 @@ class Config:
         check(self.head_dim or d % self.n_head == 0, f"n_head: {self.n_head} heads do not divide "
               f"n_embd={d}; or set head_dim")
         check(self.head_width % 2 == 0, "head_dim: rotary embeddings need an even head width")
-        check(self.n_head % self.n_kv_head == 0, f"n_kv_head: must divide n_head={self.n_head}")
+        check(self.n_head % self.n_kv_head == 0,
+              f"n_kv_head: {self.n_kv_head} does not divide n_head={self.n_head}; use a divisor of it")
         check(not self.routed or H > 0 and d % H == 0, f"route_heads: H={H} must divide n_embd={d}")
         check(self.route_block >= 1, "route_block: must be >= 1; 1 is full routing")
         check(self.route_block == 1 or self.routed, f"route_block: {unrouted}; use mhar or attnres")
         check(not self.delta or self.routed, f"delta: {unrouted}; use mhar or attnres")
         check(not self.fused or self.routed, f"fused: {unrouted}; there is nothing to fuse")
+        check(self.fused_group >= 0, "fused_group: must be >= 0; 0 is automatic, 1 one pass per site")
         check(self.hc_streams >= 1, "hc_streams: hyper-connections need at least one stream")
 
     @property
@@ -153,7 +156,7 @@ class DepthHistory:
     append(source) adds s_0 (the embedding), then each sublayer's raw output; read(site) routes
     over everything appended so far with the site's query queries[site] and norm weight norms[site].
     Stacking at every site costs O(L^2) memory; kernel.py's fused history has the same interface and
-    writes each source once into a shared buffer.
+    reads the sources where they are, several sites at a time.
     """
 
     def __init__(self, queries, norms, heads, eps):
@@ -423,29 +426,9 @@ class GPT(nn.Module):
             return VisitedHistory(history, visit)
         if not c.fused:
             return history
-        # kernel.py's glue. Its FusedHistory appends and reads in one call, route(source, q, g), so
-        # this adapter holds each appended source until the next read.
         import kernel
-        H, eps = c.depth_heads, c.norm_eps
-
-        class FusedFullHistory:  # full routing: one shared source buffer for the whole forward
-            def __init__(self):
-                self.fused, self.source = kernel.FusedHistory(len(queries), H, eps), None
-
-            def append(self, source):
-                self.source = source
-
-            def read(self, site):
-                return self.fused.route(self.source, queries[site], norms[site])
-
-        class FusedReads:  # block and delta routing: the readable history, each read fused
-            def append(self, source):
-                history.append(source)
-
-            def read(self, site):
-                return kernel.fused_route(history.stack(), queries[site], norms[site], H, eps)
-
-        return FusedFullHistory() if type(history) is DepthHistory else FusedReads()
+        return kernel.FusedHistory(*args, block=c.route_block, group=c.fused_group,
+                                   null=self.null if c.delta else None)
 
     # ------------------------------------------------------------------------------------------
     # The other residual modes: the baseline, hyper-connections, delta routing.
