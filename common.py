@@ -215,8 +215,12 @@ def load_model(path, device="cpu"):
     ckpt = read_checkpoint(path, keys=("model", "config"))
     try:
         model = mhar.GPT(mhar.Config(**{**ckpt["config"], "fused": False}))
-        state = (read_shards(Path(path).parent / ckpt["sharded"]) if "sharded" in ckpt
-                 else ckpt["model"])
+        if "sharded" in ckpt:  # the shards hold 0-d parameters as vectors of one element
+            own = model.state_dict()
+            state = {k: v.reshape(own[k].shape) if k in own and v.numel() == own[k].numel()
+                     else v for k, v in read_shards(Path(path).parent / ckpt["sharded"]).items()}
+        else:
+            state = ckpt["model"]
         model.load_state_dict(unwrapped(state))
     except (TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint {path} does not fit this mhar.py: "
