@@ -66,11 +66,19 @@ def launch(*commands):
 
 
 @pytest.fixture(scope="module")
+def one(data, tmp_path_factory):
+    """The reference: one process, unsharded, batch 4 x 2 micro-steps (8 sequences per step)."""
+    out = tmp_path_factory.mktemp("one")
+    train.main(flags(data, out, "--grad_accum", "2"))
+    return out
+
+
+@pytest.fixture(scope="module")
 def runs(data, tmp_path_factory):
-    """The torchrun runs the tests share (each launch costs ~10 s of imports on 2 cores):
-    "nodes": 2 ranks x batch 4, launched as two torchrun nodes of one process each (c10d
-    rendezvous on 127.0.0.1); "stopped": the same on one node, stopped after step 3, then
-    resumed; "one": one process, batch 4 x 2 micro-steps, the same 8 sequences per step."""
+    """The torchrun runs the tests share (a launch costs seconds of imports per process):
+    "nodes": 2 ranks x batch 4, the same 8 sequences per step as `one`, launched as two torchrun
+    nodes of one process each (c10d rendezvous on 127.0.0.1); "stopped": the same on one node,
+    stopped after step 3, then resumed."""
     tmp = tmp_path_factory.mktemp("fsdp")
     train_py, port = str(ROOT / "train.py"), free_port()
     nodes = [[*TORCHRUN, "--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node", "1",
@@ -80,18 +88,17 @@ def runs(data, tmp_path_factory):
     launch(*nodes, [*one_node, *flags(data, tmp / "stopped", "--fsdp", "--stop_step", "3")])
     stopped_at_3 = torch.load(tmp / "stopped" / "ckpt.pt", weights_only=True)["step"]
     launch([*one_node, "--out_dir", str(tmp / "stopped"), "--resume"])
-    train.main(flags(data, tmp / "one", "--grad_accum", "2"))
     return tmp, stopped_at_3
 
 
-def test_two_sharded_ranks_match_one_process_with_the_same_global_batch(runs):
+def test_two_sharded_ranks_match_one_process_with_the_same_global_batch(runs, one):
     tmp, _ = runs
-    assert_close_losses(losses(tmp / "nodes"), losses(tmp / "one"), rel=1e-5)
+    assert_close_losses(losses(tmp / "nodes"), losses(one), rel=1e-5)
     assert len(losses(tmp / "nodes")) == 5 + 3  # 5 steps, evaluations at 2, 4, 5
-    one = torch.load(tmp / "one" / "ckpt.pt", weights_only=True)["model"]
+    reference = torch.load(one / "ckpt.pt", weights_only=True)["model"]
     sharded = shards(tmp / "nodes")
-    assert sharded.keys() == one.keys()
-    for k, v in one.items():  # Adam's m / sqrt(v) amplifies float order on tiny gradients
+    assert sharded.keys() == reference.keys()
+    for k, v in reference.items():  # Adam's m / sqrt(v) amplifies float order on tiny gradients
         assert rel_err(sharded[k], v) < 1e-5, k
 
 
@@ -113,15 +120,14 @@ def test_sample_reads_the_shards(runs, capsys):
     assert ids[:3] == ["3", "1", "4"] and len(ids) == 8
 
 
-def test_one_rank_sharded_with_checkpointing_matches_one_process(data, tmp_path, runs):
+def test_one_rank_sharded_with_checkpointing_matches_one_process(data, tmp_path, one):
     """--fsdp without torchrun is a run of one rank; activation checkpointing recomputes each
     sublayer in the backward, its parameters gathered again: the same losses and weights."""
-    tmp, _ = runs
     train.main(flags(data, tmp_path, "--grad_accum", "2", "--fsdp", "--checkpointing"))
-    assert_close_losses(losses(tmp_path), losses(tmp / "one"), rel=1e-6)
-    one = torch.load(tmp / "one" / "ckpt.pt", weights_only=True)["model"]
+    assert_close_losses(losses(tmp_path), losses(one), rel=1e-6)
+    reference = torch.load(one / "ckpt.pt", weights_only=True)["model"]
     for k, v in shards(tmp_path).items():
-        assert rel_err(v, one[k]) < 1e-6, k
+        assert rel_err(v, reference[k]) < 1e-6, k
 
 
 def test_a_sharded_conversion_continues_as_the_unsharded_one(data, tmp_path):
