@@ -147,11 +147,15 @@ def sample_rows(tokens, keys, n, lo, hi, seq_len, vocab_size):
 # Checkpoints of train.py.
 
 CKPT_KEYS = ("model", "optimizer", "step", "config", "args", "evals", "rng")
+# A train.py --fsdp run's ckpt.pt names, under "sharded", the folder next to it that holds the
+# model and the optimizer as shards (torch.distributed.checkpoint); the rest is as above.
+SHARDED_KEYS = ("model", "optimizer")
 
 
 def read_checkpoint(path, keys=CKPT_KEYS):
     """The checkpoint dict, or CheckpointError for a missing, truncated, foreign or incomplete
-    file."""
+    file. A sharded checkpoint's model and optimizer stay in their folder: read the model with
+    read_shards."""
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint at {path}: train one first (python train.py "
                               f"--out_dir DIR writes DIR/ckpt.pt)")
@@ -160,10 +164,39 @@ def read_checkpoint(path, keys=CKPT_KEYS):
     except Exception as e:
         raise CheckpointError(f"cannot read checkpoint {path}: it is truncated or not a train.py "
                               f"checkpoint ({type(e).__name__}: {one_line(e)[:120]})") from None
-    missing = [k for k in keys if k not in ckpt] if isinstance(ckpt, dict) else list(keys)
+    ckpt = ckpt if isinstance(ckpt, dict) else {}
+    missing = [k for k in keys if k not in ckpt and not ("sharded" in ckpt and k in SHARDED_KEYS)]
     if missing:
         raise CheckpointError(f"{path} is not a train.py checkpoint (missing {', '.join(missing)})")
+    if "sharded" in ckpt and not (Path(path).parent / ckpt["sharded"] / ".metadata").is_file():
+        raise CheckpointError(f"{path} keeps its model in the folder {ckpt['sharded']} next to "
+                              f"it, which is missing or incomplete: copy the folder along with "
+                              f"ckpt.pt")
     return ckpt
+
+
+def read_shards(folder, prefix="model."):
+    """The tensors of a sharded checkpoint folder (train.py --fsdp) whose names start with
+    `prefix`, without it: {"embed.weight": ...} for the model. Read whole in this one process (no
+    collective, also inside a distributed run), on the CPU, in the dtypes they were saved in;
+    CheckpointError when a file is broken."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    try:
+        reader = dcp.FileSystemReader(folder)
+        state = {name: torch.empty(meta.size, dtype=meta.properties.dtype)
+                 for name, meta in reader.read_metadata().state_dict_metadata.items()
+                 if name.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+        with warnings.catch_warnings():  # no_dist is what we ask for
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"cannot read the shards in {folder}: a file is truncated or "
+                              f"missing ({type(e).__name__}: {one_line(e)[:120]})") from None
+    return {name.removeprefix(prefix): tensor for name, tensor in state.items()}
 
 
 def unwrapped(state):
@@ -171,9 +204,10 @@ def unwrapped(state):
     return {k.removeprefix("_orig_mod."): v for k, v in state.items()}
 
 
-def load_model(path, device="cpu"):
+def load_model(path, device="cpu", average=False):
     """(model in eval mode, checkpoint dict) from a train.py ckpt.pt; CheckpointError if it
-    cannot be used.
+    cannot be used. average=True: the run's weight average (train.py --ema) in place of its
+    weights, when it kept one.
 
     The model is built with fused=False: reading the routing weights and sampling run the readable
     route on any device (a checkpoint trained with --fused on a GPU loads on a CPU).
@@ -182,7 +216,14 @@ def load_model(path, device="cpu"):
     ckpt = read_checkpoint(path, keys=("model", "config"))
     try:
         model = mhar.GPT(mhar.Config(**{**ckpt["config"], "fused": False}))
-        model.load_state_dict(unwrapped(ckpt["model"]))
+        key = "ema" if average and ckpt.get("ema") else "model"
+        if "sharded" in ckpt:  # the shards hold 0-d parameters as vectors of one element
+            own, folder = model.state_dict(), Path(path).parent / ckpt["sharded"]
+            state = {k: v.reshape(own[k].shape) if k in own and v.numel() == own[k].numel()
+                     else v for k, v in read_shards(folder, prefix=key + ".").items()}
+        else:
+            state = ckpt[key]
+        model.load_state_dict(unwrapped(state))
     except (TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint {path} does not fit this mhar.py: "
                               f"{one_line(e)}") from None

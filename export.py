@@ -39,10 +39,8 @@ def main(argv=None):
         if args.tokenizer and not Path(args.tokenizer).is_dir():
             raise UserError(f"--tokenizer {args.tokenizer} is not a directory: give a Hugging Face "
                             f"model directory")
-        model, ckpt = load_model(args.ckpt)
-        averaged = "ema" in ckpt and not args.raw
-        if averaged:
-            model.load_state_dict(ckpt["ema"])
+        model, ckpt = load_model(args.ckpt, average=not args.raw)
+        averaged = bool(ckpt.get("ema")) and not args.raw
         init_from = (ckpt.get("args") or {}).get("init_from")
         from_dir = init_from and Path(init_from, "config.json").is_file()
         source = args.tokenizer or (init_from if from_dir else None)

@@ -5,6 +5,7 @@ Train an MHAR language model (or one of its baselines) on a CPU, one GPU or seve
                                                    # the small preset, evaluates and samples
     python train.py --preset 100m                  # one GPU: the paper's 100M shape and recipe
     torchrun --standalone --nproc_per_node=8 train.py --preset 350m --residual attnres   # DDP
+    torchrun --standalone --nproc_per_node=8 train.py --preset 1b --fsdp   # sharded (FSDP2)
     python train.py --preset 100m --data synthetic --max_steps 50 --compile   # speed only
     python train.py --out_dir out --resume         # continue an interrupted run, bit for bit
     python train.py --init_from models/Qwen3-0.6B --data data/corpus-qwen3   # mid-train a Qwen3
@@ -44,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import hf  # noqa: E402
 import mhar  # noqa: E402
+import parallel  # noqa: E402
 import prepare  # noqa: E402
 from common import (CheckpointError, UserError, exit_error, largest_id, one_line,  # noqa: E402
                     pick_device, read_checkpoint, read_tokens, sample_rows, unwrapped)
@@ -258,6 +260,9 @@ def build_parser(defaults=True):
            help="auto: bf16 autocast on CUDA, float32 elsewhere (default auto)")
     p.flag("compile", MACHINE, action="store_true", default=False,
            help="torch.compile the model (default off)")
+    p.flag("fsdp", RUN, action="store_true", default=False,
+           help="shard parameters, gradients and Adam moments over the ranks (FSDP2; checkpoints "
+                "are folders of shards; one process is a run of one rank) (default off: DDP)")
     p.flag("wandb", SETTING, nargs="?", const="mhar", default=None,
            help="also log to Weights & Biases (project name, default mhar)")
 
@@ -294,9 +299,12 @@ def parse_args(argv=None):
 def load_checkpoint(path):
     """read_checkpoint for a run to resume or convert: its error is the run's one line."""
     try:
-        return read_checkpoint(path)
+        ckpt = read_checkpoint(path)
     except CheckpointError as e:
         die(str(e))
+    if "sharded" in ckpt:  # a --fsdp run's: its shards lie in a folder next to it
+        ckpt["sharded"] = Path(path).parent / ckpt["sharded"]
+    return ckpt
 
 
 def saved_flags(ckpt):
@@ -601,9 +609,12 @@ def evaluate(model, val, args, rank, world, device, autocast):
     ranks and all-reduced."""
     model.eval()
     total = torch.zeros((), device=device)
-    for i in range(rank, args.eval_batches, world):
+    for k in range(-(-args.eval_batches // world)):  # the same count on every rank: FSDP's
+        i = rank + k * world                           # forwards are collectives
         with autocast:
-            total += model(*to_device(val_batch(val, args, i), device))[1].float()
+            loss = model(*to_device(val_batch(val, args, min(i, args.eval_batches - 1)),
+                                    device))[1].float()
+        total += loss if i < args.eval_batches else 0
     if world > 1:
         dist.all_reduce(total)
     model.train()
@@ -762,7 +773,8 @@ def max_over_ranks(value, session):
 @dataclasses.dataclass
 class Session:
     """This process's part of the run: its rank among `world` ranks, its device, its precision."""
-    ddp: bool              # launched by torchrun
+    ddp: bool              # the ranks share a process group: torchrun (or --fsdp alone: 1 rank)
+    fsdp: bool             # the model is sharded over the ranks (else DDP copies it)
     rank: int
     world: int
     device: torch.device
@@ -789,8 +801,26 @@ def start_session(args):
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if ddp and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return Session(ddp, rank, world, device, torch.float32, nullcontext())
+        dist.init_process_group(backend(device))
+    return Session(ddp, False, rank, world, device, torch.float32, nullcontext())
+
+
+def backend(device):
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def start_sharding(session, args):
+    """--fsdp (the checkpoint's on --resume): the model will be sharded over the ranks; without
+    torchrun over a process group of this one process (its shards are the whole model)."""
+    if not args.fsdp:
+        return
+    if session.device.type not in ("cuda", "cpu"):
+        die(f"--fsdp shards over CUDA GPUs (NCCL) or CPU processes (gloo), not "
+            f"{session.device.type}: pass --device cuda or cpu, or leave --fsdp out")
+    if not session.ddp:
+        dist.init_process_group(backend(session.device), store=dist.HashStore(), rank=0,
+                                world_size=1)
+    session.ddp = session.fsdp = True
 
 
 def set_precision(session, args):
@@ -803,9 +833,10 @@ def set_precision(session, args):
 
 
 def wrap_model(gpt, args, session):
-    """The model the loop trains: compiled and wrapped for data parallelism as asked."""
+    """The model the loop trains: compiled and wrapped for data parallelism as asked (a sharded
+    model is its own wrapper)."""
     model = torch.compile(gpt) if args.compile else gpt
-    if session.ddp:
+    if session.ddp and not session.fsdp:
         device = session.device
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model
@@ -823,40 +854,28 @@ class Progress:
     wandb_id: str = None
 
 
-def build_model(args, config, ckpt, source, device):
+def build_model(args, config, ckpt, source, session):
     """(gpt, optimizer, progress, baseline): a new model, or the checkpoint's, or a converted
-    baseline (then `baseline` is the original, kept to check that the conversion is exact)."""
+    baseline (then `baseline` is the original, kept to check that the conversion is exact).
+    With --fsdp rank 0 builds the whole model on its CPU (the other ranks its shape on the meta
+    device, no memory), and parallel.distribute hands every rank its shards."""
     torch.manual_seed(args.seed)
+    device, sharded = session.device, args.fsdp
     pretrained = isinstance(source, Path)  # a Hugging Face directory, not a checkpoint of ours
+    shape_only = sharded and not session.master  # this rank receives its shards from rank 0
     try:
-        if pretrained:  # its weights, read one tensor at a time, routing added with closed gates
-            gpt = mhar.GPT.from_pretrained(source, **dataclasses.asdict(config)).to(device)
-        elif source:  # the baseline's weights, routing added with closed gates
-            gpt = mhar.GPT.from_baseline(unwrapped(source["model"]), config).to(device)
-        else:
-            gpt = mhar.GPT(config).to(device)
+        with torch.device("meta") if shape_only else nullcontext():
+            if pretrained and not shape_only:  # its weights, routing added with closed gates
+                gpt = mhar.GPT.from_pretrained(source, **dataclasses.asdict(config))
+            elif source and not pretrained:  # the baseline's weights, routing with closed gates
+                gpt = mhar.GPT.from_baseline(unwrapped(source["model"]), config)
+            else:
+                gpt = mhar.GPT(config)
     except (ValueError, TypeError, RuntimeError, ImportError, CheckpointError) as e:
         die(one_line(e))  # e.g. --fused without a GPU, a broken safetensors file
-    if args.decay_on == "matrices":  # the mid-training recipe: not the embedding, norms, routing
-        optimizer = torch.optim.AdamW(hf.midtrain_param_groups(gpt, args.lr, args.weight_decay),
-                                      betas=BETAS, eps=ADAM_EPS, fused=device.type == "cuda")
-    else:
-        optimizer = gpt.configure_optimizers(args.weight_decay, args.lr, BETAS, ADAM_EPS,
-                                             device.type)
-    for group in optimizer.param_groups:
-        if group["name"] == "routing":
-            group["lr"] = args.routing_lr
-        group.setdefault("initial_lr", group["lr"])  # the schedule scales each group's own peak
+    gpt = gpt if sharded else gpt.to(device)
+    optimizer = make_optimizer(gpt, args, "cpu" if sharded else device.type)
     progress, baseline = Progress(), None
-    if ckpt:
-        try:
-            gpt.load_state_dict(unwrapped(ckpt["model"]))
-            optimizer.load_state_dict(ckpt["optimizer"])
-            set_rng_states(ckpt["rng"])
-        except (RuntimeError, ValueError, KeyError, TypeError) as e:
-            die(f"the checkpoint does not fit this model: {one_line(e)}")
-        progress = Progress(ckpt["step"], ckpt["evals"], ckpt.get("tokens", 0),
-                            ckpt.get("wandb_id"))
     if pretrained:  # a new run from step 0, AdamW cold (the directory has no moments)
         baseline = mhar.GPT.from_pretrained(source, seq_len=config.seq_len).to(device)
     elif source:  # continue the baseline's run: its step, data position and Adam moments
@@ -864,7 +883,42 @@ def build_model(args, config, ckpt, source, device):
         progress = Progress(source["step"], [], source.get("tokens", 0))
         baseline = mhar.GPT(mhar.Config(**source["config"])).to(device)
         baseline.load_state_dict(unwrapped(source["model"]))
+    if sharded:
+        carried = optimizer if source and not pretrained else None
+        gpt, optimizer = parallel.distribute(gpt, carried, device,
+                                             session.dtype,
+                                             lambda model: make_optimizer(model, args, device.type))
+    if ckpt:
+        try:
+            if sharded:
+                parallel.load(ckpt["sharded"], gpt, optimizer)
+            else:
+                gpt.load_state_dict(unwrapped(ckpt["model"]))
+                optimizer.load_state_dict(ckpt["optimizer"])
+            set_rng_states(ckpt["rng"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            die(f"the checkpoint does not fit this model: {one_line(e)}")
+        progress = Progress(ckpt["step"], ckpt["evals"], ckpt.get("tokens", 0),
+                            ckpt.get("wandb_id"))
     return gpt, optimizer, progress, baseline
+
+
+def make_optimizer(gpt, args, device_type):
+    """AdamW over mhar.GPT.param_groups (weight decay on all parameters), or with --decay_on
+    matrices over hf.midtrain_param_groups (the mid-training recipe: not the embedding, norms,
+    routing); the routing group at --routing_lr."""
+    if args.decay_on == "matrices":
+        groups = hf.midtrain_param_groups(gpt, args.lr, args.weight_decay)
+        optimizer = torch.optim.AdamW(groups, betas=BETAS, eps=ADAM_EPS,
+                                      fused=device_type == "cuda")
+    else:
+        optimizer = gpt.configure_optimizers(args.weight_decay, args.lr, BETAS, ADAM_EPS,
+                                             device_type)
+    for group in optimizer.param_groups:
+        if group["name"] == "routing":
+            group["lr"] = args.routing_lr
+        group.setdefault("initial_lr", group["lr"])  # the schedule scales each group's own peak
+    return optimizer
 
 
 class WeightAverage:
@@ -881,7 +935,10 @@ class WeightAverage:
         if ckpt:
             if "ema" not in ckpt:
                 die(f"the checkpoint has no weight average, but --ema {decay} asks for one")
-            self.load_state_dict(ckpt["ema"])
+            if "sharded" in ckpt:  # a --fsdp run's average lies in its shards, as its weights
+                parallel.load_extra(ckpt["sharded"], {"ema": self.state_dict()})
+            else:
+                self.load_state_dict(ckpt["ema"])
 
     @torch.no_grad()
     def update(self):
@@ -905,10 +962,15 @@ class WeightAverage:
 
     @contextmanager
     def swapped_in(self):
-        """The model holds the average inside the block, its own weights again after it."""
+        """The model holds the average inside the block, its own weights again after it. The
+        values are exchanged in place, one tensor at a time: FSDP2 gathers its parameters from
+        their own storage, which a swap of `.data` would leave behind."""
+        @torch.no_grad()
         def swap():
             for p, average in zip(self.params, self.averages):
-                p.data, average.data = average.data, p.data
+                held = p.detach().clone()
+                p.copy_(average)
+                average.copy_(held)
         swap()
         try:
             yield
@@ -1029,7 +1091,8 @@ def start_outputs(run):
     run.report.print(f"model {model} | residual {config.residual}"
                      + (f" (H={config.depth_heads})" if config.routed else "") + f" | {params}"
                      + f" | {s.device} {str(s.dtype).removeprefix('torch.')}"
-                     + (f" | {s.world} ranks" if s.ddp else ""))
+                     + (f" | {s.world} rank{'s' if s.world > 1 else ''}" if s.ddp else "")
+                     + (" sharded (FSDP2)" if s.fsdp else ""))
     run.report.print(
         f"data synthetic: uniform random tokens over {args.vocab_size} ids" if data is None else
         f"data {data.folder}: {fmt_count(len(data.train))} train / {fmt_count(len(data.val))} "
@@ -1044,25 +1107,46 @@ def start_outputs(run):
 
 
 def save(run):
-    """The checkpoint of the run's current step (rank 0 writes it)."""
-    if not run.session.master:
+    """The checkpoint of the run's current step (rank 0 writes it). A sharded run's ranks first
+    write their shards into a new folder, which ckpt.pt then names in place of the weights."""
+    s, p = run.session, run.progress
+    if s.fsdp:
+        folder = save_shards(run)
+        state = dict(sharded=folder)
+    elif s.master:
+        state = dict(model=run.gpt.state_dict(), optimizer=run.optimizer.state_dict())
+    if not s.master:
         return
-    p = run.progress
     val_losses = [e["val_loss"] for e in p.evals]
     save_checkpoint(run.out / "ckpt.pt", dict(
-        model=run.gpt.state_dict(), optimizer=run.optimizer.state_dict(), step=p.step,
-        data_position=p.step, config=dataclasses.asdict(run.config), args=vars(run.args),
+        **state, step=p.step, data_position=p.step, config=dataclasses.asdict(run.config), args=vars(run.args),
         global_batch=run.args.global_batch, evals=p.evals,
         val_loss=val_losses[-1] if val_losses else None,
         best_val_loss=min(val_losses, default=None), tokens=p.tokens, rng=rng_states(),
         wandb_id=p.wandb_id, data_fingerprint=run.data_fingerprint,
-        **({"ema": run.ema.state_dict()} if run.ema else {})))
+        **({"ema": run.ema.state_dict() if not s.fsdp else True} if run.ema else {})))
+    if s.fsdp:  # ckpt.pt names the new folder: the previous one can go
+        parallel.remove_stale(run.out, keep=folder)
+
+
+def save_shards(run):
+    """parallel.save (with the weight average, if any), a failed write (a full disk) as one line
+    on every rank."""
+    extra = {"ema": run.ema.state_dict()} if run.ema else {}
+    try:
+        return parallel.save(run.out, run.progress.step, run.gpt, run.optimizer, extra)
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException included
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        fail(f"could not write the shards of step {run.progress.step} into {run.out} "
+             f"({os_error(e)}); the previous checkpoint is kept: free some space or fix the "
+             f"permissions, then --resume")
 
 
 def evaluate_and_save(run):
     """The validation loss at the current step, logged; then a checkpoint."""
     s, p = run.session, run.progress
-    eval_model = run.model.module if s.ddp else run.model
+    eval_model = run.model.module if isinstance(run.model, DDP) else run.model
     val = run.data.val if run.data else None
     val_loss = evaluate(eval_model, val, run.args, s.rank, s.world, s.device, s.autocast)
     ema_loss = {}
@@ -1112,11 +1196,12 @@ def log_step(run, loss_sum, lr, timer, device_name):
 
 def train_step(model, optimizer, xs, ys, args, session):
     """One optimizer step over grad_accum micro-batches; returns the summed micro-batch losses.
-    Gradients are synchronized over the ranks on the last micro-step only."""
+    DDP synchronizes the gradients on the last micro-step only; FSDP reduce-scatters them after
+    every micro-step, so that no rank ever holds more than its shard of them."""
     loss_sum = torch.zeros((), device=xs.device)
     for micro in range(args.grad_accum):
         last = micro == args.grad_accum - 1
-        with model.no_sync() if session.ddp and not last else nullcontext():
+        with model.no_sync() if isinstance(model, DDP) and not last else nullcontext():
             with session.autocast:
                 logits, loss = model(xs[micro], ys[micro])            # loss: the cross-entropy
                 objective = loss + args.z_loss * hf.z_loss(logits) if args.z_loss else loss
@@ -1138,6 +1223,7 @@ def train(args, given=frozenset()):
     s = start_session(args)
     args, ckpt, source = resolve_flags(args, given, s.world)
     set_precision(s, args)
+    start_sharding(s, args)
     data = open_data(args, s.rank, s.ddp)
     if ckpt:
         check_same_data(ckpt, data, args)
@@ -1147,7 +1233,7 @@ def train(args, given=frozenset()):
     check_data(data, config)
 
     # the model, its optimizer, and where the run stands
-    gpt, optimizer, progress, baseline = build_model(args, config, ckpt, source, s.device)
+    gpt, optimizer, progress, baseline = build_model(args, config, ckpt, source, s)
     ema = WeightAverage(gpt, args.ema, ckpt) if args.ema else None
     del ckpt, source
     out = Path(args.out_dir)
@@ -1215,7 +1301,8 @@ def finish(run, timer, t_start, stop_signal):
     if s.master and summary["finished"] and not stop_signal:
         (run.out / "summary.json").write_text(json.dumps(summary, indent=2))
         run.report.print(summary_line(summary))
-        print_sample(run)
+    if (s.master or s.fsdp) and summary["finished"] and not stop_signal:
+        print_sample(run)  # a sharded model samples on every rank: its forwards are collectives
     if run.report.wandb is not None:
         with suppress(Exception):  # the run is saved: the dashboard's goodbye cannot fail it
             run.report.wandb.finish()
@@ -1248,7 +1335,7 @@ def print_sample(run, prompt_tokens=48, new_tokens=128):
         line_ends = [i for i, t in enumerate(prompt) if "\n" in enc.decode([t])]
         prompt = prompt[:line_ends[-1] + 1] if line_ends else prompt
         torch.manual_seed(run.args.seed)
-        with run.session.autocast:
+        with run.session.autocast, parallel.gathered(run.gpt):
             idx = run.gpt.generate(torch.tensor([prompt], device=run.session.device), new_tokens,
                                    temperature=0.8, top_k=50, vocab_limit=enc.n_vocab)
         continuation = enc.decode(idx[0, len(prompt):].tolist())

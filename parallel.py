@@ -1,0 +1,196 @@
+"""
+Sharded data parallelism for train.py --fsdp, with PyTorch's FSDP2 (fully_shard).
+
+DDP keeps the whole training state on every GPU: fp32 parameters, gradients and both Adam
+moments, 16 bytes per parameter, 128 GB at 8B before a single activation. Fully sharded data
+parallelism (Zhao et al., 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data
+Parallel", arXiv:2304.11277; ZeRO-3 in Rajbhandari et al., 2019, arXiv:1910.02054) keeps 1/N of
+each tensor on each of N ranks: a sublayer's parameters are all-gathered just before it runs and
+freed after, and its gradients are reduce-scattered, so each rank ends the backward holding the
+gradient of its own shard, which its optimizer updates. The batches, the loss and the update are
+those of DDP.
+
+    shard(model, mesh, dtype)       one FSDP unit per sublayer, the rest at the root; bf16 compute
+    distribute(full, optimizer, device, dtype, make_optimizer)
+                                    rank 0's whole model (and optimizer state) into shards
+    gathered(model)                 the root's parameters whole, for generate()
+    save(out, step, model, optimizer) / load(folder, model, optimizer)    sharded checkpoints
+"""
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_model_state_dict,
+                                                     set_optimizer_state_dict, set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+import mhar
+
+
+def device_mesh(device):
+    """All ranks of the default process group (NCCL on GPUs, gloo on CPUs) in one dimension:
+    every tensor is split over all of them."""
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def mixed_precision(dtype):
+    """Compute in `dtype` (bf16 on GPUs), keep the sharded parameters, the gradients' reduction
+    and Adam in fp32: bf16 sums over many ranks would lose the small gradients. float32 changes
+    nothing."""
+    param_dtype = None if dtype == torch.float32 else dtype  # None: the parameters' own dtype
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def shard(model, mesh, dtype):
+    """Turn an mhar.GPT into FSDP units in place: one per sublayer (its parameters are gathered
+    only while it runs, forward and backward) and the root holding the rest (embedding, routing
+    sites, final norm).
+
+    The routing sites stay at the root: the forward reads their query and norm weight directly,
+    not through a module call, and FSDP gathers a unit's parameters in its module's forward hook.
+    Tied input and output embeddings must share one unit; untied ones (large vocabularies) get
+    one each, so neither stays gathered for the whole step.
+    """
+    policy = mixed_precision(dtype)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    if model.lm_head.weight is not model.embed.weight:
+        fully_shard(model.embed, mesh=mesh, mp_policy=policy)
+        fully_shard(model.lm_head, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def distribute(full, optimizer, device, dtype, make_optimizer):
+    """(sharded model, its optimizer) from a model whose whole copy exists on rank 0 alone.
+
+    `full` on rank 0 is the model as one process builds it (initialized from the seed, converted
+    from a baseline, or read from pretrained weights), on its CPU; the other ranks pass None or
+    the same model built on the meta device (no memory). Every rank builds the shape on the meta
+    device, shards it, and receives its shards from rank 0 one tensor at a time: an 8B model
+    needs one full fp32 copy (32 GB) in rank 0's CPU memory, not one per GPU. `optimizer` (rank
+    0's, over `full`; None elsewhere or for a fresh start) hands over its state, e.g. the Adam
+    moments a conversion carries; make_optimizer(model) builds the optimizer of the shards.
+    """
+    master = dist.get_rank() == 0
+    config = [full.config if master else None]
+    dist.broadcast_object_list(config, src=0)  # the shape: rank 0 may have read it from files
+    state = {k: vector(v) for k, v in full.state_dict().items()} if master else {}
+    buffers = dict(full.named_buffers()) if master else {}  # not in the state dict: rotary tables
+    carried = carried_state(full, optimizer) if master and optimizer is not None else None
+    del full
+    with torch.device("meta"):
+        model = vectorize_scalars(mhar.GPT(config[0]))
+    shard(model, device_mesh(device), dtype)
+    model.to_empty(device=device)  # allocates each rank's shards, uninitialized
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, state, options=options)
+    for name, buffer in model.named_buffers():
+        if master:
+            buffer.copy_(buffers[name])
+        dist.broadcast(buffer, src=0)
+    sharded_optimizer = make_optimizer(model)
+    has_state = [carried is not None and list(carried["state"])]
+    dist.broadcast_object_list(has_state, src=0)
+    if has_state[0] is not False:
+        partial = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        set_optimizer_state_dict(model, sharded_optimizer, carried or {}, options=partial)
+        for name, p in model.named_parameters():  # loading made state for all; fresh stay fresh
+            if name not in has_state[0]:
+                sharded_optimizer.state.pop(p, None)
+    return model, sharded_optimizer
+
+
+def vectorize_scalars(model):
+    """FSDP shards no 0-d parameter (delta routing's gates): each becomes a vector of one element,
+    which broadcasts as the scalar did. The shards keep them so; common.load_model reads them
+    back into scalars."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.dim() == 0:
+                setattr(module, name, torch.nn.Parameter(p.reshape(1)))
+    return model
+
+
+def vector(tensor):
+    """A 0-d tensor as a vector of one element (see vectorize_scalars); others as they are."""
+    return tensor.reshape(1) if torch.is_tensor(tensor) and tensor.dim() == 0 else tensor
+
+
+def carried_state(model, optimizer):
+    """An optimizer's state dict keyed by parameter names rather than positions, the form
+    set_optimizer_state_dict reads."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    saved = optimizer.state_dict()
+    state = {order[i]: {k: v if k == "step" else vector(v) for k, v in s.items()}
+             for i, s in saved["state"].items()}
+    return dict(state=state,
+                param_groups=[{**g, "params": [order[i] for i in g["params"]]}
+                              for g in saved["param_groups"]])
+
+
+@contextmanager
+def gathered(model):
+    """The root unit's parameters whole for calls that bypass its forward (model.generate calls
+    model.hidden; the sublayers gather their own). Every rank must enter it. A plain model:
+    nothing to do."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
+# -------------------------------------------------------------------------------------------
+# Sharded checkpoints: every rank writes its own shards into one folder
+# (torch.distributed.checkpoint); the folder's .metadata, written last by rank 0, maps each tensor
+# to its pieces, so any number of ranks (one process included, see common.read_shards) can read
+# it back.
+
+def save(out, step, model, optimizer, extra=None):
+    """Write the model's and the optimizer's shards (and `extra`, a dict of more sharded state,
+    e.g. a weight average) into a new folder out/shards-STEP[.n] and return its name; every rank
+    calls it. The folder the last ckpt.pt names is never touched: a crash leaves that checkpoint
+    whole (remove_stale deletes the old folder once the new ckpt.pt names the new one)."""
+    name = [None]
+    if dist.get_rank() == 0:
+        name[0], n = f"shards-{step}", 1
+        while (Path(out) / name[0]).exists():  # the same step saved again (a stop after an eval)
+            name[0], n = f"shards-{step}.{n}", n + 1
+    dist.broadcast_object_list(name, src=0)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state, **(extra or {})},
+             checkpoint_id=Path(out) / name[0])
+    return name[0]
+
+
+def remove_stale(out, keep):
+    """Delete every shards-* folder in `out` but `keep` (rank 0, once ckpt.pt names `keep`)."""
+    for folder in Path(out).glob("shards-*"):
+        if folder.name != keep:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def load(folder, model, optimizer):
+    """Read the shards of `save` into a sharded model and its optimizer (each rank reads the
+    pieces its shards need, resharding when the number of ranks changed)."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=Path(folder))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+
+
+def load_extra(folder, state):
+    """Read what `save` wrote under `extra` into `state`'s sharded tensors, in place (e.g.
+    {"ema": {name: DTensor}}); every rank calls it."""
+    dcp.load(state, checkpoint_id=Path(folder))
