@@ -14,6 +14,7 @@ those of DDP.
     distribute(full, optimizer, device, dtype, make_optimizer)
                                     rank 0's whole model (and optimizer state) into shards
     gathered(model)                 the root's parameters whole, for generate()
+    regather(model)                 forget gathered copies after the shards changed in place
     save(out, step, model, optimizer) / load(folder, model, optimizer)    sharded checkpoints
 """
 import shutil
@@ -23,9 +24,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict,
                                                      set_model_state_dict,
-                                                     set_optimizer_state_dict, set_state_dict)
+                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -150,6 +152,16 @@ def gathered(model):
         model.reshard()
 
 
+def regather(model):
+    """Drop every gathered copy of the parameters, so the next forward gathers the shards anew:
+    needed after the shards were changed in place outside the optimizer (a weight average
+    swapped in), since FSDP2 keeps the root unit's gathered parameters after a forward that no
+    backward follows. A plain model: nothing to do."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 # -------------------------------------------------------------------------------------------
 # Sharded checkpoints: every rank writes its own shards into one folder
 # (torch.distributed.checkpoint); the folder's .metadata, written last by rank 0, maps each tensor
@@ -167,9 +179,10 @@ def save(out, step, model, optimizer, extra=None):
         while (Path(out) / name[0]).exists():  # the same step saved again (a stop after an eval)
             name[0], n = f"shards-{step}.{n}", n + 1
     dist.broadcast_object_list(name, src=0)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state, **(extra or {})},
-             checkpoint_id=Path(out) / name[0])
+    state = {"model": get_model_state_dict(model), **(extra or {})}
+    if optimizer.state:  # before the first step it has none; get_optimizer_state_dict would make
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)  # one by a step AdamW counts
+    dcp.save(state, checkpoint_id=Path(out) / name[0])
     return name[0]
 
 
@@ -183,11 +196,14 @@ def remove_stale(out, keep):
 def load(folder, model, optimizer):
     """Read the shards of `save` into a sharded model and its optimizer (each rank reads the
     pieces its shards need, resharding when the number of ranks changed)."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
+    saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    state = {"model": get_model_state_dict(model)}
+    if any(name.startswith("optimizer.") for name in saved):  # not saved before the first step
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     dcp.load(state, checkpoint_id=Path(folder))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
+    set_model_state_dict(model, state["model"])
+    if "optimizer" in state:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 def load_extra(folder, state):

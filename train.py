@@ -971,6 +971,7 @@ class WeightAverage:
                 held = p.detach().clone()
                 p.copy_(average)
                 average.copy_(held)
+            parallel.regather(self.model)
         swap()
         try:
             yield

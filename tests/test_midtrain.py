@@ -192,3 +192,27 @@ def test_export_writes_the_weight_average_unless_raw(midtrained, tmp_path, raw):
     written = ckpt["model"] if raw else ckpt["ema"]
     assert all(torch.equal(back[k], written[k]) for k in written)
     assert not torch.equal(ckpt["ema"]["embed.weight"], ckpt["model"]["embed.weight"])
+
+
+def test_a_sharded_midtraining_run_is_the_unsharded_one_and_resumes(qwen3, tokens, tmp_path):
+    """--init_from DIR --fsdp (one rank, no torchrun): rank 0 reads the directory and its shards
+    are handed out; the weight average is sharded with the weights, evaluated between steps,
+    saved in the shards, read back by --resume and by export.py. Stopped after step 2 and
+    resumed, it ends where the unsharded run does."""
+    from common import load_model
+    every_2 = ("--eval_interval", "2")  # the average swapped in and out while training goes on
+    train.main(flags(qwen3[0], tokens, tmp_path / "plain", *every_2))
+    out = tmp_path / "sharded"
+    train.main(flags(qwen3[0], tokens, out, *every_2, "--fsdp", "--stop_step", "3"))
+    train.main(["--resume", "--out_dir", str(out)])
+    ours, theirs = read_log(out), read_log(tmp_path / "plain")
+    assert ours[0] == {"step": 0, "conversion_max_logit_diff": 0.0}
+    for key in ("loss", "val_loss", "ema_val_loss"):
+        a, b = [e[key] for e in ours if key in e], [e[key] for e in theirs if key in e]
+        assert len(a) == len(b) > 0 and all(abs(x - y) <= 1e-6 * abs(y) for x, y in zip(a, b)), key
+    reference = load(tmp_path / "plain")
+    for average in (False, True):
+        model = load_model(out / "ckpt.pt", average=average)[0].state_dict()
+        expected = reference["ema" if average else "model"]
+        for name, tensor in expected.items():
+            torch.testing.assert_close(model[name], tensor, rtol=1e-5, atol=1e-6)
