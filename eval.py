@@ -22,18 +22,17 @@ The model answers lm-eval's three kinds of request, batch_size at a time, longes
     generate_until(context, until)        greedy decoding (sampling if the task asks for it) until
                                           a stop string or max_gen_toks, with GPT.generate
 
-Text becomes token ids with GPT-2's BPE for this project's GPT-2-vocabulary checkpoints (offline
-too), or with a tokenizer.json (the tokenizers library): a Hugging Face directory's own, the one
-the meta.json of a checkpoint's training data records, or --tokenizer. The padding ids above the
-tokenizer's vocabulary (GPT-2's 50,257 are padded to 50,304) are never generated.
+Text becomes token ids with the tokenizer the model was trained with: the one its training data's
+meta.json records (GPT-2's BPE, offline too, or a model's tokenizer.json), the tokenizer.json of a
+Hugging Face directory, or --tokenizer DIR. The ids past the tokenizer's vocabulary (GPT-2's
+50,257 ids are padded to 50,304) are never generated. A model trained on token ids without a
+tokenizer has no text to be asked about: one line says so.
 """
 import argparse
 import dataclasses
-import inspect
 import json
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,14 +42,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from common import UserError, exit_error, load_model, one_line, pick_device, read_meta  # noqa: E402
+import prepare  # noqa: E402
+from common import UserError, exit_error, load_model, one_line, pick_device, training_data  # noqa: E402
 
 try:  # lm-eval is optional: only this file imports it, and main() says how to install it
     from lm_eval.api.model import TemplateLM
 except ImportError:
     TemplateLM = None
 
-GPT2_VOCAB = 50257          # GPT-2's ids; a model with as many or more reads GPT-2's BPE
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default when a generation task sets no max_gen_toks
 FIRST_ROUND = 16            # tokens generated before the first look for a stop string; doubles
 
@@ -61,111 +60,52 @@ def require_lm_eval():
                         "and their metrics)")
 
 
-# -----------------------------------------------------------------------------
-# Tokenizers: text <-> ids, what lm-eval's requests (text) need.
-
-@dataclass
-class Tokenizer:
-    name: str                       # "gpt2", or the tokenizer.json it was read from
-    encode: Callable[[str], list]   # text -> ids, no special token added
-    decode: Callable[[list], str]   # ids -> text, special tokens written out
-    eot: int                        # end-of-text: what an empty context is replaced with
-    size: int                       # ids 0..size-1 are text; from size up, the model's padding
-
-
-def gpt2_tokenizer():
-    """GPT-2's BPE with tiktoken (prepare.get_encoding: downloaded, or offline from local files)."""
-    import prepare
-    try:
-        enc = prepare.get_encoding()
-    except prepare.PrepareError as e:
-        raise UserError(str(e)) from None
-    # "<|endoftext|>" in a task's text is the end-of-text token, as in Hugging Face's GPT-2
-    return Tokenizer("gpt2", lambda text: enc.encode(text, allowed_special="all"), enc.decode,
-                     enc.eot_token, enc.n_vocab)
-
-
-def json_tokenizer(path, eot=None):
-    """A tokenizer.json (the file, or its folder) read with the tokenizers library. End-of-text:
-    `eot`, else the eos_token of tokenizer_config.json beside it, else <|endoftext|>."""
-    path = Path(path)
-    path = path / "tokenizer.json" if path.is_dir() else path
-    if not path.is_file():
-        raise UserError(f"no tokenizer at {path}: give a tokenizer.json or the folder holding one")
-    try:
-        from tokenizers import Tokenizer as TokenizerJSON
-    except ImportError:
-        raise UserError(f"{path} needs the tokenizers library: pip install tokenizers") from None
-    try:
-        tok = TokenizerJSON.from_file(str(path))
-    except Exception as e:  # the library raises plain Exceptions for a broken file
-        raise UserError(f"cannot read {path} as a tokenizer.json ({one_line(e)})") from None
-    if eot is None:
-        name, config = "<|endoftext|>", path.parent / "tokenizer_config.json"
-        if config.is_file():
-            try:
-                eos = json.loads(config.read_text()).get("eos_token") or name
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
-                raise UserError(f"cannot read {config} ({one_line(e)})") from None
-            name = eos["content"] if isinstance(eos, dict) else eos
-        eot = tok.token_to_id(name)
-        if eot is None:
-            raise UserError(f"{path} has no end-of-text token {name!r}: name it as eos_token in "
-                            f"{config}")
-    return Tokenizer(str(path), lambda text: tok.encode(text, add_special_tokens=False).ids,
-                     lambda ids: tok.decode(ids, skip_special_tokens=False), eot,
-                     tok.get_vocab_size(with_added_tokens=True))
-
-
 def tokenizer_of_checkpoint(ckpt, path):
-    """The tokenizer of a train.py checkpoint: the one its data folder's meta.json records, else
-    (the folder is gone, or the data was synthetic) GPT-2's when the vocabulary holds GPT-2's."""
-    vocab = ckpt["config"]["vocab_size"]
-    data = (ckpt.get("args") or {}).get("data")
-    meta = read_meta(data) if data and Path(data).is_dir() else {}
-    recorded = meta.get("tokenizer")
-    if recorded == "gpt2" or (recorded is None and vocab >= GPT2_VOCAB):
-        return gpt2_tokenizer()
-    if recorded not in (None, "none"):  # prepared with a model's own tokenizer.json
-        return json_tokenizer(recorded, meta.get("eot"))
-    source = f"; {data}/meta.json records tokenizer {recorded!r}" if recorded else ""
-    raise UserError(f"{path} reads token ids that no text tokenizer made ({vocab} ids{source}): "
-                    f"lm-eval's tasks are text; train on a prepare.py corpus, or name the "
-                    f"tokenizer with --tokenizer")
+    """The prepare.Tokenizer a train.py checkpoint was trained with (its data's meta.json); GPT-2's
+    for synthetic data or a data folder that is gone, when the vocabulary holds GPT-2's ids."""
+    vocab_size = ckpt["config"]["vocab_size"]
+    data, meta = training_data(ckpt)
+    tokenizer = prepare.tokenizer_of(meta) if meta else None
+    if tokenizer is None and not meta and vocab_size >= prepare.VOCAB_SIZE:
+        return prepare.gpt2_tokenizer()
+    if tokenizer is None:
+        why = (f"{data}/meta.json records tokenizer {meta.get('tokenizer')!r}" if meta else
+               f"{vocab_size} ids, too few for GPT-2's")
+        raise UserError(f"{path} was trained on token ids without a text tokenizer ({why}): "
+                        f"lm-eval's tasks are text; train on a prepare.py corpus, or name the "
+                        f"tokenizer with --tokenizer DIR")
+    return tokenizer
 
 
 # -----------------------------------------------------------------------------
 # Models: a train.py checkpoint, a run folder, or a Hugging Face directory.
 
 def load(path, device, tokenizer=None):
-    """(model in eval mode, Tokenizer, info for the results) from any of the three; UserError if
-    it cannot be used. `tokenizer` ("gpt2" or a tokenizer.json) replaces the recorded one."""
+    """(model in eval mode, prepare.Tokenizer, info for the results) from any of the three;
+    UserError if it cannot be used. `tokenizer` (a folder with tokenizer.json) overrides."""
     import mhar
-    given = tokenizer and (gpt2_tokenizer() if tokenizer == "gpt2" else json_tokenizer(tokenizer))
     path = Path(path)
     if path.is_dir() and (path / "ckpt.pt").is_file():  # a run folder
         path = path / "ckpt.pt"
     if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face directory
-        if not hasattr(mhar.GPT, "from_pretrained"):
-            raise UserError(f"{path} is a Hugging Face directory, which this mhar.py cannot read "
-                            f"(it has no GPT.from_pretrained)")
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as autocast computes
         try:
-            model = mhar.GPT.from_pretrained(str(path)).to(device).eval()
-        except (OSError, ValueError, KeyError, ImportError) as e:
+            model = mhar.GPT.from_pretrained(str(path), dtype=dtype).to(device).eval()
+        except ValueError as e:  # hf.py raises CheckpointError (a UserError) for foreign files
             raise UserError(f"cannot load {path}: {one_line(e)}") from None
         info = {"checkpoint": str(path)}
-        tok = given or json_tokenizer(path)
+        tok = prepare.hf_tokenizer(tokenizer or path)
     elif path.is_dir():
         raise UserError(f"{path} holds neither ckpt.pt (a train.py run) nor config.json (a Hugging "
                         f"Face model)")
     else:
         model, ckpt = load_model(path, device)
         info = {"checkpoint": str(path), "step": ckpt.get("step")}
-        tok = given or tokenizer_of_checkpoint(ckpt, path)
-    if tok.size > model.config.vocab_size:
-        raise UserError(f"the tokenizer {tok.name} has {tok.size} ids, more than the model's "
-                        f"{model.config.vocab_size}: it is not this model's tokenizer")
-    info.update(tokenizer=tok.name, parameters=model.num_params(),
+        tok = prepare.hf_tokenizer(tokenizer) if tokenizer else tokenizer_of_checkpoint(ckpt, path)
+    if tok.vocab_size > model.config.vocab_size:
+        raise UserError(f"the tokenizer {tok.name} has {tok.vocab_size:,} ids, more than the "
+                        f"model's {model.config.vocab_size:,}: it is not this model's tokenizer")
+    info.update(tokenizer=f"{tok.name} ({tok.source})", parameters=model.num_params(),
                 model_config=dataclasses.asdict(model.config))
     return model, tok, info
 
@@ -193,7 +133,8 @@ class MHARLM(TemplateLM or object):
         return self.seq_len
 
     def tok_encode(self, string, add_special_tokens=None, **kwargs):
-        return self.tok.encode(string)  # lm-eval adds the end-of-text itself where it needs one
+        # as prepare.py encodes documents: special-token text is text; lm-eval adds end-of-text
+        return self.tok.encode_batch([string])[0] if string else []
 
     def get_model_info(self):
         return self.info  # lm-eval puts it into the results' "config"
@@ -237,7 +178,7 @@ class MHARLM(TemplateLM or object):
                 end = len(inputs[i])
                 scored = logits[row, end - len(continuation):end]          # (n, vocab) predicts it
                 logprobs = F.log_softmax(scored, dim=-1).gather(1, continuation[:, None])  # (n, 1)
-                greedy = scored[:, :self.tok.size].argmax(-1)  # what decoding writes: no padding
+                greedy = scored[:, :self.tok.vocab_size].argmax(-1)  # what decoding writes
                 answers[i] = (logprobs.double().sum().item(), bool((greedy == continuation).all()))
         return answers
 
@@ -259,11 +200,10 @@ class MHARLM(TemplateLM or object):
     def generate_until(self, requests, disable_tqdm=False):
         """The continuation of each context, up to its first stop string. Prompts of one length
         and one generation setting share a batch (the model takes no padding mask)."""
-        eos = self.tok.decode([self.tok.eot])
         groups = {}  # (prompt length, settings) -> the requests' indices
         prompts = []
         for i, (context, gen_kwargs) in enumerate(request.args for request in requests):
-            settings = generation_settings(gen_kwargs, eos)
+            settings = generation_settings(gen_kwargs)
             if settings.max_new >= self.seq_len:
                 raise UserError(f"a task asks for up to {settings.max_new} new tokens, but the "
                                 f"model's window is {self.seq_len} tokens: ask for fewer, e.g. "
@@ -280,60 +220,44 @@ class MHARLM(TemplateLM or object):
                     texts[i] = text
         return texts
 
+    @torch.no_grad()
     def complete(self, prompts, settings):
-        """The continuations of prompts of one length, each up to its first stop string.
+        """The continuations of prompts of one length, each up to its end-of-text or first stop
+        string.
 
-        Generation runs in rounds of 16, 32, 64, ... tokens; after each round the rows that
-        wrote a stop string leave the batch. Each round reads its prompt again (one forward), so
-        doubling keeps those reads to a few.
+        GPT.generate (with its KV cache, never a padding id) runs in rounds of 16, 32, 64, ...
+        tokens; after each round the rows that are done leave the batch. A round reads its prompt
+        again (one forward), so doubling keeps those reads to a few.
         """
         idx = torch.tensor(prompts, device=self._device)                                # (B, T)
         length, rows, texts = idx.size(1), list(range(len(prompts))), [""] * len(prompts)
         new, step = 0, FIRST_ROUND
         while rows and new < settings.max_new:
             n = min(step, settings.max_new - new)
-            idx = self.generate(idx, n, settings)                                 # (B, T + new)
+            with self.autocast():
+                idx = self.model.generate(idx, n, temperature=settings.temperature,  # (B, T + new)
+                                          top_k=settings.top_k, vocab_limit=self.tok.vocab_size)
             new, step = new + n, 2 * step
             going = []
             for row, i in enumerate(rows):
-                texts[i] = self.tok.decode(idx[row, length:].tolist())
-                if not any(stop in texts[i] for stop in settings.until):
+                ids = idx[row, length:].tolist()
+                ended = self.tok.eot in ids
+                texts[i] = self.tok.decode(ids[:ids.index(self.tok.eot)] if ended else ids)
+                if not ended and not any(stop in texts[i] for stop in settings.until):
                     going.append(row)
             idx, rows = idx[going], [rows[row] for row in going]
         return [cut(text, settings.until) for text in texts]
 
-    @torch.no_grad()
-    def generate(self, idx, n, settings):
-        """idx (B, T) and n more tokens: GPT.generate with its KV cache, never a padding id."""
-        with self.autocast():
-            if "vocab_limit" in inspect.signature(self.model.generate).parameters:
-                return self.model.generate(idx, n, temperature=settings.temperature,
-                                           top_k=settings.top_k, vocab_limit=self.tok.size,
-                                           cache=True)
-            # a GPT.generate without vocab_limit (nor a cache): its decoding, over the text ids
-            for _ in range(n):
-                logits = self.model(idx)[0][:, -1, :self.tok.size]               # (B, text ids)
-                if settings.temperature == 0:
-                    next_id = logits.argmax(-1, keepdim=True)
-                else:
-                    logits = logits / settings.temperature
-                    if settings.top_k is not None:
-                        kth = torch.topk(logits, min(settings.top_k, logits.size(-1))).values
-                        logits = logits.masked_fill(logits < kth[:, [-1]], float("-inf"))
-                    next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-                idx = torch.cat((idx, next_id), dim=1)
-            return idx
-
 
 @dataclass(frozen=True)
 class Generation:
-    until: tuple            # stop strings; end-of-text is always one
+    until: tuple            # stop strings (end-of-text stops too)
     max_new: int            # tokens to generate at most
     temperature: float      # 0: greedy
     top_k: int = None       # sample among the k likeliest ids; None: among all
 
 
-def generation_settings(gen_kwargs, eos):
+def generation_settings(gen_kwargs):
     """A task's generation_kwargs as Generation, by lm-eval's conventions: greedy unless do_sample
     (or, with no do_sample, a temperature above 0); 256 new tokens at most unless set."""
     kwargs = dict(gen_kwargs)
@@ -352,8 +276,7 @@ def generation_settings(gen_kwargs, eos):
         raise UserError(f"generation settings {unsupported} are not supported: eval.py decodes "
                         f"greedily, or samples (do_sample, temperature, top_k), until a stop "
                         f"string or max_gen_toks")
-    return Generation(tuple(until) + (eos,) * (eos not in until), max_new, temperature,
-                      int(top_k) if top_k else None)
+    return Generation(tuple(until), max_new, temperature, int(top_k) if top_k else None)
 
 
 def cut(text, stops):
@@ -401,7 +324,7 @@ def evaluate(ckpt, tasks, output=None, device="auto", batch_size=8, max_length=N
     if not tasks:
         raise UserError("no tasks given: e.g. --tasks hellaswag,lambada_openai")
     if gen_kwargs:  # checked before anything runs
-        generation_settings(simple_parse_args_string(gen_kwargs), eos="")
+        generation_settings(simple_parse_args_string(gen_kwargs))
     manager = task_manager(tasks, include_path)
     model, tok, info = load(ckpt, pick_device(device), tokenizer)
     lm = MHARLM(model, tok, batch_size, max_length, info)
@@ -458,7 +381,7 @@ def parse_args(argv=None):
     a("--batch_size", type=int, default=8, help="sequences per forward (default 8)")
     a("--max_length", type=int, help="context window (default and at most: the model's seq_len)")
     a("--gen_kwargs", help="generation settings for every generation task, e.g. max_gen_toks=64")
-    a("--tokenizer", help="gpt2, or a tokenizer.json (file or folder), instead of the recorded one")
+    a("--tokenizer", metavar="DIR", help="a folder with tokenizer.json, instead of the model's own")
     a("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps")
     a("--output", help="results JSON (default: eval.json beside the checkpoint)")
     a("--log_samples", action="store_true", help="also write every request and answer to it")

