@@ -4,8 +4,8 @@ Hugging Face Qwen3 directory.
 
     python eval.py --ckpt out/ckpt.pt --tasks hellaswag,lambada_openai,wikitext  # network
     python eval.py --ckpt runs/compare/mhar-s0 --tasks hellaswag --limit 500 --device cuda
-    python eval.py --ckpt Qwen3-8B/ --tasks gsm8k,gpqa_main_zeroshot --batch_size 16
-    python eval.py --ckpt out/ckpt.pt --tasks pyval_next,pyval_line --include_path tasks/
+    python eval.py --ckpt models/Qwen3-8B --tasks gsm8k,gpqa_main_zeroshot --batch_size 16
+    python eval.py --ckpt out/ckpt.pt --tasks pyval_text,pyval_line --include_path data/pyval
 
 --ckpt is a train.py checkpoint, a run folder holding one (ckpt.pt), or a Hugging Face directory
 (config.json, weights, tokenizer.json), read by GPT.from_pretrained. --tasks names lm-eval's tasks
@@ -20,7 +20,8 @@ The model answers lm-eval's three kinds of request, batch_size at a time, longes
     loglikelihood_rolling(text)           log p(text) over windows of seq_len tokens, each token
                                           predicted once (perplexity tasks such as wikitext)
     generate_until(context, until)        greedy decoding (sampling if the task asks for it) until
-                                          a stop string or max_gen_toks, with GPT.generate
+                                          end-of-text, a stop string or max_gen_toks, with
+                                          GPT.generate and its KV cache
 
 Text becomes token ids with the tokenizer the model was trained with: the one its training data's
 meta.json records (GPT-2's BPE, offline too, or a model's tokenizer.json), the tokenizer.json of a
@@ -43,7 +44,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import prepare  # noqa: E402
-from common import UserError, exit_error, load_model, one_line, pick_device, training_data  # noqa: E402
+from common import (UserError, exit_error, load_model, one_line, pick_device,  # noqa: E402
+                    training_data)
 
 try:  # lm-eval is optional: only this file imports it, and main() says how to install it
     from lm_eval.api.model import TemplateLM
