@@ -388,12 +388,12 @@ def parse_args(argv=None):
     a("--output", help="results JSON (default: eval.json beside the checkpoint)")
     a("--log_samples", action="store_true", help="also write every request and answer to it")
     args = p.parse_args(argv)
-    if args.batch_size < 1 or (args.max_length is not None and args.max_length < 2):
-        p.error("--batch_size must be at least 1, --max_length at least 2")
-    if args.num_fewshot is not None and args.num_fewshot < 0:
-        p.error("--num_fewshot must be 0 or more")
-    if args.limit is not None and args.limit <= 0:
-        p.error("--limit must be positive")
+    for flag, smallest in (("batch_size", 1), ("max_length", 2), ("num_fewshot", 0)):
+        value = getattr(args, flag)
+        if value is not None and value < smallest:
+            exit_error("eval.py", f"--{flag} must be at least {smallest}, got {value}")
+    if args.limit is not None and not args.limit > 0:
+        exit_error("eval.py", f"--limit must be positive, got {args.limit}")
     if args.limit is not None and args.limit >= 1:
         args.limit = int(args.limit)  # a count; below 1, a fraction (lm-eval's convention)
     return args

@@ -309,6 +309,8 @@ def test_bad_input_is_one_line_and_status_2(run, tmp_path, capsys, monkeypatch):
         return err.splitlines()[-1]
 
     tasks = ["--tasks", "tiny_choice", "--include_path", str(run.folder)]
+    assert "--batch_size must be at least 1" in error("--ckpt", str(run.folder), *tasks,
+                                                      "--batch_size", "0")
     assert "no checkpoint at" in error("--ckpt", str(tmp_path / "missing.pt"), *tasks)
     assert "neither ckpt.pt" in error("--ckpt", str(tmp_path), *tasks)
     # a model of token ids that no text tokenizer made
