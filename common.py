@@ -29,28 +29,32 @@ def one_line(e):
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
-def exit_error(prog, message):
-    """Print `prog: error: message` on stderr and exit with status 2, as argparse does."""
+def exit_error(prog, message, status=2):
+    """Print `prog: error: message` on stderr and exit with `status`: 2, as argparse does, for
+    bad input; 1 for a failure of the machine (a full disk)."""
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    sys.exit(status)
 
 
 # -----------------------------------------------------------------------------
 # The device.
 
 def pick_device(name=None):
-    """The named device; "auto" (or None) picks cuda, else mps, else cpu. UserError for one that is absent."""
+    """The named device; "auto" (or None) picks cuda, else mps, else cpu. UserError for one that
+    is absent."""
     if name in (None, "auto"):
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        name = ("cuda" if torch.cuda.is_available() else
+                "mps" if torch.backends.mps.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
         raise UserError(f"unknown device {name!r}: use auto, cpu, cuda, cuda:N or mps") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: this machine has no CUDA GPU that torch can use; use --device cpu "
-                        f"(or auto)")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise UserError(f"--device {name}: there are only {torch.cuda.device_count()} GPUs")
+        raise UserError(f"--device {name}: this machine has no CUDA GPU that torch can use; use "
+                        f"--device cpu (or auto)")
+    count = torch.cuda.device_count()
+    if device.type == "cuda" and device.index is not None and device.index >= count:
+        raise UserError(f"--device {name}: there are only {count} GPUs")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise UserError(f"--device {name}: MPS is not available here; use --device cpu (or auto)")
     if device.type not in ("cpu", "cuda", "mps"):
@@ -73,7 +77,8 @@ class Tokens:
 
 
 def read_meta(folder):
-    """meta.json of a prepare.py folder as a dict, {} when there is none; UserError when it is broken."""
+    """meta.json of a prepare.py folder as a dict, {} when there is none; UserError when it is
+    broken."""
     path = Path(folder) / "meta.json"
     if not path.is_file():
         return {}
@@ -82,17 +87,20 @@ def read_meta(folder):
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"{path} is not valid JSON ({one_line(e)}): run prepare.py again") from None
     if not isinstance(meta, dict):
-        raise UserError(f"{path} holds a JSON {type(meta).__name__}, not an object: run prepare.py again")
+        raise UserError(f"{path} holds a JSON {type(meta).__name__}, not an object: run prepare.py "
+                        f"again")
     return meta
 
 
 def read_tokens(folder, splits=("train", "val")):
-    """The token files of a prepare.py folder as memmaps; UserError for missing, empty or truncated files."""
+    """The token files of a prepare.py folder as memmaps; UserError for missing, empty or
+    truncated files."""
     folder = Path(folder)
     meta = read_meta(folder)
     dtype = meta.get("dtype", "uint16")
     if dtype not in TOKEN_DTYPES:
-        raise UserError(f"{folder}/meta.json: unknown token dtype {dtype!r} (expected one of {TOKEN_DTYPES})")
+        raise UserError(f"{folder}/meta.json: unknown token dtype {dtype!r} (expected one of "
+                        f"{TOKEN_DTYPES})")
     arrays = {}
     for split in ("train", "val"):
         path = folder / f"{split}.bin"
@@ -100,13 +108,14 @@ def read_tokens(folder, splits=("train", "val")):
             arrays[split] = None
             continue
         if not path.is_file():
-            raise UserError(f"no {split}.bin in {folder}: run python prepare.py first (see its --help)")
+            raise UserError(f"no {split}.bin in {folder}: run python prepare.py first (see its "
+                            f"--help)")
         size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
         if size == 0:
             raise UserError(f"{path} is empty: run prepare.py again")
         if size % itemsize:
-            raise UserError(f"{path} has {size} bytes, not a whole number of {dtype} token ids: it is truncated "
-                            f"or not a prepare.py file; run prepare.py again")
+            raise UserError(f"{path} has {size} bytes, not a whole number of {dtype} token ids: it "
+                            f"is truncated or not a prepare.py file; run prepare.py again")
         arrays[split] = np.memmap(path, dtype=dtype, mode="r")
     return Tokens(folder, arrays["train"], arrays["val"], meta)
 
@@ -117,14 +126,16 @@ def largest_id(tokens, chunk=1 << 24):
 
 
 def seed_of(*keys):
-    """A 64-bit seed hashed from keys such as ("train", seed, step): the same in every process and run."""
+    """A 64-bit seed hashed from keys such as ("train", seed, step): the same in every process
+    and run."""
     return int.from_bytes(hashlib.blake2b(repr(keys).encode(), digest_size=8).digest(), "little")
 
 
 def sample_rows(tokens, keys, n, lo, hi, seq_len, vocab_size):
-    """Rows lo:hi of the n sequences (seq_len + 1 tokens) drawn for `keys`, int64 (hi - lo, seq_len + 1).
-    All n offsets are drawn and each rank keeps its slice, so how the n rows are split over ranks and
-    micro-steps changes nothing. tokens=None (--data synthetic) draws uniform random tokens."""
+    """Rows lo:hi of the n sequences (seq_len + 1 tokens) drawn for `keys`, int64
+    (hi - lo, seq_len + 1). All n offsets are drawn and each rank keeps its slice, so how the n
+    rows are split over ranks and micro-steps changes nothing. tokens=None (--data synthetic)
+    draws uniform random tokens."""
     g = torch.Generator().manual_seed(seed_of(*keys))
     if tokens is None:
         return torch.randint(vocab_size, (n, seq_len + 1), generator=g)[lo:hi]
@@ -139,15 +150,16 @@ CKPT_KEYS = ("model", "optimizer", "step", "config", "args", "evals", "rng")
 
 
 def read_checkpoint(path, keys=CKPT_KEYS):
-    """The checkpoint dict, or CheckpointError for a missing, truncated, foreign or incomplete file."""
+    """The checkpoint dict, or CheckpointError for a missing, truncated, foreign or incomplete
+    file."""
     if not os.path.isfile(path):
-        raise CheckpointError(f"no checkpoint at {path}: train one first (python train.py --out_dir DIR writes "
-                              f"DIR/ckpt.pt)")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: ranks share the pages
+        raise CheckpointError(f"no checkpoint at {path}: train one first (python train.py "
+                              f"--out_dir DIR writes DIR/ckpt.pt)")
+    try:  # mmap: the ranks of a machine share the pages
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: it is truncated or not a train.py checkpoint "
-                              f"({type(e).__name__}: {one_line(e)[:120]})") from None
+        raise CheckpointError(f"cannot read checkpoint {path}: it is truncated or not a train.py "
+                              f"checkpoint ({type(e).__name__}: {one_line(e)[:120]})") from None
     missing = [k for k in keys if k not in ckpt] if isinstance(ckpt, dict) else list(keys)
     if missing:
         raise CheckpointError(f"{path} is not a train.py checkpoint (missing {', '.join(missing)})")
@@ -160,7 +172,8 @@ def unwrapped(state):
 
 
 def load_model(path, device="cpu"):
-    """(model in eval mode, checkpoint dict) from a train.py ckpt.pt; CheckpointError if it cannot be used.
+    """(model in eval mode, checkpoint dict) from a train.py ckpt.pt; CheckpointError if it
+    cannot be used.
 
     The model is built with fused=False: reading the routing weights and sampling run the readable
     route on any device (a checkpoint trained with --fused on a GPU loads on a CPU).
@@ -171,7 +184,8 @@ def load_model(path, device="cpu"):
         model = mhar.GPT(mhar.Config(**{**ckpt["config"], "fused": False}))
         model.load_state_dict(unwrapped(ckpt["model"]))
     except (TypeError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint {path} does not fit this mhar.py: {one_line(e)}") from None
+        raise CheckpointError(f"checkpoint {path} does not fit this mhar.py: "
+                              f"{one_line(e)}") from None
     return model.to(device).eval(), ckpt
 
 

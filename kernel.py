@@ -976,7 +976,7 @@ def _step_benchmark(routing, device="cuda", steps=None, timer=None, vocab_size=5
             except torch.cuda.OutOfMemoryError:
                 step_ms[name] = float("nan")                        # the paper's eager 1B runs out too
             finally:
-                del model
+                model = None                                        # frees its memory before the next
                 if device == "cuda":
                     torch.cuda.empty_cache()
         share = routing.get((preset, "fused G"), float("nan")) / step_ms["fused G"]

@@ -99,10 +99,6 @@ class Config:
         for mhar, 0 for the modes without routing sites."""
         return {"attnres": 1, "mhar": self.route_heads or self.n_kv_head}.get(self.residual, 0)
 
-    @property
-    def heads(self):  # the former name of depth_heads, still read by train.py and probe.py
-        return self.depth_heads
-
 
 # The paper's shapes (Qwen3-style, its table of model sizes) with H = 8 routing heads, the later
 # version's choice at every scale ("We adopt H = 8 for large-scale models"); its earlier version

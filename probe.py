@@ -203,7 +203,7 @@ def read_sites(model, idx, visit):
 
 def probe_routing(model, batches, null_draws=32, slices=4, seed=0):
     """Every measurement of a routed model over a list of token batches (B, T) -> a dict of tensors."""
-    config, H, eps = model.config, model.config.heads, model.config.norm_eps
+    config, H, eps = model.config, model.config.depth_heads, model.config.norm_eps
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     # the null's queries are drawn once per site and reused for every batch: D fixed alternative routings
@@ -255,7 +255,7 @@ def probe_routing(model, batches, null_draws=32, slices=4, seed=0):
 
 def summarize(measured, config):
     """probe_routing's tensors -> the JSON fields of the module docstring."""
-    H, multi = config.heads, torch.tensor(measured["sources_per_site"]) >= 2
+    H, multi = config.depth_heads, torch.tensor(measured["sources_per_site"]) >= 2
     cos = measured["collinearity"]
     out = dict(sites=site_labels(config), sources=source_labels(config),
                sources_per_site=measured["sources_per_site"],
@@ -359,7 +359,7 @@ def run_label(path):
         config = mhar.Config(**{**json.loads((folder / "config.json").read_text())["config"], "fused": False})
     except (OSError, KeyError, TypeError, ValueError):  # no config.json, or not train.py's
         return name
-    parts = ([] if config.residual in name else [config.residual]) + ([f"H={config.heads}"] if config.routed else [])
+    parts = ([] if config.residual in name else [config.residual]) + ([f"H={config.depth_heads}"] if config.routed else [])
     return name + (f" ({', '.join(parts)})" if parts else "")
 
 
@@ -520,8 +520,8 @@ def probe(args):
         model, ckpt = load_model(args.ckpt, pick_device(args.device))
         config = model.config
         summary.update(checkpoint=str(args.ckpt), step=ckpt.get("step"), config=dataclasses.asdict(config),
-                       residual=config.residual, heads=config.heads)
-        title = f"{args.ckpt} | {config.residual} H={config.heads} | step {ckpt.get('step')}"
+                       residual=config.residual, heads=config.depth_heads)
+        title = f"{args.ckpt} | {config.residual} H={config.depth_heads} | step {ckpt.get('step')}"
         if not config.routed:
             summary["notes"].append(f"residual={config.residual} has no routing to probe (no sites, no α); "
                                     f"only the loss curves apply")
@@ -537,7 +537,7 @@ def probe(args):
             summary.update(summarize(measured, config))
             title += f" | {summary['tokens']:,} tokens of {source}"
             figures = [("depth_map.png", plot_depth_map), ("head_deviation.png", plot_head_deviation)
-                       if config.heads > 1 else ("width_disagreement.png", plot_width_disagreement)]
+                       if config.depth_heads > 1 else ("width_disagreement.png", plot_width_disagreement)]
     logs = args.logs
     if not logs and args.ckpt is not None and (Path(args.ckpt).parent / "log.jsonl").is_file():
         logs = [str(Path(args.ckpt).parent)]

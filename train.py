@@ -1,32 +1,40 @@
 """
 Train an MHAR language model (or one of its baselines) on a CPU, one GPU or several GPUs.
 
-    python train.py                                   # CPU demo: prepares the default corpus, trains the
-                                                      # small preset, evaluates, samples (~5 min, 2 cores)
-    python train.py --preset 100m                     # one GPU: the paper's 100M shape and recipe
+    python train.py                                # CPU demo: prepares the default corpus, trains
+                                                   # the small preset, evaluates and samples
+    python train.py --preset 100m                  # one GPU: the paper's 100M shape and recipe
     torchrun --standalone --nproc_per_node=8 train.py --preset 350m --residual attnres   # DDP
-    python train.py --preset 100m --data synthetic --max_steps 50 --compile              # speed only
-    python train.py --out_dir out --resume            # continue an interrupted run, bit for bit
+    python train.py --preset 100m --data synthetic --max_steps 50 --compile   # speed only
+    python train.py --out_dir out --resume         # continue an interrupted run, bit for bit
 
-The global batch is batch_size x grad_accum x world size; by default grad_accum makes it the preset's
-(the paper's 64 x 2048 tokens at 100M). The data order is a pure function of (seed, step): every method
-trained with one seed sees the same batches, a resumed run continues exactly, and 8 GPUs see the same
-samples as 1 GPU. --out_dir gets config.json, log.jsonl (a line per log step and per evaluation),
-ckpt.pt (written atomically at every evaluation) and summary.json.
+The global batch is batch_size x grad_accum x world size; by default grad_accum makes it the
+preset's (the paper's 64 x 2048 tokens at 100M). The data order is a pure function of
+(seed, step): every method trained with one seed sees the same batches, a resumed run continues
+exactly, and 8 GPUs see the same samples as 1 GPU. --out_dir gets config.json, log.jsonl (a line
+per log step and per evaluation), ckpt.pt (written atomically at every evaluation) and
+summary.json.
+
+The file reads top to bottom: the recipe and run sizes, the flags, resuming and converting,
+data, the optimizer schedule and evaluation, checkpoints, the parallel setup, and train().
 """
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import random
+import signal
+import socket
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 
-# Set before torch starts OpenMP: threads waiting at a barrier sleep instead of spinning. On a CPU shared
-# with another busy process, spinning threads starve their siblings: the CPU demo measured 4x slower steps.
+# Set before torch starts OpenMP: threads waiting at a barrier sleep instead of spinning. On a
+# CPU shared with another busy process, spinning threads starve their siblings (the CPU demo
+# measured 4x slower steps).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -34,36 +42,35 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import mhar  # noqa: E402
-from common import (CheckpointError, UserError, exit_error, one_line, pick_device, read_checkpoint,  # noqa: E402
-                    read_tokens, sample_rows, unwrapped)
+import prepare  # noqa: E402
+from common import (CheckpointError, UserError, exit_error, largest_id, one_line,  # noqa: E402
+                    pick_device, read_checkpoint, read_tokens, sample_rows, unwrapped)
 
-# The paper's recipe (DESIGN §5): AdamW (0.9, 0.95), eps 1e-8, weight decay 0.1, clip 1.0, peak lr 1e-3,
-# 1000 warmup steps then cosine to 0.1x, 20K steps, eval every 500, the tail-mean of the last 11 evals.
+# -----------------------------------------------------------------------------
+# The recipe (Multi-Head Attention Residuals, Luo, Cai, Hu 2026, "Training and reproducibility
+# details"): AdamW (0.9, 0.95), eps 1e-8, weight decay 0.1 on all parameters, clip 1.0, 1000
+# warmup steps then cosine to 0.1x, 20K steps, an evaluation every 500, and as the metric the
+# tail-mean of the last 11 evaluations. The flags below default to it. Peak lr 5e-4 for every
+# method, as in the paper's later version (its main table); the earlier version used 1e-3
+# (README, "Reproducing the paper").
 BETAS, ADAM_EPS = (0.9, 0.95), 1e-8
-RECIPE = dict(residual="mhar", route_heads=0, route_block=1, hc_streams=4, delta=False, batch_size=8, lr=1e-3, min_lr_ratio=0.1, weight_decay=0.1,
-              grad_clip=1.0, max_steps=20_000, warmup_steps=1000, eval_interval=500, eval_batches=20,
-              log_interval=10, tail_evals=11, seed=0, out_dir="out", dtype="auto", compile=False, fused=False)
-# Per preset: micro-batch (sequences per rank) and global batch (sequences per step). The paper's global
-# batches at 100M-1B, micro-batches that fit 80 GB on the readable path (1b: use --compile or --fused).
-# small is the `python train.py` demo: 200 steps of 2k tokens, 4-8 minutes on 2 CPU cores (4k tokens per
-# micro-step is slower per token there: the 50k-vocabulary logits outgrow the caches); tiny is for tests.
+PAPER_RUN = dict(max_steps=20_000, warmup_steps=1000, eval_interval=500, eval_batches=20, lr=5e-4)
+# Run sizes per preset: the micro-batch (sequences per rank) and the global batch (sequences per
+# step). The paper's global batches at 100M-1B, with micro-batches that fit 80 GB on the readable
+# path (1b: use --compile or --fused). small is the `python train.py` demo: 200 steps of 2k
+# tokens (4k tokens per micro-step are slower per token on a CPU: the 50k-vocabulary logits
+# outgrow the caches); tiny is for tests.
 RUNS = {
-    "tiny": dict(batch_size=8, global_batch=8, max_steps=200, warmup_steps=20, eval_interval=50, eval_batches=4,
-                 lr=3e-3),
-    "small": dict(batch_size=8, global_batch=8, max_steps=200, warmup_steps=20, eval_interval=40, eval_batches=8,
-                  lr=3e-3),
-    "100m": dict(batch_size=4, global_batch=64),
-    "350m": dict(batch_size=2, global_batch=32),
-    "1b": dict(batch_size=1, global_batch=32),
+    "tiny": dict(batch_size=8, global_batch=8, max_steps=200, warmup_steps=20, eval_interval=50,
+                 eval_batches=4, lr=3e-3),
+    "small": dict(batch_size=8, global_batch=8, max_steps=200, warmup_steps=20, eval_interval=40,
+                  eval_batches=8, lr=3e-3),
+    "100m": dict(batch_size=4, global_batch=64, **PAPER_RUN),
+    "350m": dict(batch_size=2, global_batch=32, **PAPER_RUN),
+    "1b": dict(batch_size=1, global_batch=32, **PAPER_RUN),
 }
 DEFAULT_PRESET = "small"
-# On --resume the flags left out take the checkpoint's values. STRICT ones define the run: another value is
-# an error (start a new --out_dir instead); the MACHINE ones are never taken from the checkpoint.
-STRICT = ("preset", "residual", "route_heads", "route_block", "hc_streams", "delta", "vocab_size", "seq_len", "seed",
-          "lr", "routing_lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip")
-MACHINE = ("resume", "init_from", "out_dir", "stop_step", "device", "grad_accum")
-# --init_from continues a baseline run as a converted one: it takes the run's flags but these.
-CONVERSION = ("residual", "route_heads", "route_block", "hc_streams", "delta", "routing_lr")
+DEFAULT_DATA = Path("data") / prepare.DEFAULT_NAME
 
 
 def die(msg):
@@ -71,34 +78,306 @@ def die(msg):
     exit_error("train.py", msg)
 
 
+def fail(msg):
+    """One line for a failure of the machine rather than of the input (a full disk): status 1."""
+    exit_error("train.py", msg, status=1)
+
+
 # -----------------------------------------------------------------------------
-# Schedule and data: pure functions of the step, so the step is all a resumed run needs.
+# Flags. Every flag shows its default where it is defined; the run-size flags default to their
+# preset's row of RUNS, and the model flags (one per field of mhar.Config) to the preset's Config.
+# Each flag also says what a checkpoint decides for it when a run is resumed or converted:
 
-def lr_factor(step, warmup_steps, max_steps, min_lr_ratio):
-    """Multiplier of each group's peak lr at update `step` (0-based): linear warmup, cosine to min_lr_ratio."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+RUN = "run"          # defines the run: the checkpoint's; on --resume another value is an error
+ROUTING = "routing"  # as RUN, but --init_from chooses it anew (a baseline has no routing)
+SETTING = "setting"  # the checkpoint's unless given: may change between sessions of a run
+MACHINE = "machine"  # this session's alone: never taken from a checkpoint
+
+# mhar.Config fields a conversion chooses anew, and those that say how to compute rather than what
+ROUTING_FIELDS = ("residual", "route_heads", "route_block", "delta", "hc_streams", "query_init_std")
+COMPUTE_FIELDS = ("fused", "fused_group", "checkpointing")
+FIELD_HELP = {
+    "vocab_size": "model vocabulary; default: meta.json's vocab_size padded to a multiple of 64, "
+                  "or the preset's for synthetic data",
+    "seq_len": "tokens per sequence",
+    "n_layer": "blocks, each an attention and an MLP sublayer",
+    "n_embd": "model width d",
+    "n_head": "attention heads",
+    "n_kv_head": "key/value heads (grouped-query attention)",
+    "ffn_hidden": "SwiGLU hidden width",
+    "route_heads": "routing heads H of mhar; 0 = n_kv_head",
+    "route_block": "sublayers per routing block; 1 = full routing",
+    "delta": "delta routing: the baseline's residual plus a gated route",
+    "hc_streams": "residual streams of --residual hyper",
+    "rope_theta": "rotary embedding base",
+    "norm_eps": "RMSNorm epsilon",
+    "residual": "residual mode: baseline, hyper, attnres or mhar",
+    "fused": "route with the Triton kernels of kernel.py",
+    "fused_group": "fused: sites per shared read of the sources; 0 = automatic, 1 = one pass each",
+    "head_dim": "attention head width; 0 = n_embd / n_head",
+    "tie_embeddings": "share the input embedding and the LM head",
+    "query_init_std": "std of the routing queries at init; 0 = zeros (uniform routing at start)",
+    "checkpointing": "activation checkpointing: recompute each block in backward",
+}
+CONFIG_FIELDS = [f.name for f in dataclasses.fields(mhar.Config)]
 
 
-def to_device(rows, device):
-    """(..., T + 1) rows -> inputs and targets (..., T) on the device (pinned: the copy is async on CUDA)."""
-    if device.type == "cuda":
-        rows = rows.pin_memory()
-    rows = rows.to(device, non_blocking=True)
-    return rows[..., :-1].contiguous(), rows[..., 1:].contiguous()
+def number(kind, minimum, strict):
+    """An argparse type: a finite `kind` (int or float) > minimum (strict) or >= minimum."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of type {kind.__name__}")
+        if not (math.isfinite(value) and (value > minimum if strict else value >= minimum)):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {minimum}, "
+                                             f"not {text}")
+        return value
+    return parse
 
 
-def open_data(path, rank, ddp):
-    """(folder, train, val, meta): the token files of prepare.py as memmaps (common.read_tokens), and meta.json.
-    The default corpus is prepared (by rank 0) when it is missing."""
-    import prepare
-    default = Path("data") / prepare.DEFAULT_NAME
-    path = Path(path or default)
-    if not (path / "train.bin").exists():
-        if path != default:
-            die(f"no train.bin in {path}: run python prepare.py first (see its --help), or use --data synthetic")
+COUNT, STEPS = number(int, 0, strict=True), number(int, 0, strict=False)  # >= 1, >= 0
+RATE, AMOUNT = number(float, 0, strict=True), number(float, 0, strict=False)  # > 0, >= 0
+
+
+class Flags(argparse.ArgumentParser):
+    """argparse that remembers each flag's role, and can leave out every default (then the
+    namespace holds exactly the flags given on the command line)."""
+
+    def __init__(self, defaults=True):
+        super().__init__(prog="train.py", description=__doc__.split("\n\n")[0].strip(),
+                         allow_abbrev=False)
+        self.defaults, self.roles, self.group = defaults, {}, self
+
+    def section(self, title):
+        """The flags defined next are listed under `title` in --help."""
+        self.group = self.add_argument_group(title)
+
+    def flag(self, name, role, help, **kwargs):
+        if not self.defaults:
+            kwargs["default"] = argparse.SUPPRESS
+        self.group.add_argument(f"--{name}", help=help, **kwargs)
+        self.roles[name] = role
+
+    def error(self, message):
+        """A bad flag: one line (argparse would print its usage block too)."""
+        die(f"{message} (python train.py --help lists the flags)")
+
+
+def per_preset(key):
+    """The default of a run-size flag, as its help shows it: 'tiny 8, small 8, 100m 4, ...'."""
+    return "per preset: " + ", ".join(f"{name} {run[key]}" for name, run in RUNS.items())
+
+
+def preset_values(field):
+    """The default of a model flag, as its help shows it: one value, or each preset's."""
+    values = {name: getattr(config, field) for name, config in mhar.PRESETS.items()}
+    if len(set(values.values())) == 1:
+        return f"default {next(iter(values.values()))}"
+    return "per preset: " + ", ".join(f"{name} {value}" for name, value in values.items())
+
+
+def build_parser(defaults=True):
+    p = Flags(defaults)
+    p.section("the run")
+    p.flag("preset", RUN, default=DEFAULT_PRESET, choices=list(mhar.PRESETS),
+           help=f"model shape and run size (default {DEFAULT_PRESET})")
+    p.flag("data", SETTING, default=str(DEFAULT_DATA),
+           help="a prepare.py folder (train.bin, val.bin, meta.json), or 'synthetic': random "
+                f"tokens, no files (default {DEFAULT_DATA}, prepared when missing)")
+    p.flag("out_dir", MACHINE, default="out", help="output folder (default out)")
+    p.flag("resume", MACHINE, nargs="?", const="", default=None,
+           help="continue from out_dir/ckpt.pt, or from the checkpoint given")
+    p.flag("init_from", MACHINE, default=None,
+           help="convert this baseline checkpoint into a delta-routed model (--residual attnres "
+                "or mhar) and continue its run from its step")
+    p.flag("seed", RUN, type=int, default=0, help="model init and data order (default 0)")
+    p.flag("allow_data_change", MACHINE, action="store_true", default=False,
+           help="--resume onto data that changed since the checkpoint (by default an error)")
+
+    p.section("its size (default: the preset's row of RUNS)")
+    p.flag("batch_size", SETTING, type=COUNT, default=None,
+           help=f"micro-batch in sequences per rank ({per_preset('batch_size')})")
+    p.flag("grad_accum", MACHINE, type=COUNT, default=None,
+           help="micro-steps per step (default: the global batch / (batch_size x ranks); global "
+                f"batches {per_preset('global_batch')})")
+    p.flag("max_steps", SETTING, type=COUNT, default=None,
+           help=f"optimizer steps; the cosine ends here ({per_preset('max_steps')})")
+    p.flag("stop_step", MACHINE, type=COUNT, default=None,
+           help="stop after this step as if interrupted (checkpoint saved; --resume goes on); "
+                "default: max_steps")
+    p.flag("eval_interval", SETTING, type=COUNT, default=None,
+           help=f"steps between evaluations and checkpoints ({per_preset('eval_interval')})")
+    p.flag("eval_batches", SETTING, type=COUNT, default=None,
+           help=f"fixed validation batches ({per_preset('eval_batches')})")
+    p.flag("log_interval", SETTING, type=COUNT, default=10,
+           help="steps between log lines (default 10)")
+    p.flag("tail_evals", SETTING, type=COUNT, default=11,
+           help="the summary's tail-mean covers the last K evaluations (default 11)")
+
+    p.section("the optimizer: AdamW, linear warmup, cosine decay")
+    p.flag("lr", RUN, type=RATE, default=None,
+           help=f"peak learning rate ({per_preset('lr')})")
+    p.flag("routing_lr", ROUTING, type=RATE, default=None,
+           help="peak learning rate of the parameters routing adds (default: --lr)")
+    p.flag("min_lr_ratio", RUN, type=AMOUNT, default=0.1,
+           help="the cosine's floor, a fraction of the peak (default 0.1)")
+    p.flag("warmup_steps", RUN, type=STEPS, default=None,
+           help=f"linear warmup steps ({per_preset('warmup_steps')})")
+    p.flag("weight_decay", RUN, type=AMOUNT, default=0.1,
+           help="AdamW weight decay on all parameters (default 0.1)")
+    p.flag("grad_clip", RUN, type=AMOUNT, default=1.0,
+           help="clip the gradient norm at this; 0 = off (default 1.0)")
+
+    p.section("the machine")
+    p.flag("device", MACHINE, default="auto",
+           help="auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps (default auto)")
+    p.flag("dtype", SETTING, choices=["auto", "float32", "bfloat16"], default="auto",
+           help="auto: bf16 autocast on CUDA, float32 elsewhere (default auto)")
+    p.flag("compile", MACHINE, action="store_true", default=False,
+           help="torch.compile the model (default off)")
+    p.flag("wandb", SETTING, nargs="?", const="mhar", default=None,
+           help="also log to Weights & Biases (project name, default mhar)")
+
+    # The model: every field of mhar.Config, so a new field is a flag without a line here.
+    p.section("the model: mhar.Config's fields (default: the preset's)")
+    for field in dataclasses.fields(mhar.Config):
+        name = field.name
+        role = ROUTING if name in ROUTING_FIELDS else SETTING if name in COMPUTE_FIELDS else RUN
+        what = FIELD_HELP.get(name, f"mhar.Config.{name}")
+        default = "" if name == "vocab_size" else f" ({preset_values(name)})"
+        kind = {"int": int, "float": float, "str": str, "bool": bool}.get(
+            getattr(field.type, "__name__", field.type), str)
+        if kind is bool:
+            p.flag(name, role, action=argparse.BooleanOptionalAction, default=None,
+                   help=what + default)
+        else:
+            p.flag(name, role, type=kind, default=None, help=what + default)
+    return p
+
+
+ROLES = build_parser().roles
+
+
+def parse_args(argv=None):
+    """(the flags, every default filled in; the names of the flags given on the command line)."""
+    args = build_parser().parse_args(argv)
+    given = set(vars(build_parser(defaults=False).parse_args(argv)))
+    return args, given
+
+
+# -----------------------------------------------------------------------------
+# Resuming and converting: what the checkpoint decides, what the command line may change.
+
+def load_checkpoint(path):
+    """read_checkpoint for a run to resume or convert: its error is the run's one line."""
+    try:
+        return read_checkpoint(path)
+    except CheckpointError as e:
+        die(str(e))
+
+
+def saved_flags(ckpt):
+    """The resolved flags of a checkpoint's run, its model's Config fields included."""
+    return {**ckpt["args"], **ckpt["config"]}
+
+
+def take_saved_flags(args, given, saved, strict):
+    """Each flag left out takes the saved value (MACHINE flags never do). strict (--resume): a
+    RUN or ROUTING flag given with another value is an error."""
+    for name, value in saved.items():
+        role = ROLES.get(name)
+        if role in (None, MACHINE):
+            continue
+        if name not in given:
+            setattr(args, name, value)
+        elif strict and role in (RUN, ROUTING) and getattr(args, name) != value:
+            die(f"the checkpoint was trained with --{name} {value}, not {getattr(args, name)}: "
+                f"drop the flag, or start a new run in another --out_dir")
+
+
+def fill_run_sizes(args, world, saved_global_batch=None):
+    """The run-size flags still unset take the preset's row of RUNS; grad_accum keeps the global
+    batch (the preset's, or the checkpoint's) over however many ranks this session has."""
+    sizes = RUNS[args.preset]
+    for key in ("batch_size", "max_steps", "warmup_steps", "eval_interval", "eval_batches", "lr"):
+        if getattr(args, key) is None:
+            setattr(args, key, sizes[key])
+    global_batch = saved_global_batch or sizes["global_batch"]
+    if args.grad_accum is None:
+        if global_batch % (args.batch_size * world):
+            die(f"the global batch {global_batch} is not a multiple of --batch_size "
+                f"{args.batch_size} x {world} ranks: pass --batch_size or --grad_accum")
+        args.grad_accum = global_batch // (args.batch_size * world)
+    args.global_batch = args.batch_size * args.grad_accum * world
+    if saved_global_batch is not None and args.global_batch != saved_global_batch:
+        die(f"global batch {args.global_batch} (batch_size x grad_accum x ranks) differs from the "
+            f"checkpoint's {saved_global_batch}: choose --batch_size and --grad_accum that "
+            f"multiply to it")
+    args.stop_step = min(args.stop_step or args.max_steps, args.max_steps)
+    args.routing_lr = args.routing_lr or args.lr
+
+
+def resolve_flags(args, given, world):
+    """(args, ckpt, source): the run's flags, the checkpoint a --resume continues (or None), and
+    the baseline checkpoint an --init_from converts (or None)."""
+    ckpt = source = saved_global_batch = None
+    if args.resume is not None:
+        if args.init_from:
+            die("--init_from starts a converted run and --resume continues one: pass one of them")
+        if args.resume and "out_dir" not in given:
+            args.out_dir = os.path.dirname(args.resume) or "."
+        ckpt = load_checkpoint(args.resume or os.path.join(args.out_dir, "ckpt.pt"))
+        take_saved_flags(args, given, saved_flags(ckpt), strict=True)
+        saved_global_batch = ckpt["args"].get("global_batch")
+    elif args.init_from:
+        source = load_checkpoint(args.init_from)
+        if source["config"]["residual"] != "baseline":
+            die(f"--init_from converts a baseline checkpoint; {args.init_from} is a "
+                f"{source['config']['residual']} run")
+        saved = {k: v for k, v in saved_flags(source).items() if ROLES.get(k) != ROUTING}
+        take_saved_flags(args, given, saved, strict=False)
+        args.delta = True  # conversion is delta routing: the baseline's residual kept
+        saved_global_batch = source["args"].get("global_batch")
+    fill_run_sizes(args, world, saved_global_batch)
+    return args, ckpt, source
+
+
+def check_same_data(ckpt, data, args):
+    """--resume reads the data the checkpoint was trained on (its fingerprint): data prepared
+    anew under the same name would silently change the run."""
+    saved = ckpt.get("data_fingerprint")
+    if saved is None or saved == fingerprint(data) or args.allow_data_change:
+        return
+    die(f"{args.data} is not the data this checkpoint was trained on (then: {saved}; now: "
+        f"{fingerprint(data)}): point --data at that data, or pass --allow_data_change to "
+        f"continue on this one")
+
+
+def carry_optimizer_state(saved, optimizer):
+    """A baseline run's Adam moments into a converted model's optimizer, group by group: the
+    shared parameters keep their order inside each group (mhar.GPT.param_groups), and the new
+    routing group starts fresh."""
+    state = optimizer.state_dict()
+    groups = {group["name"]: group for group in state["param_groups"]}
+    for old in saved["param_groups"]:
+        new = groups[old["name"]]
+        for i, j in zip(old["params"], new["params"], strict=True):
+            if i in saved["state"]:
+                state["state"][j] = saved["state"][i]
+    optimizer.load_state_dict(state)
+
+
+# -----------------------------------------------------------------------------
+# Data: prepare.py's token files, or uniform random tokens (--data synthetic).
+
+def open_data(args, rank, ddp):
+    """common.Tokens of --data (None for synthetic); the default corpus is prepared (by rank 0)
+    when it is missing."""
+    if args.data == "synthetic":
+        return None
+    path = Path(args.data)
+    if path == DEFAULT_DATA and not (path / "train.bin").exists():
         if rank == 0:
             print(f"preparing the default corpus into {path} (once) ...", flush=True)
             try:
@@ -108,30 +387,111 @@ def open_data(path, rank, ddp):
         if ddp:
             dist.barrier()
     try:
-        tokens = read_tokens(path)
+        return read_tokens(path)
     except UserError as e:
         die(str(e))
-    return path, tokens.train, tokens.val, tokens.meta
+
+
+def model_config(args, meta):
+    """The mhar.Config of the run: the preset's, with the model flags given (or resumed)."""
+    if args.vocab_size is None and meta.get("vocab_size"):
+        args.vocab_size = -(-meta["vocab_size"] // 64) * 64  # a multiple of 64: 50257 -> 50304
+    flags = {name: getattr(args, name) for name in CONFIG_FIELDS}
+    try:
+        config = mhar.preset(args.preset, **{k: v for k, v in flags.items() if v is not None})
+    except (ValueError, TypeError) as e:  # an impossible shape: Config names the field and fix
+        die(one_line(e))
+    for name in CONFIG_FIELDS:  # what the run records: every field, as resolved
+        setattr(args, name, getattr(config, name))
+    return config
+
+
+def check_data(tokens, config):
+    """Every split holds a sequence, and every token id is one the model has: meta.json's
+    vocabulary fits the model's (without meta.json, the largest id found in the files)."""
+    if tokens is None:
+        return
+    if "vocab_size" in tokens.meta:
+        vocab, what = tokens.meta["vocab_size"], "the data's vocabulary of"
+    else:  # a token file of another tool: read it all (once, in chunks)
+        vocab = 1 + max(largest_id(tokens.train), largest_id(tokens.val))
+        what = "the largest token id in the data, plus one, which is"
+    if vocab > config.vocab_size:
+        die(f"the model's vocabulary of {config.vocab_size} (--vocab_size) is smaller than {what} "
+            f"{vocab}: pass --vocab_size {-(-vocab // 64) * 64}, or check the data")
+    for split, split_tokens in (("train", tokens.train), ("val", tokens.val)):
+        if len(split_tokens) <= config.seq_len + 1:
+            die(f"{split}.bin has {len(split_tokens)} tokens, not one sequence of --seq_len "
+                f"{config.seq_len}")
+
+
+def fingerprint(tokens, blocks=16, block=1024):
+    """What a checkpoint remembers of its data: the sizes of train.bin and val.bin and a hash of
+    16 blocks of 1,024 tokens spread over each. Re-prepared data almost surely changes it, and it
+    costs the same at 10B tokens as at 10M."""
+    if tokens is None:
+        return "synthetic"
+    h = hashlib.blake2b(digest_size=8)
+    for split in (tokens.train, tokens.val):
+        for start in np.linspace(0, max(0, len(split) - block), blocks, dtype=np.int64):
+            h.update(np.asarray(split[start:start + block]).tobytes())
+    return f"{len(tokens.train)} + {len(tokens.val)} tokens, blake2b {h.hexdigest()}"
 
 
 def unigram_entropy(tokens, limit=50_000_000):
-    """Entropy in nats of the token frequencies of (the first 50M tokens of) train.bin: the loss of a model
-    that ignores the context, an honest yardstick for a short run."""
+    """Entropy in nats of the token frequencies of (the first 50M tokens of) train.bin: the loss
+    of a model that ignores the context, an honest yardstick for a short run."""
     counts = np.bincount(tokens[:limit])
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
 
 
+# -----------------------------------------------------------------------------
+# Schedule, batches and evaluation: pure functions of the step, so the step is all a resumed run
+# needs.
+
+def lr_factor(step, warmup_steps, max_steps, min_lr_ratio):
+    """Multiplier of each group's peak lr at update `step` (0-based): linear warmup, then cosine
+    down to min_lr_ratio."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def to_device(rows, device):
+    """(..., T + 1) rows -> inputs and targets (..., T) on the device (pinned: the copy is async
+    on CUDA)."""
+    if device.type == "cuda":
+        rows = rows.pin_memory()
+    rows = rows.to(device, non_blocking=True)
+    return rows[..., :-1].contiguous(), rows[..., 1:].contiguous()
+
+
+def train_batch(tokens, args, step, rank):
+    """This rank's rows of step `step`'s global batch, (grad_accum, batch_size, seq_len + 1)."""
+    rows_per_rank = args.batch_size * args.grad_accum
+    lo = rank * rows_per_rank
+    rows = sample_rows(tokens, ("train", args.seed, step), args.global_batch, lo,
+                       lo + rows_per_rank, args.seq_len, args.vocab_size)
+    return rows.view(args.grad_accum, args.batch_size, -1)
+
+
+def val_batch(tokens, args, i):
+    """Validation batch i: the same for every method, seed and step."""
+    return sample_rows(tokens, ("val", i), args.batch_size, 0, args.batch_size, args.seq_len,
+                       args.vocab_size)
+
+
 @torch.no_grad()
 def evaluate(model, val, args, rank, world, device, autocast):
-    """Mean loss over the fixed validation batches i = 0..eval_batches-1 (the same for every method and seed),
-    shared out over the ranks and all-reduced."""
+    """Mean loss over the fixed validation batches i = 0..eval_batches-1, shared out over the
+    ranks and all-reduced."""
     model.eval()
     total = torch.zeros((), device=device)
     for i in range(rank, args.eval_batches, world):
-        rows = sample_rows(val, ("val", i), args.batch_size, 0, args.batch_size, args.seq_len, args.vocab_size)
         with autocast:
-            total += model(*to_device(rows, device))[1].float()
+            total += model(*to_device(val_batch(val, args, i), device))[1].float()
     if world > 1:
         dist.all_reduce(total)
     model.train()
@@ -157,120 +517,236 @@ def set_rng_states(s):
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def carry_optimizer_state(saved, optimizer):
-    """A baseline run's Adam moments into a converted model's optimizer, group by group: the shared parameters
-    keep their order inside each group (mhar.GPT.param_groups), and the new routing group starts fresh."""
-    state = optimizer.state_dict()
-    groups = {group["name"]: group for group in state["param_groups"]}
-    for old in saved["param_groups"]:
-        new = groups[old["name"]]
-        for i, j in zip(old["params"], new["params"], strict=True):
-            if i in saved["state"]:
-                state["state"][j] = saved["state"][i]
-    optimizer.load_state_dict(state)
-
-
 def save_checkpoint(path, ckpt):
-    """Write a temporary file, flush it to disk, then rename it: a crash never leaves half a checkpoint."""
+    """Write a temporary file, flush it to disk, then rename it: a crash never leaves half a
+    checkpoint. A failed write (a full disk, no permission) removes the temporary file, keeps the
+    previous checkpoint and ends the run with one line."""
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(ckpt, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path):
-    """read_checkpoint for a run to resume or convert: its error is the run's one line."""
     try:
-        return read_checkpoint(path)
-    except CheckpointError as e:
-        die(str(e))
+        with open(tmp, "wb") as f:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, (OSError, RuntimeError)):  # torch reports a short write as RuntimeError
+            fail(f"could not write the checkpoint {path} ({os_error(e)}); the previous one is "
+                 f"kept: free some space or fix the permissions, then --resume")
+        raise
+
+
+def os_error(e):
+    """The operating system's reason behind an exception (e.g. 'No space left on device'), found
+    along its chain of causes; else its own first line."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror + (f": {seen.filename}" if seen.filename else "")
+        seen = seen.__cause__ or seen.__context__
+    return one_line(e)
 
 
 # -----------------------------------------------------------------------------
-# Flags: all default to None, then take the first of: given, the checkpoint's, the preset's run, the recipe.
+# One run per output folder, and a clean stop on Ctrl-C or SIGTERM.
 
-def per_preset(key):
-    return ", ".join(f"{name} {RUNS.get(name, {}).get(key, RECIPE.get(key))}" for name in mhar.PRESETS)
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n\n")[0].strip())
-    a = p.add_argument
-    a("--preset", help=f"model shape and run size: {', '.join(mhar.PRESETS)} (default {DEFAULT_PRESET})")
-    a("--residual", choices=["baseline", "hyper", "attnres", "mhar"], help="residual variant (default mhar)")
-    a("--route_heads", type=int, help="routing heads H of mhar; 0 = n_kv_head (default 0)")
-    a("--route_block", type=int, help="sublayers per routing block; 1 = full routing (default 1)")
-    a("--hc_streams", type=int, help="residual streams of --residual hyper (default 4)")
-    a("--delta", action="store_true", default=None, help="delta routing: the baseline's residual plus a gated route")
-    a("--init_from", help="convert this baseline checkpoint into a delta-routed model (--residual attnres/mhar) "
-                          "and continue its run from its step")
-    a("--routing_lr", type=float, help="peak learning rate of the parameters routing adds (default: --lr)")
-    a("--data", help="a prepare.py folder (train.bin, val.bin, meta.json), or 'synthetic': random tokens, no "
-                     "files (default data/pystdlib, prepared when missing)")
-    a("--vocab_size", type=int, help="model vocabulary (default: meta.json's padded to a multiple of 64; the "
-                                     "preset's for synthetic data)")
-    a("--batch_size", type=int, help=f"micro-batch in sequences per rank ({per_preset('batch_size')})")
-    a("--grad_accum", type=int, help="micro-steps per step (default: the global batch / (batch_size x ranks); "
-                                     f"global batches {per_preset('global_batch')})")
-    a("--seq_len", type=int, help="tokens per sequence (default: the preset's)")
-    a("--max_steps", type=int, help=f"optimizer steps; the cosine ends here ({per_preset('max_steps')})")
-    a("--stop_step", type=int, help="stop after this step as if interrupted (checkpoint saved; --resume goes on)")
-    a("--lr", type=float, help=f"peak learning rate ({per_preset('lr')})")
-    a("--min_lr_ratio", type=float, help="the cosine's floor, a fraction of the peak (default 0.1)")
-    a("--warmup_steps", type=int, help=f"linear warmup steps ({per_preset('warmup_steps')})")
-    a("--weight_decay", type=float, help="AdamW weight decay on all parameters (default 0.1)")
-    a("--grad_clip", type=float, help="clip the gradient norm at this; 0 = off (default 1.0)")
-    a("--eval_interval", type=int, help=f"steps between evaluations and checkpoints ({per_preset('eval_interval')})")
-    a("--eval_batches", type=int, help=f"fixed validation batches ({per_preset('eval_batches')})")
-    a("--log_interval", type=int, help="steps between log lines (default 10)")
-    a("--tail_evals", type=int, help="the summary's tail-mean covers the last K evaluations (default 11)")
-    a("--out_dir", help="output folder (default out)")
-    a("--resume", nargs="?", const="", help="continue from out_dir/ckpt.pt, or from the checkpoint given")
-    a("--seed", type=int, help="model init and data order (default 0)")
-    a("--device", help="auto (cuda > mps > cpu), cpu, cuda, mps (default auto)")
-    a("--dtype", choices=["auto", "float32", "bfloat16"], help="auto: bf16 autocast on CUDA, float32 elsewhere")
-    a("--compile", action="store_true", default=None, help="torch.compile the model")
-    a("--fused", action="store_true", default=None, help="route with the Triton kernels of kernel.py")
-    a("--wandb", nargs="?", const="mhar", help="also log to Weights & Biases (project name, default mhar)")
-    return p.parse_args(argv)
+@contextmanager
+def claim_out_dir(out, session):
+    """Hold --out_dir for this run: a second run on it stops with one line before writing
+    anything. The lock is fcntl.flock on out_dir/train.lock, which the operating system releases
+    when the process ends, however it ends: a crashed or killed run leaves no stale lock to clean
+    up, and the next run takes over. flock works across machines on NFSv4 and the cluster file
+    systems that support it (Lustre: mounted with -o flock); where it is refused, the run goes on
+    with a warning. The file also says who holds it (host and pid), for the refusal's message."""
+    held = None
+    if session.master:
+        out.mkdir(parents=True, exist_ok=True)
+        held = lock_file(out / "train.lock")
+    if any_rank(held is False, session):  # every rank stops when rank 0 could not take it
+        if held is False:
+            holder = (out / "train.lock").read_text().strip() or "another process"
+            die(f"{out} is in use by another run ({holder}): wait for it to end, or stop it, or "
+                f"choose another --out_dir")
+        sys.exit(2)
+    try:
+        yield
+    finally:
+        if held:
+            held.close()  # releases the lock (the file stays: deleting it would race a newcomer)
 
 
-def resolve(args, world, saved=None, strict=True):
-    """Fill in every flag left out; `saved` are the resolved flags of the checkpoint being resumed (strict:
-    a flag given with another value is an error) or converted (not strict)."""
-    given = {k for k, v in vars(args).items() if v is not None}
-    for k, v in (saved or {}).items():
-        if k in MACHINE or not hasattr(args, k):
-            continue
-        if k in given and strict and k in STRICT and getattr(args, k) != v:
-            die(f"the checkpoint was trained with --{k} {v}, not {getattr(args, k)}: drop the flag, or start "
-                f"a new run in another --out_dir")
-        if k not in given:
-            setattr(args, k, v)
-    args.preset = args.preset or DEFAULT_PRESET
-    if args.preset not in mhar.PRESETS:
-        die(f"unknown --preset {args.preset}: choose from {', '.join(mhar.PRESETS)}")
-    defaults = {**RECIPE, **RUNS.get(args.preset, {}), "seq_len": mhar.PRESETS[args.preset].seq_len}
-    global_batch = defaults.pop("global_batch", None) if saved is None else saved.get("global_batch")
-    for k, v in defaults.items():
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
-    if args.grad_accum is None:
-        global_batch = global_batch or args.batch_size * world
-        if global_batch % (args.batch_size * world):
-            die(f"the global batch {global_batch} is not a multiple of --batch_size {args.batch_size} x {world} "
-                f"ranks: pass --batch_size or --grad_accum")
-        args.grad_accum = global_batch // (args.batch_size * world)
-    args.global_batch = args.batch_size * args.grad_accum * world
-    if saved is not None and global_batch is not None and args.global_batch != global_batch:
-        die(f"global batch {args.global_batch} (batch_size x grad_accum x ranks) differs from the checkpoint's "
-            f"{global_batch}: choose --batch_size and --grad_accum that multiply to it")
-    args.stop_step = min(args.stop_step or args.max_steps, args.max_steps)
-    args.routing_lr = args.routing_lr or args.lr
-    return args
+def lock_file(path):
+    """The open, locked file; False when another process holds the lock; None without locks."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock
+        return None
+    f = open(path, "a+")  # "a+": opening must not erase what the holder wrote
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return False
+    except OSError as e:  # a file system without flock
+        f.close()
+        print(f"train.py: warning: cannot lock {path} ({e.strerror}): make sure no other run "
+              f"uses {path.parent}", file=sys.stderr, flush=True)
+        return None
+    f.seek(0)
+    f.truncate()
+    f.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
+    f.flush()
+    return f
 
+
+class StopSignals:
+    """Ctrl-C (SIGINT) or SIGTERM (how clusters preempt a job) asks the run to stop after the
+    step in progress, with a checkpoint of it, and to exit with 128 + the signal's number (130,
+    143). A second signal stops at once, without a checkpoint of that step. One second's grace:
+    under torchrun a terminal's Ctrl-C reaches each rank twice, directly and forwarded."""
+
+    def __init__(self, master):
+        self.signum, self.first_at, self.master = 0, 0.0, master
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if not self.signum:
+            self.signum, self.first_at = signum, time.monotonic()
+            if self.master:  # os.write: print() is not safe inside a signal handler
+                os.write(2, f"train.py: {name}: stopping after this step, with a checkpoint "
+                            f"(again to stop at once)\n".encode())
+        elif time.monotonic() - self.first_at > 1.0:
+            os.write(2, f"train.py: {name} again: stopped at once, without a checkpoint of "
+                        f"this step\n".encode())
+            raise SystemExit(128 + signum)
+
+
+def any_rank(flag, session):
+    """Whether `flag` holds on any rank, the same answer on every rank (all-reduced)."""
+    return max_over_ranks(int(flag), session) > 0
+
+
+def max_over_ranks(value, session):
+    """The largest of an integer over the ranks (without torchrun: the value)."""
+    if not session.ddp:
+        return value
+    t = torch.tensor(value, device=session.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+# -----------------------------------------------------------------------------
+# The parallel setup, in one place: ranks, the device, precision, the wrapper around the model.
+
+@dataclasses.dataclass
+class Session:
+    """This process's part of the run: its rank among `world` ranks, its device, its precision."""
+    ddp: bool              # launched by torchrun
+    rank: int
+    world: int
+    device: torch.device
+    dtype: torch.dtype     # of the autocast region (float32: none)
+    autocast: object       # the context every forward runs in
+
+    @property
+    def master(self):
+        return self.rank == 0  # logs, evaluates (with the others' help) and saves
+
+
+def start_session(args):
+    """The Session. torchrun sets RANK and WORLD_SIZE; each rank takes its own GPU (LOCAL_RANK),
+    and the ranks talk NCCL on GPUs, gloo on CPUs. bf16 autocast on CUDA, float32 elsewhere."""
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
+    try:
+        device = pick_device(args.device)
+    except UserError as e:
+        die(str(e))
+    if device.type == "cuda" and ddp:
+        device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if ddp and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Session(ddp, rank, world, device, torch.float32, nullcontext())
+
+
+def set_precision(session, args):
+    """--dtype (the checkpoint's on --resume): bf16 autocast on CUDA by default."""
+    dtype = {"auto": torch.bfloat16 if session.device.type == "cuda" else torch.float32,
+             "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    session.dtype = dtype
+    if dtype != torch.float32:
+        session.autocast = torch.autocast(session.device.type, dtype=dtype)
+
+
+def wrap_model(gpt, args, session):
+    """The model the loop trains: compiled and wrapped for data parallelism as asked."""
+    model = torch.compile(gpt) if args.compile else gpt
+    if session.ddp:
+        device = session.device
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
+# -----------------------------------------------------------------------------
+# The model and where the run stands.
+
+@dataclasses.dataclass
+class Progress:
+    """Where the run stands: what a checkpoint saves besides the weights and the optimizer."""
+    step: int = 0
+    evals: list = dataclasses.field(default_factory=list)   # [{"step", "val_loss"}]
+    tokens: int = 0                                         # training tokens seen
+    wandb_id: str = None
+
+
+def build_model(args, config, ckpt, source, device):
+    """(gpt, optimizer, progress, baseline): a new model, or the checkpoint's, or a converted
+    baseline (then `baseline` is the original, kept to check that the conversion is exact)."""
+    torch.manual_seed(args.seed)
+    try:
+        if source:  # the baseline's weights, routing added with closed gates
+            gpt = mhar.GPT.from_baseline(unwrapped(source["model"]), config).to(device)
+        else:
+            gpt = mhar.GPT(config).to(device)
+    except (ValueError, TypeError, RuntimeError, ImportError) as e:  # e.g. --fused without a GPU
+        die(one_line(e))
+    optimizer = gpt.configure_optimizers(args.weight_decay, args.lr, BETAS, ADAM_EPS, device.type)
+    for group in optimizer.param_groups:
+        if group["name"] == "routing":
+            group["lr"] = args.routing_lr
+        group.setdefault("initial_lr", group["lr"])  # the schedule scales each group's own peak
+    progress, baseline = Progress(), None
+    if ckpt:
+        try:
+            gpt.load_state_dict(unwrapped(ckpt["model"]))
+            optimizer.load_state_dict(ckpt["optimizer"])
+            set_rng_states(ckpt["rng"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            die(f"the checkpoint does not fit this model: {one_line(e)}")
+        progress = Progress(ckpt["step"], ckpt["evals"], ckpt.get("tokens", 0),
+                            ckpt.get("wandb_id"))
+    if source:  # continue the baseline's run: its step, data position and Adam moments
+        carry_optimizer_state(source["optimizer"], optimizer)
+        progress = Progress(source["step"], [], source.get("tokens", 0))
+        baseline = mhar.GPT(mhar.Config(**source["config"])).to(device)
+        baseline.load_state_dict(unwrapped(source["model"]))
+    return gpt, optimizer, progress, baseline
+
+
+# -----------------------------------------------------------------------------
+# Reporting: the console, log.jsonl, Weights & Biases; timing and the summary.
 
 def fmt_count(n):
     for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
@@ -284,253 +760,325 @@ def peak_memory(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (
+        1 if sys.platform == "darwin" else 1024)
+
+
+class Report:
+    """Where a run reports (rank 0 alone): the console, log.jsonl and Weights & Biases."""
+
+    def __init__(self, out, master):
+        self.log_path, self.master, self.wandb = out / "log.jsonl", master, None
+
+    def print(self, message):
+        if self.master:
+            print(message, flush=True)
+
+    def record(self, entry):
+        """A line of log.jsonl (and of wandb)."""
+        if self.master:
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+            if self.wandb is not None:
+                self.wandb.log({k: v for k, v in entry.items() if k != "step"}, step=entry["step"])
+
+
+def start_wandb(report, args, progress):
+    if not args.wandb:
+        return
+    try:
+        import wandb
+    except ImportError:
+        die("--wandb needs the wandb package: pip install wandb (or leave --wandb out: "
+            "log.jsonl has it all)")
+    if report.master:
+        report.wandb = wandb.init(project=args.wandb, config=vars(args), id=progress.wandb_id,
+                                  resume="allow" if progress.wandb_id else None)
+        progress.wandb_id = report.wandb.id
+
+
+class Timer:
+    """Training time and throughput, evaluations left out."""
+
+    def __init__(self):
+        self.t0, self.steps, self.train_time, self.trained_steps = time.perf_counter(), 0, 0.0, 0
+
+    def lap(self, tokens_per_step):
+        """(ms per step, tokens per second) over the steps since the last lap."""
+        dt = time.perf_counter() - self.t0
+        self.train_time, self.trained_steps = self.train_time + dt, self.trained_steps + self.steps
+        ms, tok_s = 1000 * dt / self.steps, self.steps * tokens_per_step / dt
+        self.t0, self.steps = time.perf_counter(), 0
+        return ms, tok_s
+
+    @contextmanager
+    def paused(self):
+        start = time.perf_counter()
+        yield
+        self.t0 += time.perf_counter() - start
 
 
 # -----------------------------------------------------------------------------
+# The run: what the loop works on, and what it does besides stepping.
 
-def train(args):
-    """Run, or continue, one training run; returns the summary (also written to summary.json)."""
-    t_start = time.time()
-    ddp = int(os.environ.get("RANK", -1)) != -1  # launched by torchrun
-    rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
-    master = rank == 0  # logs, evaluates (with the others' help) and saves
-    log = print if master else (lambda *a, **k: None)
-    try:
-        device = pick_device(args.device)
-    except UserError as e:
-        die(str(e))
-    if device.type == "cuda" and ddp:
-        device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    if ddp and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+@dataclasses.dataclass
+class Run:
+    args: argparse.Namespace
+    config: mhar.Config
+    session: Session
+    gpt: mhar.GPT          # the model itself (its weights are what a checkpoint saves)
+    model: torch.nn.Module  # what the loop calls: gpt compiled and/or wrapped in DDP
+    optimizer: torch.optim.Optimizer
+    progress: Progress
+    data: object           # common.Tokens, or None for synthetic data
+    out: Path
+    report: Report
+    entropy: float         # unigram entropy of train.bin (None for synthetic data)
+    data_fingerprint: str  # what a checkpoint remembers of the data (see fingerprint)
 
-    ckpt = source = None
-    if args.resume is not None:
-        if args.init_from:
-            die("--init_from starts a converted run and --resume continues one: pass one of them")
-        if args.resume and args.out_dir is None:
-            args.out_dir = os.path.dirname(args.resume) or "."
-        ckpt = load_checkpoint(args.resume or os.path.join(args.out_dir or RECIPE["out_dir"], "ckpt.pt"))
-        args = resolve(args, world, ckpt["args"])
-    elif args.init_from:
-        source = load_checkpoint(args.init_from)
-        if source["config"]["residual"] != "baseline":
-            die(f"--init_from converts a baseline checkpoint; {args.init_from} is a {source['config']['residual']} run")
-        args.delta = True
-        args = resolve(args, world, {k: v for k, v in source["args"].items() if k not in CONVERSION}, strict=False)
-    else:
-        args = resolve(args, world)
-    if args.wandb:
-        try:
-            import wandb
-        except ImportError:
-            die("--wandb needs the wandb package: pip install wandb (or leave --wandb out: log.jsonl has it all)")
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
-    # data
-    synthetic = args.data == "synthetic"
-    data_path, train_tokens, val_tokens, meta = (None, None, None, {}) if synthetic else open_data(args.data, rank, ddp)
-    if args.vocab_size is None and meta.get("vocab_size"):
-        args.vocab_size = -(-meta["vocab_size"] // 64) * 64  # a multiple of 64: 50257 -> 50304
-    if args.vocab_size and meta.get("vocab_size", 0) > args.vocab_size:
-        die(f"--vocab_size {args.vocab_size} is smaller than the data's vocabulary of {meta['vocab_size']}")
-    for split, tokens in (("train", train_tokens), ("val", val_tokens)):
-        if tokens is not None and len(tokens) <= args.seq_len + 1:
-            die(f"{split}.bin has {len(tokens)} tokens, not one sequence of --seq_len {args.seq_len}")
-
-    # model and optimizer, from the checkpoint when resuming
-    try:
-        if ckpt:
-            config = mhar.Config(**{**ckpt["config"], "fused": bool(args.fused)})
-        else:
-            model_flags = dict(residual=args.residual, route_heads=args.route_heads, route_block=args.route_block,
-                               hc_streams=args.hc_streams, delta=args.delta, seq_len=args.seq_len,
-                               vocab_size=args.vocab_size, fused=bool(args.fused))
-            config = mhar.preset(args.preset, **{k: v for k, v in model_flags.items() if v is not None})
-        torch.manual_seed(args.seed)
-        if source:  # the baseline's shape and weights, routing added with closed gates
-            config = dataclasses.replace(config, **{k: v for k, v in source["config"].items() if k not in CONVERSION
-                                                    and k != "fused"})
-            gpt = mhar.GPT.from_baseline(unwrapped(source["model"]), config).to(device)
-        else:
-            gpt = mhar.GPT(config).to(device)
-    except (ValueError, TypeError, RuntimeError, ImportError) as e:  # a bad flag, or --fused without a GPU
-        die(one_line(e))
-    args.residual, args.route_heads, args.route_block = config.residual, config.route_heads, config.route_block
-    args.seq_len, args.vocab_size = config.seq_len, config.vocab_size
-    optimizer = gpt.configure_optimizers(args.weight_decay, args.lr, BETAS, ADAM_EPS, device.type)
-    for group in optimizer.param_groups:
-        if group["name"] == "routing":
-            group["lr"] = args.routing_lr
-        group.setdefault("initial_lr", group["lr"])  # the schedule scales each group's own peak
-    step, evals, tokens_seen, wandb_id = 0, [], 0, None
-    if ckpt:
-        try:
-            gpt.load_state_dict(unwrapped(ckpt["model"]))
-            optimizer.load_state_dict(ckpt["optimizer"])
-            set_rng_states(ckpt["rng"])
-        except (RuntimeError, ValueError, KeyError, TypeError) as e:
-            die(f"the checkpoint does not fit this model: {one_line(e)}")
-        step, evals, tokens_seen, wandb_id = ckpt["step"], ckpt["evals"], ckpt.get("tokens", 0), ckpt.get("wandb_id")
-        del ckpt
-    baseline = None
-    if source:  # continue the baseline's run: its step, data position and Adam moments
-        carry_optimizer_state(source["optimizer"], optimizer)
-        step, tokens_seen = source["step"], source.get("tokens", 0)
-        baseline = mhar.GPT(mhar.Config(**source["config"])).to(device)  # kept for the identity check below
-        baseline.load_state_dict(unwrapped(source["model"]))
-        del source
-    model = torch.compile(gpt) if args.compile else gpt
-    if ddp:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    eval_model = model.module if ddp else model
-
-    # output folder and header
-    out, tokens_per_step = Path(args.out_dir), args.global_batch * args.seq_len
-    log_path = out / "log.jsonl"
-    entropy = None if synthetic else unigram_entropy(train_tokens)
-    if master:
-        out.mkdir(parents=True, exist_ok=True)
+def start_outputs(run):
+    """The output folder: log.jsonl cut back to the checkpoint's step (a new run: emptied),
+    config.json, and the header on the console."""
+    args, config, gpt, s, data = run.args, run.config, run.gpt, run.session, run.data
+    if s.master:
+        run.out.mkdir(parents=True, exist_ok=True)
+        log_path = run.out / "log.jsonl"
         if log_path.exists():  # keep the lines the checkpoint covers (none for a new run)
-            lines = [ln for ln in log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+            lines = [ln for ln in log_path.read_text().splitlines()
+                     if ln and json.loads(ln)["step"] <= run.progress.step]
             log_path.write_text("".join(ln + "\n" for ln in lines))
-        (out / "config.json").write_text(json.dumps(dict(config=dataclasses.asdict(config), args=vars(args),
-                                                         world_size=world, params=gpt.num_params()), indent=2))
-    log(f"model {args.preset} | residual {config.residual}" + (f" (H={config.heads})" if config.routed else "")
-        + f" | {fmt_count(gpt.num_params())} params ({fmt_count(gpt.num_params(non_embedding=True))} non-embedding)"
-        + f" | {device} {str(dtype).removeprefix('torch.')}" + (f" | {world} ranks" if ddp else ""))
-    log(f"data synthetic: uniform random tokens over {args.vocab_size} ids" if synthetic else
-        f"data {data_path}: {fmt_count(len(train_tokens))} train / {fmt_count(len(val_tokens))} val tokens | "
-        f"unigram entropy {entropy:.3f} nats/token")
-    log(f"batch {args.batch_size} x {args.grad_accum} accum x {world} ranks x {args.seq_len} tokens = "
-        f"{tokens_per_step:,} tokens/step | steps {step}->{args.max_steps} | lr {args.lr:g}, warmup "
-        f"{args.warmup_steps}, cosine to {args.min_lr_ratio:g}x | out {out}")
-    run = None
-    if args.wandb and master:
-        run = wandb.init(project=args.wandb, config=vars(args), id=wandb_id, resume="allow" if wandb_id else None)
-        wandb_id = run.id
+        (run.out / "config.json").write_text(json.dumps(dict(
+            config=dataclasses.asdict(config), args=vars(args), world_size=s.world,
+            params=gpt.num_params()), indent=2))
+    params = (f"{fmt_count(gpt.num_params())} params "
+              f"({fmt_count(gpt.num_params(non_embedding=True))} non-embedding)")
+    run.report.print(f"model {args.preset} | residual {config.residual}"
+                     + (f" (H={config.depth_heads})" if config.routed else "") + f" | {params}"
+                     + f" | {s.device} {str(s.dtype).removeprefix('torch.')}"
+                     + (f" | {s.world} ranks" if s.ddp else ""))
+    run.report.print(
+        f"data synthetic: uniform random tokens over {args.vocab_size} ids" if data is None else
+        f"data {data.folder}: {fmt_count(len(data.train))} train / {fmt_count(len(data.val))} "
+        f"val tokens | unigram entropy {run.entropy:.3f} nats/token")
+    run.report.print(
+        f"batch {args.batch_size} x {args.grad_accum} accum x {s.world} ranks x {args.seq_len} "
+        f"tokens = {args.global_batch * args.seq_len:,} tokens/step | steps "
+        f"{run.progress.step}->{args.max_steps} | lr {args.lr:g}, warmup {args.warmup_steps}, "
+        f"cosine to {args.min_lr_ratio:g}x | out {run.out}")
 
-    def record(entry):  # a line of log.jsonl (and of wandb)
-        if master:
-            with open(log_path, "a") as f:
-                f.write(json.dumps(entry) + "\n")
-            if run is not None:
-                run.log({k: v for k, v in entry.items() if k != "step"}, step=entry["step"])
 
-    def checkpoint():
-        if master:
-            val_losses = [e["val_loss"] for e in evals]
-            save_checkpoint(out / "ckpt.pt", dict(
-                model=gpt.state_dict(), optimizer=optimizer.state_dict(), step=step, data_position=step,
-                config=dataclasses.asdict(config), args=vars(args), global_batch=args.global_batch, evals=evals,
-                val_loss=val_losses[-1] if evals else None, best_val_loss=min(val_losses, default=None),
-                tokens=tokens_seen, rng=rng_states(), wandb_id=wandb_id))
+def save(run):
+    """The checkpoint of the run's current step (rank 0 writes it)."""
+    if not run.session.master:
+        return
+    p = run.progress
+    val_losses = [e["val_loss"] for e in p.evals]
+    save_checkpoint(run.out / "ckpt.pt", dict(
+        model=run.gpt.state_dict(), optimizer=run.optimizer.state_dict(), step=p.step,
+        data_position=p.step, config=dataclasses.asdict(run.config), args=vars(run.args),
+        global_batch=run.args.global_batch, evals=p.evals,
+        val_loss=val_losses[-1] if val_losses else None,
+        best_val_loss=min(val_losses, default=None), tokens=p.tokens, rng=rng_states(),
+        wandb_id=p.wandb_id, data_fingerprint=run.data_fingerprint))
 
-    def run_eval():
-        val_loss = evaluate(eval_model, val_tokens, args, rank, world, device, autocast)
-        evals.append(dict(step=step, val_loss=val_loss))
-        record(dict(step=step, val_loss=val_loss, tokens=tokens_seen, peak_mem=peak_memory(device)))
-        log(f"step {step}/{args.max_steps} | val loss {val_loss:.4f}"
-            + (f" (unigram entropy {entropy:.4f})" if entropy else ""))
-        checkpoint()
 
-    if baseline is not None:  # the conversion is exact: the baseline's logits, so its validation loss
-        rows = sample_rows(val_tokens, ("val", 0), args.batch_size, 0, args.batch_size, args.seq_len, args.vocab_size)
-        with torch.no_grad(), autocast:
-            x = to_device(rows, device)[0]
-            diff = (gpt(x)[0] - baseline(x)[0]).abs().max().item()
-        record(dict(step=step, conversion_max_logit_diff=diff))
-        log(f"converted {args.init_from} at step {step}: max |logit difference| to the baseline {diff:g}")
-        del baseline
-        run_eval()
+def evaluate_and_save(run):
+    """The validation loss at the current step, logged; then a checkpoint."""
+    s, p = run.session, run.progress
+    eval_model = run.model.module if s.ddp else run.model
+    val_loss = evaluate(eval_model, run.data.val if run.data else None, run.args, s.rank,
+                        s.world, s.device, s.autocast)
+    p.evals.append(dict(step=p.step, val_loss=val_loss))
+    run.report.record(dict(step=p.step, val_loss=val_loss, tokens=p.tokens,
+                           peak_mem=peak_memory(s.device)))
+    run.report.print(f"step {p.step}/{run.args.max_steps} | val loss {val_loss:.4f}"
+                     + (f" (unigram entropy {run.entropy:.4f})" if run.entropy else ""))
+    save(run)
 
-    # the loop: one optimizer step per iteration; gradients are synchronized on the last micro-step only
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    loss_sum = torch.zeros((), device=device)
-    train_time, trained_tokens, t0, steps_timed = 0.0, 0, time.perf_counter(), 0
-    lo, rows_per_rank = rank * args.batch_size * args.grad_accum, args.batch_size * args.grad_accum
-    while step < args.stop_step:
-        scale = lr_factor(step, args.warmup_steps, args.max_steps, args.min_lr_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = group["initial_lr"] * scale
-        rows = sample_rows(train_tokens, ("train", args.seed, step), args.global_batch, lo, lo + rows_per_rank,
-                           args.seq_len, args.vocab_size)
-        xs, ys = to_device(rows.view(args.grad_accum, args.batch_size, -1), device)
-        loss_sum.zero_()
-        for micro in range(args.grad_accum):
-            with model.no_sync() if ddp and micro < args.grad_accum - 1 else nullcontext():
-                with autocast:
-                    _, loss = model(xs[micro], ys[micro])
-                (loss / args.grad_accum).backward()
-            loss_sum += loss.detach()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step, steps_timed, tokens_seen = step + 1, steps_timed + 1, tokens_seen + tokens_per_step
-        if step % args.log_interval == 0 or step == args.stop_step:
-            if ddp:
-                dist.all_reduce(loss_sum)  # summed over ranks, divided below: the global batch's mean loss
-            loss = loss_sum.item() / (args.grad_accum * world)
-            dt = time.perf_counter() - t0
-            train_time, trained_tokens = train_time + dt, trained_tokens + steps_timed * tokens_per_step
-            ms, tok_s = 1000 * dt / steps_timed, steps_timed * tokens_per_step / dt
-            mfu = gpt.estimate_mfu(tok_s / world, device_name)  # None on CPUs and unknown GPUs
-            record(dict(step=step, loss=loss, lr=args.lr * scale, ms=ms, tokens_per_s=tok_s, tokens=tokens_seen,
-                        peak_mem=peak_memory(device), **({"mfu": mfu} if mfu is not None else {})))
-            log(f"step {step}/{args.max_steps} | loss {loss:.4f} | lr {args.lr * scale:.2e} | {ms:.1f} ms | "
-                f"{fmt_count(tok_s)} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""))
-            if not math.isfinite(loss):
-                die(f"the loss is {loss} at step {step}: lower --lr, or check the data")
-            t0, steps_timed = time.perf_counter(), 0
-        if step % args.eval_interval == 0 and step < args.max_steps:
-            t_eval = time.perf_counter()
-            run_eval()
-            t0 += time.perf_counter() - t_eval  # evaluation is not training time
-    if step < args.max_steps:  # --stop_step: as if interrupted
-        if not evals or evals[-1]["step"] != step:
-            checkpoint()
-        log(f"stopped after step {step} (--stop_step); continue with: python train.py --out_dir {out} --resume")
-    elif not evals or evals[-1]["step"] != step:
-        run_eval()
 
-    # summary (the paper's metric: the mean of the last K evaluations) and a sample
-    tail = [e["val_loss"] for e in evals[-args.tail_evals:]]
+def check_conversion(run, baseline):
+    """A converted model computes exactly what its baseline did: the logits on validation batch
+    0 (their largest difference is logged), and so the validation loss (evaluated here)."""
+    s, val = run.session, run.data.val if run.data else None
+    with torch.no_grad(), s.autocast:
+        x = to_device(val_batch(val, run.args, 0), s.device)[0]
+        diff = (run.gpt(x)[0] - baseline(x)[0]).abs().max().item()
+    run.report.record(dict(step=run.progress.step, conversion_max_logit_diff=diff))
+    run.report.print(f"converted {run.args.init_from} at step {run.progress.step}: max |logit "
+                     f"difference| to the baseline {diff:g}")
+    evaluate_and_save(run)
+
+
+def log_step(run, loss_sum, lr, timer, device_name):
+    """A log line: the step's loss (mean over micro-steps and ranks), lr, speed, memory."""
+    args, s, p = run.args, run.session, run.progress
+    if s.ddp:
+        dist.all_reduce(loss_sum)  # summed over the ranks, divided below
+    loss = loss_sum.item() / (args.grad_accum * s.world)
+    ms, tok_s = timer.lap(args.global_batch * args.seq_len)
+    mfu = run.gpt.estimate_mfu(tok_s / s.world, device_name)  # None on CPUs and unknown GPUs
+    run.report.record(dict(step=p.step, loss=loss, lr=lr, ms=ms, tokens_per_s=tok_s,
+                           tokens=p.tokens, peak_mem=peak_memory(s.device),
+                           **({"mfu": mfu} if mfu is not None else {})))
+    run.report.print(f"step {p.step}/{args.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
+                     f"{ms:.1f} ms | {fmt_count(tok_s)} tok/s"
+                     + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""))
+    if not math.isfinite(loss):
+        die(f"the loss is {loss} at step {p.step}: lower --lr, or check the data")
+
+
+def train_step(model, optimizer, xs, ys, args, session):
+    """One optimizer step over grad_accum micro-batches; returns the summed micro-batch losses.
+    Gradients are synchronized over the ranks on the last micro-step only."""
+    loss_sum = torch.zeros((), device=xs.device)
+    for micro in range(args.grad_accum):
+        last = micro == args.grad_accum - 1
+        with model.no_sync() if session.ddp and not last else nullcontext():
+            with session.autocast:
+                _, loss = model(xs[micro], ys[micro])
+            (loss / args.grad_accum).backward()
+        loss_sum += loss.detach()
+    if args.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum
+
+
+def train(args, given=frozenset()):
+    """Run, or continue, one training run; returns its summary (also written to summary.json).
+    `given`: the flags typed on the command line (on --resume they must agree with the
+    checkpoint; the others take its values)."""
+    t_start = time.time()
+    # setup: ranks and device, the flags (a resumed run's from its checkpoint), data, shape
+    s = start_session(args)
+    args, ckpt, source = resolve_flags(args, given, s.world)
+    set_precision(s, args)
+    data = open_data(args, s.rank, s.ddp)
+    if ckpt:
+        check_same_data(ckpt, data, args)
+    config = model_config(args, data.meta if data else {})
+    check_data(data, config)
+
+    # the model, its optimizer, and where the run stands
+    gpt, optimizer, progress, baseline = build_model(args, config, ckpt, source, s.device)
+    del ckpt, source
+    out = Path(args.out_dir)
+    with claim_out_dir(out, s), StopSignals(s.master) as stop:
+        run = Run(args, config, s, gpt, wrap_model(gpt, args, s), optimizer, progress, data, out,
+                  Report(out, s.master), None if data is None else unigram_entropy(data.train),
+                  fingerprint(data))
+        start_wandb(run.report, args, progress)
+        start_outputs(run)
+        if baseline is not None:
+            check_conversion(run, baseline)
+            del baseline
+
+        # the loop: one optimizer step per iteration
+        device_name = s.device.type if s.device.type != "cuda" else torch.cuda.get_device_name()
+        timer, stop_signal = Timer(), 0
+        while progress.step < args.stop_step and not stop_signal:
+            scale = lr_factor(progress.step, args.warmup_steps, args.max_steps, args.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * scale
+            rows = train_batch(data.train if data else None, args, progress.step, s.rank)
+            loss_sum = train_step(run.model, optimizer, *to_device(rows, s.device), args, s)
+            progress.step += 1
+            progress.tokens += args.global_batch * args.seq_len
+            timer.steps += 1
+            if progress.step % args.log_interval == 0 or progress.step == args.stop_step:
+                log_step(run, loss_sum, args.lr * scale, timer, device_name)
+            if progress.step % args.eval_interval == 0 and progress.step < args.max_steps:
+                with timer.paused():  # evaluation is not training time
+                    evaluate_and_save(run)
+            stop_signal = max_over_ranks(stop.signum, s)  # every rank stops after the same step
+        return finish(run, timer, t_start, stop_signal)
+
+
+def finish(run, timer, t_start, stop_signal):
+    """The end of a session: a checkpoint when it stops early (a signal or --stop_step), the
+    final evaluation when it is done; then the summary (the paper's metric: the mean of the last
+    K evaluations), and for a finished run summary.json and a sample."""
+    args, s, p = run.args, run.session, run.progress
+    evaluated = p.evals and p.evals[-1]["step"] == p.step
+    if stop_signal or p.step < args.max_steps:
+        if not evaluated:
+            save(run)
+        why = signal.Signals(stop_signal).name if stop_signal else "--stop_step"
+        run.report.print(f"stopped after step {p.step} ({why}); continue with: python train.py "
+                         f"--out_dir {run.out} --resume")
+    elif not evaluated:
+        evaluate_and_save(run)
+    tail = [e["val_loss"] for e in p.evals[-args.tail_evals:]]
+    trained_tokens = timer.trained_steps * args.global_batch * args.seq_len
     summary = dict(
-        step=step, max_steps=args.max_steps, finished=step >= args.max_steps, residual=config.residual,
-        route_heads=config.heads, params=gpt.num_params(), final_val_loss=tail[-1] if tail else None,
+        step=p.step, max_steps=args.max_steps, finished=p.step >= args.max_steps,
+        residual=run.config.residual, route_heads=run.config.depth_heads, params=run.gpt.num_params(),
+        final_val_loss=tail[-1] if tail else None,
         tail_val_loss=sum(tail) / len(tail) if tail else None, tail_evals=len(tail),
-        best_val_loss=min((e["val_loss"] for e in evals), default=None), unigram_entropy=entropy,
-        tokens=tokens_seen, tokens_per_s=trained_tokens / train_time if train_time else None,
-        peak_mem=peak_memory(device), wall_s=time.time() - t_start, world_size=world)
-    if master and summary["finished"]:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        log(f"done: val loss {tail[-1]:.4f} | tail-mean of the last {len(tail)} evals {summary['tail_val_loss']:.4f}"
-            + (f" | unigram entropy {entropy:.4f}" if entropy else "") + f" | {fmt_count(tokens_seen)} tokens"
-            + (f" | {fmt_count(summary['tokens_per_s'])} tok/s" if summary["tokens_per_s"] else "")
-            + f" | peak mem {summary['peak_mem'] / 2**30:.2f} GiB | {summary['wall_s']:.0f} s")
-        if meta.get("tokenizer") == "gpt2":
-            import prepare
-            enc = prepare.get_encoding()
-            torch.manual_seed(args.seed)
-            with autocast:
-                idx = gpt.generate(torch.tensor([[enc.eot_token]], device=device), 200, temperature=0.8, top_k=50)
-            log("sample:\n" + enc.decode(idx[0, 1:].tolist()))
-    if run is not None:
-        run.finish()
-    if ddp:
+        best_val_loss=min((e["val_loss"] for e in p.evals), default=None),
+        unigram_entropy=run.entropy, tokens=p.tokens,
+        tokens_per_s=trained_tokens / timer.train_time if timer.train_time else None,
+        peak_mem=peak_memory(s.device), wall_s=time.time() - t_start, world_size=s.world,
+        stop_signal=stop_signal)
+    if s.master and summary["finished"] and not stop_signal:
+        (run.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        run.report.print(summary_line(summary))
+        print_sample(run)
+    if run.report.wandb is not None:
+        with suppress(Exception):  # the run is saved: the dashboard's goodbye cannot fail it
+            run.report.wandb.finish()
+    if s.ddp:
         dist.destroy_process_group()
     return summary
 
 
+def summary_line(s):
+    return (f"done: val loss {s['final_val_loss']:.4f} | tail-mean of the last {s['tail_evals']} "
+            f"evals {s['tail_val_loss']:.4f}"
+            + (f" | unigram entropy {s['unigram_entropy']:.4f}" if s["unigram_entropy"] else "")
+            + f" | {fmt_count(s['tokens'])} tokens"
+            + (f" | {fmt_count(s['tokens_per_s'])} tok/s" if s["tokens_per_s"] else "")
+            + f" | peak mem {s['peak_mem'] / 2**30:.2f} GiB | {s['wall_s']:.0f} s")
+
+
+def print_sample(run, prompt_tokens=48, new_tokens=128):
+    """The model continues the start of the first validation document (its whole lines among
+    the first 48 tokens): sampled from nothing, a small model writes mostly indentation. Only for
+    GPT-2 token files, and only ids the tokenizer has are drawn (the model's vocabulary is
+    padded past it). The run is over and saved: nothing here can fail it."""
+    if run.data is None or run.data.meta.get("tokenizer") != "gpt2":
+        return
+    try:
+        enc = prepare.get_encoding()
+        prompt = [int(t) for t in run.data.val[:prompt_tokens]]
+        line_ends = [i for i, t in enumerate(prompt) if "\n" in enc.decode([t])]
+        prompt = prompt[:line_ends[-1] + 1] if line_ends else prompt
+        torch.manual_seed(run.args.seed)
+        with run.session.autocast:
+            idx = run.gpt.generate(torch.tensor([prompt], device=run.session.device), new_tokens,
+                                   temperature=0.8, top_k=50, vocab_limit=enc.n_vocab)
+        continuation = enc.decode(idx[0, len(prompt):].tolist())
+        run.report.print(f"sample: the first {len(prompt)} tokens of val.bin, then <|model|> and "
+                         f"the model's next {new_tokens} (temperature 0.8, top-k 50):\n"
+                         f"{enc.decode(prompt)}<|model|>{continuation}")
+    except Exception as e:
+        run.report.print(f"no sample: {type(e).__name__}: {one_line(e)}")
+
+
 def main(argv=None):
-    train(parse_args(argv))
+    """Train; the exit status is 0, or 128 + the number of the signal that stopped the run."""
+    args, given = parse_args(argv)
+    try:
+        summary = train(args, given)
+    except OSError as e:  # writing a log line or summary.json: a full disk, lost permissions
+        fail(f"could not write {e.filename or 'the outputs'}: {e.strerror or one_line(e)}")
+    except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
+        exit_error("train.py", "interrupted before training started", status=130)
+    if summary["stop_signal"]:
+        sys.exit(128 + summary["stop_signal"])
+    return summary
 
 
 if __name__ == "__main__":

@@ -205,7 +205,7 @@ def test_probe_mhar_checkpoint(probe_runs, data):
     summary, out_dir = run_probe("--ckpt", str(ckpt_path))
     assert out_dir == probe_runs["mhar"] / "probe"
     model, _ = load_model(ckpt_path)
-    S, H = 2 * model.config.n_layer + 1, model.config.heads
+    S, H = 2 * model.config.n_layer + 1, model.config.depth_heads
     assert summary["residual"] == "mhar" and summary["heads"] == H == 2
     assert summary["data"] == str(data) and summary["tokens"] == 2 * 4 * 32 and not summary["notes"]
     assert summary["sources_per_site"] == list(range(1, S + 1)) and len(summary["sites"]) == S
