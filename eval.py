@@ -312,10 +312,11 @@ def task_manager(tasks, include_path=None):
 
 def evaluate(ckpt, tasks, output=None, device="auto", batch_size=8, max_length=None,
              tokenizer=None, include_path=None, num_fewshot=None, limit=None, gen_kwargs=None,
-             log_samples=False):
-    """lm-eval's results (simple_evaluate) of a checkpoint on tasks, also written to `output`
-    (default: eval.json beside the checkpoint). UserError for bad input, a missing lm-eval or
-    data that cannot be loaded."""
+             log_samples=False, manager=None):
+    """lm-eval's results (simple_evaluate) of a checkpoint on tasks, with the task names as asked
+    ("tasks"), also written to `output` (default: eval.json beside the checkpoint). `manager`: a
+    task_manager() for these tasks, to index them once for many checkpoints. UserError for bad
+    input, a missing lm-eval or data that cannot be loaded."""
     require_lm_eval()
     from lm_eval import evaluator
     from lm_eval.utils import handle_non_serializable, simple_parse_args_string
@@ -327,7 +328,7 @@ def evaluate(ckpt, tasks, output=None, device="auto", batch_size=8, max_length=N
         raise UserError("no tasks given: e.g. --tasks hellaswag,lambada_openai")
     if gen_kwargs:  # checked before anything runs
         generation_settings(simple_parse_args_string(gen_kwargs))
-    manager = task_manager(tasks, include_path)
+    manager = manager or task_manager(tasks, include_path)
     model, tok, info = load(ckpt, pick_device(device), tokenizer)
     lm = MHARLM(model, tok, batch_size, max_length, info)
     try:
@@ -339,6 +340,7 @@ def evaluate(ckpt, tasks, output=None, device="auto", batch_size=8, max_length=N
         raise UserError(f"a task's data could not be loaded ({one_line(e)}): lm-eval's built-in "
                         f"tasks download theirs from the Hugging Face Hub; go online, or define "
                         f"the task over local files (--include_path)") from None
+    results["tasks"] = tasks  # a name can stand for several tasks (a group, a tag)
     folder = Path(ckpt) if Path(ckpt).is_dir() else Path(ckpt).parent
     output = Path(output) if output else folder / "eval.json"
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -350,15 +352,23 @@ def evaluate(ckpt, tasks, output=None, device="auto", batch_size=8, max_length=N
 
 
 def metrics(results):
-    """{task/metric: value} of lm-eval's results. A filter other than lm-eval's "none" stays in
-    the name (gsm8k/exact_match,strict-match); standard errors are left out."""
+    """{task/metric: value} of lm-eval's results, one entry per metric of each task; a group that
+    reports its own aggregate (mmlu) stands for its subtasks. A filter other than lm-eval's "none"
+    stays in the name (gsm8k/exact_match,strict-match); standard errors are left out."""
+    def scores(task):
+        return {key: value for key, value in results["results"].get(task, {}).items()
+                if "," in key and "_stderr," not in key and isinstance(value, (int, float))}
+
+    covered = {subtask for group, subtasks in results.get("group_subtasks", {}).items()
+               if scores(group) for subtask in subtasks}
     flat = {}
-    for task, values in results["results"].items():
-        for key, value in values.items():
+    for task in results["results"]:
+        if task in covered:
+            continue
+        for key, value in scores(task).items():
             metric, _, filter_name = key.partition(",")
-            if filter_name and not metric.endswith("_stderr") and isinstance(value, (int, float)):
-                name = f"{task}/{metric}" + ("" if filter_name == "none" else f",{filter_name}")
-                flat[name] = float(value)
+            name = f"{task}/{metric}" + ("" if filter_name == "none" else f",{filter_name}")
+            flat[name] = float(value)
     return flat
 
 

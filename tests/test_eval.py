@@ -16,13 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
 
 import eval
 import mhar
 import prepare
 from common import UserError
-from helpers import ROOT, save_tiny_qwen3
+from helpers import ROOT, save_tiny_qwen3, write_task
 
 SEQ_LEN = 64
 GPT2_VOCAB = 50257      # ids 0..50256 are text; 50257..50303 pad the vocabulary to 50304
@@ -72,15 +71,6 @@ def reference_rolling(logits, tokens, eot):
         logprobs = F.log_softmax(logits(seq[max(0, end - SEQ_LEN):end])[-len(target):], dim=-1)
         total += logprobs[torch.arange(len(target)), target].sum().item()
     return total
-
-
-def write_task(folder, name, rows, **config):
-    """An lm-eval task that needs no network: a YAML file over a JSON-lines file of rows."""
-    data = folder / f"{name}.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    config = dict(task=name, dataset_path="json", test_split="test",
-                  dataset_kwargs={"data_files": {"test": str(data)}}, **config)
-    (folder / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
 
 @pytest.fixture(scope="module")
@@ -333,13 +323,19 @@ def test_bad_input_is_one_line_and_status_2(run, tmp_path, capsys, monkeypatch):
                                         "--include_path", str(run.folder))
 
 
-def test_lm_eval_stays_optional():
-    """Every other module imports without lm-eval; eval.py says in one line how to install it."""
+@pytest.mark.parametrize("script,command", [
+    ("eval.py", "import eval; eval.main(['--ckpt', 'out/ckpt.pt', '--tasks', 'hellaswag'])"),
+    ("compare.py", "compare.main(['--methods', 'baseline', '--preset', 'tiny', '--data', 'synthetic', "
+                   "'--eval_tasks', 'hellaswag', '--out_dir', sys.argv[1]])"),
+], ids=["eval", "compare_eval_tasks"])
+def test_lm_eval_stays_optional(script, command, tmp_path):
+    """Every other module imports without lm-eval; eval.py, and compare.py asked for benchmarks, say
+    in one line how to install it, before anything runs."""
     code = ("import sys; sys.modules['lm_eval'] = None\n"  # then `import lm_eval` fails
-            "import common, compare, kernel, mhar, prepare, probe, sample, train\n"
-            "import eval; eval.main(['--ckpt', 'out/ckpt.pt', '--tasks', 'hellaswag'])")
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+            "import common, compare, kernel, mhar, prepare, probe, sample, train\n" + command)
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "runs")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr
-    assert p.stderr.startswith("eval.py: error: lm-eval is not installed: pip install lm-eval")
+    assert p.stderr.startswith(f"{script}: error: lm-eval is not installed: pip install lm-eval")
     assert p.stderr.count("\n") == 1, p.stderr
+    assert not (tmp_path / "runs").exists()
