@@ -220,6 +220,12 @@ def test_a_rerun_reuses_runs_and_evaluations(compared, monkeypatch):
     monkeypatch.setattr(eval, "evaluate", evaluate)
     compare.main(argv + ["--eval_limit", "2"])
     assert asked == [("baseline-s0", 2), ("mhar-s0", 2), ("baseline-s1", 2)]
+    results = json.loads((out / "mhar-s0" / "eval.json").read_text())
+    results["config"]["step"] -= 1  # an evaluation of an earlier checkpoint
+    (out / "mhar-s0" / "eval.json").write_text(json.dumps(results))
+    asked.clear()
+    compare.main(argv)
+    assert asked == [("mhar-s0", None)]
 
 
 def test_paired_metric_columns_on_hand_made_scores():

