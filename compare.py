@@ -83,7 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--nproc_per_node", type=int, default=1, help="processes per run; > 1 launches torchrun (DDP)")
     p.add_argument("--eval_tasks", help="comma-separated lm-eval tasks: evaluate every finished run on them "
                                         "with eval.py, one column per metric")
-    p.add_argument("--eval_include", metavar="DIR", help="a folder of task YAML files (tasks over local files)")
+    p.add_argument("--eval_include", metavar="DIR",
+                   help="a folder of task YAML files (tasks over local files)")
     p.add_argument("--eval_limit", type=float, help="at most this many documents per task (< 1: a fraction)")
     p.add_argument("--eval_batch_size", type=int, default=8, help="sequences per forward (default 8)")
     args, train_flags = p.parse_known_args(argv)

@@ -125,14 +125,15 @@ def words(tmp_path_factory):
     sentences = [" ".join(rng.choices(WORDS, k=8)) + "." for _ in range(800)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
-    tok.train_from_iterator(sentences, trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"]))
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"])
+    tok.train_from_iterator(sentences, trainer)
     (folder / "tokenizer").mkdir()
     tok.save(str(folder / "tokenizer" / "tokenizer.json"))
     corpus = folder / "corpus.jsonl"  # a document of 10 sentences per line
     corpus.write_text("".join(json.dumps({"text": " ".join(sentences[i:i + 10])}) + "\n"
                               for i in range(0, len(sentences), 10)))
-    data = prepare.main(["--input", str(corpus), "--tokenizer", str(folder / "tokenizer"), "--out", str(folder),
-                         "--name", "words", "--val_fraction", "0.1", "--quiet"])
+    data = prepare.main(["--input", str(corpus), "--tokenizer", str(folder / "tokenizer"),
+                         "--out", str(folder), "--name", "words", "--val_fraction", "0.1", "--quiet"])
     tasks = folder / "tasks"
     tasks.mkdir()
     write_task(tasks, "words_choice", [dict(context=" ".join(rng.choices(WORDS, k=5)),
@@ -150,7 +151,8 @@ def words(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def compared(words, tmp_path_factory):
-    """One comparison: baseline and mhar at seed 0, the baseline at seed 1, each evaluated on the three tasks."""
+    """One comparison: baseline and mhar at seed 0, the baseline at seed 1, each evaluated on the three
+    tasks."""
     data, tasks = words
     out = tmp_path_factory.mktemp("compare")
     argv = ["--methods", "baseline,mhar", "--baseline_seeds", "1", "--out_dir", str(out),
@@ -186,8 +188,9 @@ def test_eval_tasks_add_eval_pys_metrics_as_columns(compared, words):
     import eval
     out, _, rows = compared
     # the columns are eval.py's own numbers for the same run folder
-    direct = eval.main(["--ckpt", str(out / "mhar-s0"), "--tasks", EVAL_TASKS, "--include_path", str(words[1]),
-                        "--output", str(out / "direct.json"), "--device", "cpu"])
+    direct = eval.main(["--ckpt", str(out / "mhar-s0"), "--tasks", EVAL_TASKS,
+                        "--include_path", str(words[1]), "--output", str(out / "direct.json"),
+                        "--device", "cpu"])
     assert {m: rows["mhar-s0"][m] for m in METRICS} == eval.metrics(direct)
     for name in rows:  # each run's eval.json, as eval.py wrote it
         written = eval.metrics(json.loads((out / name / "eval.json").read_text()))
@@ -195,7 +198,8 @@ def test_eval_tasks_add_eval_pys_metrics_as_columns(compared, words):
     delta = {m: rows["mhar-s0"][m] - rows["baseline-s0"][m] for m in METRICS}
     assert delta["words_text/word_perplexity"] != 0  # the runs differ, so a wrong pairing shows
     (pair,) = json.loads((out / "results.json").read_text())["pairs"]
-    assert {m: (pair[m]["deltas"], pair[m]["se"]) for m in METRICS} == {m: ([delta[m]], None) for m in METRICS}
+    assert {m: (pair[m]["deltas"], pair[m]["se"]) for m in METRICS} == {
+        m: ([delta[m]], None) for m in METRICS}
     table = (out / "results.md").read_text()
     assert "| Δ words_choice/acc (mean ± s.e.) | Δ words_next/exact_match (mean ± s.e.) |" in table
     cells = " | ".join(f"{delta[m]:+.4f}" for m in METRICS)
@@ -229,8 +233,10 @@ def test_a_rerun_reuses_runs_and_evaluations(compared, monkeypatch):
 
 
 def test_paired_metric_columns_on_hand_made_scores():
-    rows = [{**row(f"baseline-s{s}", "baseline", None, s, 3.0), "t/acc": acc} for s, acc in enumerate((0.5, 0.25))]
-    rows += [{**row(f"mhar-s{s}", "mhar", "baseline", s, 2.9), "t/acc": acc} for s, acc in enumerate((0.75, 0.75))]
+    rows = [{**row(f"baseline-s{s}", "baseline", None, s, 3.0), "t/acc": acc}
+            for s, acc in enumerate((0.5, 0.25))]
+    rows += [{**row(f"mhar-s{s}", "mhar", "baseline", s, 2.9), "t/acc": acc}
+             for s, acc in enumerate((0.75, 0.75))]
     text = compare.report(rows, ["t/acc"])
     # mhar - baseline: +0.25, +0.5: mean 0.375, sample std 0.25 / sqrt(2), standard error 0.125
     assert "| mhar | baseline | 0,1 | 2 | -0.1000 ± 0.0000 | +0.3750 ± 0.1250 |" in text
@@ -258,5 +264,6 @@ def test_bad_eval_flags_stop_before_training_with_one_line(flags, message, words
         compare.main([*flags, "--methods", "baseline", "--preset", "tiny", "--data", data_flag,
                       "--out_dir", str(tmp_path / "runs")])
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.count("\n") == 1 and err.startswith(f"compare.py: error: {message}"), err
+    assert exc.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"compare.py: error: {message}"), err
     assert not (tmp_path / "runs").exists()
