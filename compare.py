@@ -8,6 +8,7 @@ the paired differences to the baseline and every run's row, and draw the loss cu
     python compare.py --route_heads 1,2,4,8                         # the H sweep (the U-curve), with the baseline
     python compare.py --route_heads 1,2,4,8 --n_head 8 --n_kv_head 1,2,4,8   # the KV x H grid, a baseline per KV
     python compare.py --preset 100m --out_dir runs/100m --nproc_per_node 8   # GPUs: each run under torchrun
+    python compare.py --methods baseline,mhar --eval_tasks hellaswag,lambada_openai  # and benchmarks
 
 Runs. A run is a method (with --route_heads: mhar once per H, named mhar-H<h>), a model shape and a seed.
 A shape flag (--n_layer, --n_embd, --n_head, --n_kv_head, --ffn_hidden) given a comma-separated list is a
@@ -25,6 +26,12 @@ error (sample standard deviation / sqrt(n), n = the seeds with both runs; one se
 per-run table gives each run's own difference to its baseline. --baseline_seeds trains the baseline alone
 at more seeds: the spread between seeds, the noise that unpaired differences carry.
 
+Benchmarks. --eval_tasks evaluates each finished run with eval.py (lm-evaluation-harness, `pip install
+lm-eval`; only this path imports it) on those tasks, its own or ones that YAML files in --eval_include define
+over local files, and writes <run>/eval.json; a run whose eval.json holds the same tasks at the same
+--eval_limit for its final step is not evaluated again. Every metric becomes a column of the per-run table,
+and its paired difference to the baseline a column of the paired table.
+
 Writes results.md (both tables), results.json and loss_curves.png (with matplotlib) into --out_dir.
 A flag out of range or an impossible shape is one line on stderr and exit status 2.
 """
@@ -38,8 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mhar
+import prepare
 import probe
-from common import exit_error, one_line
+from common import UserError, exit_error, one_line, training_data
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("baseline", "hyper", "attnres", "mhar")
@@ -73,6 +81,12 @@ def parse_args(argv=None):
     p.add_argument("--baseline_seeds", default="", help="extra seeds for the baseline alone: the noise level")
     p.add_argument("--out_dir", default="runs/compare", help="one folder per run inside (default runs/compare)")
     p.add_argument("--nproc_per_node", type=int, default=1, help="processes per run; > 1 launches torchrun (DDP)")
+    p.add_argument("--eval_tasks", help="comma-separated lm-eval tasks: evaluate every finished run on them "
+                                        "with eval.py, one column per metric")
+    p.add_argument("--eval_include", metavar="DIR",
+                   help="a folder of task YAML files (tasks over local files)")
+    p.add_argument("--eval_limit", type=float, help="at most this many documents per task (< 1: a fraction)")
+    p.add_argument("--eval_batch_size", type=int, default=8, help="sequences per forward (default 8)")
     args, train_flags = p.parse_known_args(argv)
     for flag in ("--residual", "--out_dir", "--seed", "--resume"):
         if any(f == flag or f.startswith(flag + "=") for f in train_flags):
@@ -96,6 +110,17 @@ def parse_args(argv=None):
         exit_error("compare.py", "--route_heads sweeps mhar's heads: add mhar to --methods")
     if args.nproc_per_node < 1:
         exit_error("compare.py", f"--nproc_per_node must be at least 1, got {args.nproc_per_node}")
+    args.eval_tasks = [t.strip() for t in (args.eval_tasks or "").split(",") if t.strip()]
+    if not args.eval_tasks and (args.eval_include or args.eval_limit is not None):
+        exit_error("compare.py", "--eval_include and --eval_limit go with --eval_tasks: name the tasks")
+    if args.eval_include and not Path(args.eval_include).is_dir():
+        exit_error("compare.py", f"--eval_include {args.eval_include} is not a folder (of task YAML files)")
+    if args.eval_limit is not None and not args.eval_limit > 0:
+        exit_error("compare.py", f"--eval_limit must be positive, got {args.eval_limit}")
+    if args.eval_limit is not None and args.eval_limit >= 1:
+        args.eval_limit = int(args.eval_limit)  # a count; below 1, a fraction (lm-eval's convention)
+    if args.eval_batch_size < 1:
+        exit_error("compare.py", f"--eval_batch_size must be at least 1, got {args.eval_batch_size}")
     return args, train_flags
 
 
@@ -150,6 +175,27 @@ def check_shapes(runs, train_flags):
             exit_error("compare.py", f"run {run.name} cannot be built at preset {preset}: {one_line(e)}")
 
 
+def check_eval(args, train_flags):
+    """Before anything trains: lm-eval is installed, the training data is text that a tokenizer wrote,
+    and every --eval_tasks name is known. Returns lm-eval's index of the tasks (built once for all runs),
+    None without --eval_tasks."""
+    if not args.eval_tasks:
+        return None
+    import eval as benchmarks  # imports lm-eval: only with --eval_tasks
+    data = argparse.ArgumentParser(add_help=False)
+    data.add_argument("--data")
+    data, meta = training_data({"args": vars(data.parse_known_args(train_flags)[0])})
+    try:
+        benchmarks.require_lm_eval()
+        if meta and prepare.tokenizer_of(meta) is None:
+            raise UserError(f"--eval_tasks: {data} holds token ids that no text tokenizer wrote "
+                            f"(meta.json: tokenizer {meta.get('tokenizer')!r}), and lm-eval's tasks "
+                            f"are text: train on a prepare.py corpus")
+        return benchmarks.task_manager(args.eval_tasks, args.eval_include)
+    except UserError as e:
+        exit_error("compare.py", e)
+
+
 def train_once(command, out_dir):
     """Train one run in its own process, unless its folder already holds a finished one; returns its summary."""
     summary_path = out_dir / "summary.json"
@@ -157,6 +203,29 @@ def train_once(command, out_dir):
         if subprocess.run(command).returncode != 0:
             sys.exit(f"compare.py: error: the run {out_dir} failed (its output is above); fix it and run again")
     return json.loads(summary_path.read_text())
+
+
+def evaluate_once(out_dir, step, args, device, manager):
+    """{task/metric: value} of a finished run on --eval_tasks: read from out_dir/eval.json when that
+    holds these tasks at this --eval_limit for the run's final step, else evaluated now by eval.py,
+    which writes it."""
+    import eval as benchmarks
+    try:
+        results = json.loads((out_dir / "eval.json").read_text())
+    except (OSError, ValueError):  # none yet (ValueError: not JSON)
+        results = None
+    if isinstance(results, dict) and isinstance(results.get("config"), dict):
+        asked = (results.get("tasks"), results["config"].get("limit"), results["config"].get("step"))
+        if asked == (args.eval_tasks, args.eval_limit, step):
+            return benchmarks.metrics(results)
+    print(f"=== {out_dir.name}: eval.py on {','.join(args.eval_tasks)}", flush=True)
+    try:
+        results = benchmarks.evaluate(out_dir, args.eval_tasks, device=device, manager=manager,
+                                      batch_size=args.eval_batch_size, limit=args.eval_limit,
+                                      include_path=args.eval_include)
+    except UserError as e:
+        exit_error("compare.py", f"evaluating {out_dir}: {one_line(e)}")
+    return benchmarks.metrics(results)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,15 +283,28 @@ def markdown(columns, rows):
     return "\n".join(lines + ["| " + " | ".join(cell(row) for _, cell in columns) + " |" for row in rows])
 
 
-def report(rows):
-    """results.md: the paired table, the per-run table, and the baselines' spread over seeds."""
-    pairs, rows = paired(rows), with_deltas(rows)
+def with_metrics(pairs, rows, metrics):
+    """The pairs of the loss, each with the paired differences of every other per-run metric under its
+    name: {"mean", "se", ...} as paired() gives them."""
+    for metric in metrics:
+        by_variant = {p["variant"]: p for p in paired(rows, key=metric)}
+        pairs = [{**p, metric: by_variant[p["variant"]]} for p in pairs]
+    return pairs
+
+
+def report(rows, metrics=()):
+    """results.md: the paired table, the per-run table, and the baselines' spread over seeds. `metrics`:
+    keys of the rows (lm-eval's task/metric) that add a paired column and a per-run column each."""
+    pairs, rows = with_metrics(paired(rows), rows, metrics), with_deltas(rows)
+    pair_columns = PAIR_COLUMNS + [(f"Δ {m} (mean ± s.e.)", lambda p, m=m: signed(p[m]["mean"], p[m]["se"]))
+                                   for m in metrics]
+    run_columns = RUN_COLUMNS + [(m, lambda r, m=m: f"{r[m]:.4f}") for m in metrics]
     parts = []
     if pairs:
         parts.append("Paired: each method minus the baseline of the same shape and seed (same initialization "
                      "seed, same batches); mean ± standard error over the n seeds (n = 1: no error bar).\n\n"
-                     + markdown(PAIR_COLUMNS, pairs))
-    parts.append(markdown(RUN_COLUMNS, rows))
+                     + markdown(pair_columns, pairs))
+    parts.append(markdown(run_columns, rows))
     for variant in dict.fromkeys(r["variant"] for r in rows if r["baseline"] is None):
         losses = [r["tail_val_loss"] for r in rows if r["variant"] == variant]
         if len(losses) > 1:
@@ -236,10 +318,14 @@ def main(argv=None):
     args, train_flags = parse_args(argv)
     runs = runs_of(args)
     check_shapes(runs, train_flags)
+    manager = check_eval(args, train_flags)
+    device = argparse.ArgumentParser(add_help=False)
+    device.add_argument("--device", default="auto")  # the runs' device evaluates them too
+    device = device.parse_known_args(train_flags)[0].device
     out_dir = Path(args.out_dir)
     launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone",
                                     f"--nproc_per_node={args.nproc_per_node}"] if args.nproc_per_node > 1 else [])
-    rows = []
+    rows, metrics = [], {}  # metrics: lm-eval's task/metric names, in order
     for run in runs:
         routed = run.method in ("attnres", "mhar")  # --fused applies to the routed runs alone
         shared = [f for f in train_flags if routed or f != "--fused"]
@@ -251,11 +337,17 @@ def main(argv=None):
                          params=summary["params"], tail_val_loss=summary["tail_val_loss"],
                          tokens_per_s=summary["tokens_per_s"] or 0.0, peak_mem=summary["peak_mem"] or 0,
                          path=str(out_dir / run.name)))
-    results = report(rows)
+        if manager:
+            scores = evaluate_once(out_dir / run.name, summary["step"], args, device, manager)
+            rows[-1].update(scores)
+            metrics.update(dict.fromkeys(scores))
+    metrics = list(metrics)
+    results = report(rows, metrics)
     print("\n" + results)
     (out_dir / "results.md").write_text(results + "\n")
-    (out_dir / "results.json").write_text(json.dumps(dict(rows=with_deltas(rows), pairs=paired(rows),
-                                                          train_flags=train_flags), indent=2))
+    (out_dir / "results.json").write_text(json.dumps(dict(
+        rows=with_deltas(rows), pairs=with_metrics(paired(rows), rows, metrics), train_flags=train_flags,
+        eval_tasks=args.eval_tasks), indent=2))
     plt = probe.pyplot()
     if plt is None:
         print("loss curves: pip install matplotlib, then run this command again (the trained runs are reused)")

@@ -1,4 +1,6 @@
-"""Helpers every test file shares: one relative error, one builder of route inputs, the tiny model."""
+"""Helpers every test file shares: one relative error, one builder of route inputs, the tiny models, an
+lm-eval task over local files."""
+import json
 from pathlib import Path
 
 import torch
@@ -52,3 +54,13 @@ def save_tiny_qwen3(directory, tied=True, head_dim=16, n_kv_head=2, rope_theta=1
     shards = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **shards)
     return model
+
+
+def write_task(folder, name, rows, **config):
+    """An lm-eval task that needs no network: a YAML file over a JSON-lines file of rows."""
+    import yaml  # a dependency of datasets, which lm-eval needs
+    data = folder / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = dict(task=name, dataset_path="json", test_split="test",
+                  dataset_kwargs={"data_files": {"test": str(data)}}, **config)
+    (folder / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))

@@ -1,12 +1,14 @@
 """compare.py: the runs of a comparison or a grid, their pairing with the baseline, the tables; then tiny real runs."""
 import json
 import math
+import random
 
 import pytest
 
 import compare
 import mhar
-from helpers import PNG_SIGNATURE, VOCAB
+import prepare
+from helpers import PNG_SIGNATURE, VOCAB, write_task
 
 
 def runs(*argv):
@@ -106,28 +108,162 @@ def test_the_tables_take_extra_columns(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------
-# Tiny real runs.
+# Tiny real runs, evaluated with eval.py on lm-eval tasks over local files (offline).
 
-def test_compare_trains_each_method_then_writes_the_tables_and_the_figure(data, tmp_path, capsys):
-    argv = ["--methods", "baseline,mhar", "--baseline_seeds", "1", "--out_dir", str(tmp_path),
+WORDS = "the a cat dog man sat ran on to by mat rug sea hill old big".split()
+EVAL_TASKS = "words_choice,words_next,words_text"
+METRICS = ["words_choice/acc", "words_next/exact_match", "words_text/word_perplexity"]
+
+
+@pytest.fixture(scope="module")
+def words(tmp_path_factory):
+    """(a prepare.py corpus of random sentences, written by a BPE tokenizer of 64 ids; a folder of three
+    offline lm-eval tasks over the same words: multiple choice, generation, perplexity)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    folder = tmp_path_factory.mktemp("words")
+    rng = random.Random(0)
+    sentences = [" ".join(rng.choices(WORDS, k=8)) + "." for _ in range(800)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"])
+    tok.train_from_iterator(sentences, trainer)
+    (folder / "tokenizer").mkdir()
+    tok.save(str(folder / "tokenizer" / "tokenizer.json"))
+    corpus = folder / "corpus.jsonl"  # a document of 10 sentences per line
+    corpus.write_text("".join(json.dumps({"text": " ".join(sentences[i:i + 10])}) + "\n"
+                              for i in range(0, len(sentences), 10)))
+    data = prepare.main(["--input", str(corpus), "--tokenizer", str(folder / "tokenizer"),
+                         "--out", str(folder), "--name", "words", "--val_fraction", "0.1", "--quiet"])
+    tasks = folder / "tasks"
+    tasks.mkdir()
+    write_task(tasks, "words_choice", [dict(context=" ".join(rng.choices(WORDS, k=5)),
+                                            choices=[" " + w for w in rng.sample(WORDS, 3)], label=0)
+                                       for _ in range(4)],
+               output_type="multiple_choice", doc_to_text="{{context}}", doc_to_choice="{{choices}}",
+               doc_to_target="{{label}}", target_delimiter="", metric_list=[{"metric": "acc"}])
+    write_task(tasks, "words_next", [dict(prompt=s[:20], answer=s[20:]) for s in sentences[:3]],
+               output_type="generate_until", doc_to_text="{{prompt}}", doc_to_target="{{answer}}",
+               generation_kwargs={"until": ["."], "max_gen_toks": 8}, metric_list=[{"metric": "exact_match"}])
+    write_task(tasks, "words_text", [dict(text=" ".join(sentences[:6]))], output_type="loglikelihood_rolling",
+               doc_to_text="", doc_to_target="{{text}}", metric_list=[{"metric": "word_perplexity"}])
+    return data, tasks
+
+
+@pytest.fixture(scope="module")
+def compared(words, tmp_path_factory):
+    """One comparison: baseline and mhar at seed 0, the baseline at seed 1, each evaluated on the three
+    tasks."""
+    data, tasks = words
+    out = tmp_path_factory.mktemp("compare")
+    argv = ["--methods", "baseline,mhar", "--baseline_seeds", "1", "--out_dir", str(out),
+            "--eval_tasks", EVAL_TASKS, "--eval_include", str(tasks),
             "--preset", "tiny", "--data", str(data), "--seq_len", "32", "--batch_size", "4", "--max_steps", "4",
-            "--warmup_steps", "1", "--eval_interval", "2", "--eval_batches", "2", "--log_interval", "1"]
+            "--warmup_steps", "1", "--eval_interval", "2", "--eval_batches", "2", "--log_interval", "1",
+            "--device", "cpu"]
     compare.main(argv)
-    results = json.loads((tmp_path / "results.json").read_text())
-    rows = {r["name"]: r for r in results["rows"]}
+    rows = {r["name"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    return out, argv, rows
+
+
+def test_compare_trains_each_method_then_writes_the_tables_and_the_figure(compared):
+    out, _, rows = compared
+    results = json.loads((out / "results.json").read_text())
     assert list(rows) == ["baseline-s0", "mhar-s0", "baseline-s1"]
     c = mhar.preset("tiny", vocab_size=VOCAB, seq_len=32)
     assert rows["mhar-s0"]["params"] - rows["baseline-s0"]["params"] == (2 * c.n_layer + 1) * 2 * c.n_embd
-    summaries = {name: json.loads((tmp_path / name / "summary.json").read_text()) for name in rows}
+    summaries = {name: json.loads((out / name / "summary.json").read_text()) for name in rows}
     for name, r in rows.items():  # each row is the run's own summary.json
         assert r["tail_val_loss"] == summaries[name]["tail_val_loss"] and summaries[name]["finished"]
     delta = summaries["mhar-s0"]["tail_val_loss"] - summaries["baseline-s0"]["tail_val_loss"]  # seed 0 with seed 0
     assert rows["mhar-s0"]["delta"] == delta and rows["baseline-s1"]["delta"] is None
-    assert results["pairs"] == [dict(variant="mhar", baseline="baseline", seeds=[0], deltas=[delta], n=1,
-                                     mean=delta, se=None)]
-    table = (tmp_path / "results.md").read_text()
+    (pair,) = results["pairs"]
+    assert {k: pair[k] for k in ("variant", "baseline", "seeds", "deltas", "n", "mean", "se")} == dict(
+        variant="mhar", baseline="baseline", seeds=[0], deltas=[delta], n=1, mean=delta, se=None)
+    table = (out / "results.md").read_text()
     assert f"| mhar | baseline | 0 | 1 | {delta:+.4f} |" in table and "baseline over 2 seeds" in table
-    assert (tmp_path / "loss_curves.png").read_bytes()[:8] == PNG_SIGNATURE
-    first_log = (tmp_path / "baseline-s0" / "log.jsonl").read_text()
-    compare.main(argv)  # finished runs are reused, not trained again
-    assert (tmp_path / "baseline-s0" / "log.jsonl").read_text() == first_log
+    assert (out / "loss_curves.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_eval_tasks_add_eval_pys_metrics_as_columns(compared, words):
+    import eval
+    out, _, rows = compared
+    # the columns are eval.py's own numbers for the same run folder
+    direct = eval.main(["--ckpt", str(out / "mhar-s0"), "--tasks", EVAL_TASKS,
+                        "--include_path", str(words[1]), "--output", str(out / "direct.json"),
+                        "--device", "cpu"])
+    assert {m: rows["mhar-s0"][m] for m in METRICS} == eval.metrics(direct)
+    for name in rows:  # each run's eval.json, as eval.py wrote it
+        written = eval.metrics(json.loads((out / name / "eval.json").read_text()))
+        assert {m: rows[name][m] for m in METRICS} == written
+    delta = {m: rows["mhar-s0"][m] - rows["baseline-s0"][m] for m in METRICS}
+    assert delta["words_text/word_perplexity"] != 0  # the runs differ, so a wrong pairing shows
+    (pair,) = json.loads((out / "results.json").read_text())["pairs"]
+    assert {m: (pair[m]["deltas"], pair[m]["se"]) for m in METRICS} == {
+        m: ([delta[m]], None) for m in METRICS}
+    table = (out / "results.md").read_text()
+    assert "| Δ words_choice/acc (mean ± s.e.) | Δ words_next/exact_match (mean ± s.e.) |" in table
+    cells = " | ".join(f"{delta[m]:+.4f}" for m in METRICS)
+    assert f"| mhar | baseline | 0 | 1 | {pair['mean']:+.4f} | {cells} |" in table
+    run_cells = " | ".join(f"{rows['baseline-s1'][m]:.4f}" for m in METRICS)
+    assert table.rstrip().splitlines()[-3].endswith(f" | {run_cells} |")  # before the seeds' spread
+
+
+def test_a_rerun_reuses_runs_and_evaluations(compared, monkeypatch):
+    import eval
+    out, argv, _ = compared
+    first_log, table = (out / "baseline-s0" / "log.jsonl").read_text(), (out / "results.md").read_text()
+    monkeypatch.setattr(eval, "evaluate", lambda *args, **kwargs: pytest.fail("evaluated again"))
+    compare.main(argv)  # finished runs are neither trained nor evaluated again
+    assert (out / "baseline-s0" / "log.jsonl").read_text() == first_log
+    assert (out / "results.md").read_text() == table
+    asked = []  # other settings evaluate again
+
+    def evaluate(folder, tasks, **options):
+        asked.append((folder.name, options["limit"]))
+        return json.loads((folder / "eval.json").read_text())
+    monkeypatch.setattr(eval, "evaluate", evaluate)
+    compare.main(argv + ["--eval_limit", "2"])
+    assert asked == [("baseline-s0", 2), ("mhar-s0", 2), ("baseline-s1", 2)]
+    results = json.loads((out / "mhar-s0" / "eval.json").read_text())
+    results["config"]["step"] -= 1  # an evaluation of an earlier checkpoint
+    (out / "mhar-s0" / "eval.json").write_text(json.dumps(results))
+    asked.clear()
+    compare.main(argv)
+    assert asked == [("mhar-s0", None)]
+
+
+def test_paired_metric_columns_on_hand_made_scores():
+    rows = [{**row(f"baseline-s{s}", "baseline", None, s, 3.0), "t/acc": acc}
+            for s, acc in enumerate((0.5, 0.25))]
+    rows += [{**row(f"mhar-s{s}", "mhar", "baseline", s, 2.9), "t/acc": acc}
+             for s, acc in enumerate((0.75, 0.75))]
+    text = compare.report(rows, ["t/acc"])
+    # mhar - baseline: +0.25, +0.5: mean 0.375, sample std 0.25 / sqrt(2), standard error 0.125
+    assert "| mhar | baseline | 0,1 | 2 | -0.1000 ± 0.0000 | +0.3750 ± 0.1250 |" in text
+    assert "| mhar-s1 | 1,000 | 2.9000 | -0.1000 | 1 | 1.00 GiB | 0.7500 |" in text
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--eval_tasks", "words_choice,nope"], "unknown task nope: `lm-eval ls tasks` lists them"),
+    (["--eval_tasks", "words_choice", "--eval_include", "missing"], "--eval_include missing is not a folder"),
+    (["--eval_limit", "3"], "--eval_include and --eval_limit go with --eval_tasks"),
+    (["--eval_tasks", "words_choice", "--eval_limit", "0"], "--eval_limit must be positive"),
+    (["--eval_tasks", "words_choice", "--token_ids"], "--eval_tasks: "),
+], ids=["unknown_task", "include_not_a_folder", "limit_without_tasks", "limit_zero", "token_ids_data"])
+def test_bad_eval_flags_stop_before_training_with_one_line(flags, message, words, data, tmp_path, capsys,
+                                                           monkeypatch):
+    import lm_eval.tasks
+    task_manager = lm_eval.tasks.TaskManager  # lm-eval's own ~15,000 tasks left out: indexing them takes 20 s
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda include_path=None, **kwargs:
+                        task_manager(include_path=include_path, include_defaults=False))
+    data_flag = str(data) if "--token_ids" in flags else str(words[0])
+    flags = [f for f in flags if f != "--token_ids"]
+    if "--eval_include" not in flags:
+        flags += ["--eval_include", str(words[1])] if "--eval_tasks" in flags else []
+    with pytest.raises(SystemExit) as exc:
+        compare.main([*flags, "--methods", "baseline", "--preset", "tiny", "--data", data_flag,
+                      "--out_dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"compare.py: error: {message}"), err
+    assert not (tmp_path / "runs").exists()
