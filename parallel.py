@@ -180,8 +180,8 @@ def save(out, step, model, optimizer, extra=None):
             name[0], n = f"shards-{step}.{n}", n + 1
     dist.broadcast_object_list(name, src=0)
     state = {"model": get_model_state_dict(model), **(extra or {})}
-    if optimizer.state:  # before the first step it has none; get_optimizer_state_dict would make
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)  # one by a step AdamW counts
+    if optimizer.state:  # none before the first step: get_optimizer_state_dict would make one
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)  # by a step AdamW counts
     dcp.save(state, checkpoint_id=Path(out) / name[0])
     return name[0]
 

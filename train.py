@@ -266,7 +266,12 @@ def build_parser(defaults=True):
     p.flag("wandb", SETTING, nargs="?", const="mhar", default=None,
            help="also log to Weights & Biases (project name, default mhar)")
 
-    # The model: every field of mhar.Config, so a new field is a flag without a line here.
+    add_model_flags(p)
+    return p
+
+
+def add_model_flags(p):
+    """A flag for every field of mhar.Config, so a new field is a flag without a line here."""
     p.section("the model: mhar.Config's fields (default: the preset's)")
     for field in dataclasses.fields(mhar.Config):
         name = field.name
@@ -280,7 +285,6 @@ def build_parser(defaults=True):
                    help=what + default)
         else:
             p.flag(name, role, type=kind, default=None, help=what + default)
-    return p
 
 
 ROLES = build_parser().roles
@@ -1120,7 +1124,8 @@ def save(run):
         return
     val_losses = [e["val_loss"] for e in p.evals]
     save_checkpoint(run.out / "ckpt.pt", dict(
-        **state, step=p.step, data_position=p.step, config=dataclasses.asdict(run.config), args=vars(run.args),
+        **state, step=p.step, data_position=p.step, config=dataclasses.asdict(run.config),
+        args=vars(run.args),
         global_batch=run.args.global_batch, evals=p.evals,
         val_loss=val_losses[-1] if val_losses else None,
         best_val_loss=min(val_losses, default=None), tokens=p.tokens, rng=rng_states(),
@@ -1289,7 +1294,8 @@ def finish(run, timer, t_start, stop_signal):
     trained_tokens = timer.trained_steps * args.global_batch * args.seq_len
     summary = dict(
         step=p.step, max_steps=args.max_steps, finished=p.step >= args.max_steps,
-        residual=run.config.residual, route_heads=run.config.depth_heads, params=run.gpt.num_params(),
+        residual=run.config.residual, route_heads=run.config.depth_heads,
+        params=run.gpt.num_params(),
         final_val_loss=tail[-1] if tail else None,
         tail_val_loss=sum(tail) / len(tail) if tail else None, tail_evals=len(tail),
         best_val_loss=min((e["val_loss"] for e in p.evals), default=None),
