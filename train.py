@@ -880,18 +880,24 @@ def build_model(args, config, ckpt, source, session):
     gpt = gpt if sharded else gpt.to(device)
     optimizer = make_optimizer(gpt, args, "cpu" if sharded else device.type)
     progress, baseline = Progress(), None
-    if pretrained:  # a new run from step 0, AdamW cold (the directory has no moments)
-        baseline = mhar.GPT.from_pretrained(source, seq_len=config.seq_len).to(device)
-    elif source:  # continue the baseline's run: its step, data position and Adam moments
-        carry_optimizer_state(source["optimizer"], optimizer)
+    if source and not pretrained:  # continue the baseline's run: its step, data, Adam moments
+        carry_optimizer_state(source["optimizer"], optimizer)  # (a directory has none: cold)
         progress = Progress(source["step"], [], source.get("tokens", 0))
-        baseline = mhar.GPT(mhar.Config(**source["config"])).to(device)
-        baseline.load_state_dict(unwrapped(source["model"]))
+    if source and not shape_only:  # the model before conversion, to check that it is exact
+        if pretrained:
+            baseline = mhar.GPT.from_pretrained(source, seq_len=config.seq_len)
+        else:
+            baseline = mhar.GPT(mhar.Config(**source["config"]))
+            baseline.load_state_dict(unwrapped(source["model"]))
     if sharded:
         carried = optimizer if source and not pretrained else None
-        gpt, optimizer = parallel.distribute(gpt, carried, device,
-                                             session.dtype,
+        gpt, optimizer = parallel.distribute(gpt, carried, device, session.dtype,
                                              lambda model: make_optimizer(model, args, device.type))
+        if source:  # sharded as well: no rank holds a whole copy of it
+            baseline, _ = parallel.distribute(baseline, None, device, session.dtype,
+                                              lambda model: None)
+    elif baseline is not None:
+        baseline = baseline.to(device)
     if ckpt:
         try:
             if sharded:
