@@ -3,6 +3,7 @@ lm-eval task over local files."""
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from mhar import preset
@@ -15,6 +16,19 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def rel_err(a, b):
     """Norm-wise ||a - b|| / ||b|| in float64; exact zeros on both sides count as a match."""
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def error_line(capsys, main, argv, status=2):
+    """Run a script's main(argv) on bad input: it exits with `status` and writes one line,
+    "<script>.py: error: ...", and no traceback. Returns that line."""
+    with pytest.raises(SystemExit) as exit:
+        main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert exit.value.code == status, err
+    script = main.__module__
+    assert err.startswith(f"{script}.py: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err, err
+    return err.strip()
 
 
 def tiny(residual="mhar", **overrides):

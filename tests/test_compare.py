@@ -8,7 +8,7 @@ import pytest
 import compare
 import mhar
 import prepare
-from helpers import PNG_SIGNATURE, VOCAB, write_task
+from helpers import PNG_SIGNATURE, VOCAB, error_line, write_task
 
 
 def runs(*argv):
@@ -64,10 +64,8 @@ def test_the_kv_by_heads_grid_pairs_each_cell_with_the_baseline_of_its_shape_and
 ], ids=["kv_not_dividing_heads", "heads_not_dividing_width", "per_run_flag", "unknown_method", "heads_without_mhar",
         "not_integers"])
 def test_bad_comparisons_stop_before_training_with_one_line(argv, message, tmp_path, capsys):
-    with pytest.raises(SystemExit) as exc:
-        compare.main([*argv, "--out_dir", str(tmp_path)])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.count("\n") == 1 and err.startswith(f"compare.py: error: {message}"), err
+    err = error_line(capsys, compare.main, [*argv, "--out_dir", tmp_path])
+    assert err.startswith(f"compare.py: error: {message}"), err
     assert not any(tmp_path.iterdir())
 
 
@@ -260,10 +258,7 @@ def test_bad_eval_flags_stop_before_training_with_one_line(flags, message, words
     flags = [f for f in flags if f != "--token_ids"]
     if "--eval_include" not in flags:
         flags += ["--eval_include", str(words[1])] if "--eval_tasks" in flags else []
-    with pytest.raises(SystemExit) as exc:
-        compare.main([*flags, "--methods", "baseline", "--preset", "tiny", "--data", data_flag,
-                      "--out_dir", str(tmp_path / "runs")])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.count("\n") == 1, err
+    err = error_line(capsys, compare.main, [*flags, "--methods", "baseline", "--preset", "tiny",
+                                            "--data", data_flag, "--out_dir", tmp_path / "runs"])
     assert err.startswith(f"compare.py: error: {message}"), err
     assert not (tmp_path / "runs").exists()

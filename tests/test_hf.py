@@ -11,7 +11,7 @@ import torch
 
 import hf
 from common import CheckpointError
-from helpers import ROOT, rel_err, save_tiny_qwen3, tiny
+from helpers import ROOT, error_line, rel_err, save_tiny_qwen3, tiny
 from mhar import GPT
 
 transformers = pytest.importorskip("transformers")  # installed in CI (.ci/run); optional for users
@@ -393,8 +393,5 @@ def test_export_errors_are_one_line(tmp_path, capsys):
     ckpt = write_checkpoint(tmp_path / "ckpt.pt", GPT(tiny("baseline")))
     for argv in ([str(tmp_path / "missing.pt"), str(tmp_path / "hf")],
                  [str(ckpt), str(tmp_path / "hf"), "--tokenizer", str(tmp_path / "nowhere")]):
-        with pytest.raises(SystemExit) as exit_:
-            export.main(argv)
-        err = capsys.readouterr().err
-        assert exit_.value.code == 2 and err.startswith("export.py: error: ") and err.count("\n") == 1
+        error_line(capsys, export.main, argv)
     assert not (tmp_path / "hf").exists()  # nothing half-written

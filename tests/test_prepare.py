@@ -13,6 +13,7 @@ import pytest
 import tiktoken
 
 import prepare
+from helpers import error_line
 
 
 # -----------------------------------------------------------------------------
@@ -303,20 +304,13 @@ PREP_BAD_INPUTS = [
 ]
 
 
-def _prep_assert_one_error_line(capsys, exc, fragment):
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("prepare.py: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    assert fragment in err, err
-
-
 @pytest.mark.parametrize("make,fragment", PREP_BAD_INPUTS, ids=[f.__name__[len("_prep_bad_"):] for f, _ in PREP_BAD_INPUTS])
 def test_prepare_bad_input_fails_cleanly(tmp_path, capsys, make, fragment):
     inputs = make(tmp_path)
     out = tmp_path / "out" / "nested"
-    with pytest.raises(SystemExit) as exc:
-        prepare.main(["--input", *inputs, "--out", str(out), "--val_fraction", "0.5", "--quiet"])
-    _prep_assert_one_error_line(capsys, exc, fragment)
+    err = error_line(capsys, prepare.main,
+                     ["--input", *inputs, "--out", out, "--val_fraction", "0.5", "--quiet"])
+    assert fragment in err, err
     assert not (tmp_path / "out").exists()  # the folders it made are gone too
 
 
@@ -331,9 +325,9 @@ def test_prepare_unreadable_file_fails_cleanly(tmp_path, capsys, monkeypatch):
         return read_bytes(path)
 
     monkeypatch.setattr(pathlib.Path, "read_bytes", locked)
-    with pytest.raises(SystemExit) as exc:
-        prepare.main(["--input", *inputs, "--out", str(tmp_path / "out"), "--val_fraction", "0.5"])
-    _prep_assert_one_error_line(capsys, exc, "z_locked.txt: Permission denied")
+    err = error_line(capsys, prepare.main,
+                     ["--input", *inputs, "--out", tmp_path / "out", "--val_fraction", "0.5"])
+    assert "z_locked.txt: Permission denied" in err, err
     assert not (tmp_path / "out").exists()
 
 
@@ -346,9 +340,8 @@ def test_prepare_missing_package_fails_cleanly(tmp_path, capsys, monkeypatch, mo
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "t.parquet").write_bytes(b"PAR1")
-    with pytest.raises(SystemExit) as exc:
-        prepare.main([*args, "--out", "data"])
-    _prep_assert_one_error_line(capsys, exc, fragment)
+    err = error_line(capsys, prepare.main, [*args, "--out", "data"])
+    assert fragment in err, err
     assert not (tmp_path / "data").exists()
 
 
@@ -368,9 +361,9 @@ def test_prepare_hf_offline_fails_cleanly(tmp_path, capsys, monkeypatch):
         raise ConnectionError("Couldn't reach 'HuggingFaceFW/fineweb-edu' on the Hub\n(a second line)")
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    with pytest.raises(SystemExit) as exc:
-        prepare.main(["--hf", "HuggingFaceFW/fineweb-edu", "--out", str(tmp_path / "data")])
-    _prep_assert_one_error_line(capsys, exc, "cannot open Hugging Face dataset 'HuggingFaceFW/fineweb-edu'")
+    err = error_line(capsys, prepare.main,
+                     ["--hf", "HuggingFaceFW/fineweb-edu", "--out", tmp_path / "data"])
+    assert "cannot open Hugging Face dataset 'HuggingFaceFW/fineweb-edu'" in err, err
     assert not (tmp_path / "data").exists()
 
 
@@ -381,9 +374,9 @@ def test_prepare_bad_flag_values_exit_2(tmp_path, capsys):
     for flags, fragment in ((["--val_fraction", "0.9"], "--val_fraction must be in (0, 0.5]"),
                             (["--max_tokens", "1"], "--max_tokens must be at least 2"),
                             (["--name", "../up"], "--name must be a plain folder name")):
-        with pytest.raises(SystemExit) as exc:
-            prepare.main(["--input", str(tmp_path / "c"), "--out", str(tmp_path / "data"), *flags])
-        _prep_assert_one_error_line(capsys, exc, fragment)
+        err = error_line(capsys, prepare.main,
+                         ["--input", tmp_path / "c", "--out", tmp_path / "data", *flags])
+        assert fragment in err, err
     assert not (tmp_path / "data").exists()
 
 
@@ -619,9 +612,9 @@ PREP_BAD_TOKENIZERS = [
 def test_prepare_bad_tokenizer_fails_cleanly(tmp_path, capsys, make, fragment):
     pytest.importorskip("tokenizers", reason="prepare.py --tokenizer needs it: pip install tokenizers")
     _prep_corpus(tmp_path / "c")
-    with pytest.raises(SystemExit) as exc:
-        prepare.main(["--input", str(tmp_path / "c"), "--tokenizer", make(tmp_path), "--out", str(tmp_path / "out")])
-    _prep_assert_one_error_line(capsys, exc, fragment)
+    err = error_line(capsys, prepare.main,
+                     ["--input", tmp_path / "c", "--tokenizer", make(tmp_path), "--out", tmp_path / "out"])
+    assert fragment in err, err
     assert not (tmp_path / "out").exists()
 
 
@@ -630,6 +623,6 @@ def test_prepare_tokenizer_without_the_tokenizers_package(tmp_path, capsys, monk
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "tokenizer.json").write_text("{}")
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # import fails, installed or not
-    with pytest.raises(SystemExit) as exc:
-        prepare.main(["--input", str(tmp_path / "c"), "--tokenizer", str(tmp_path / "m"), "--out", str(tmp_path / "o")])
-    _prep_assert_one_error_line(capsys, exc, "--tokenizer needs the tokenizers package: pip install tokenizers")
+    err = error_line(capsys, prepare.main,
+                     ["--input", tmp_path / "c", "--tokenizer", tmp_path / "m", "--out", tmp_path / "o"])
+    assert "--tokenizer needs the tokenizers package: pip install tokenizers" in err, err

@@ -13,7 +13,7 @@ import mhar
 import probe
 import sample
 from common import load_model, sample_rows
-from helpers import PNG_SIGNATURE, VOCAB
+from helpers import PNG_SIGNATURE, VOCAB, error_line
 from mhar import GPT
 
 
@@ -313,10 +313,7 @@ def test_missing_or_corrupt_checkpoint_is_one_clear_line(script, tmp_path, capsy
     corrupt = tmp_path / "ckpt.pt"
     corrupt.write_bytes(b"not a checkpoint")
     for path, reason in ((tmp_path / "missing.pt", "no checkpoint at"), (corrupt, "cannot read checkpoint")):
-        with pytest.raises(SystemExit) as exit_info:
-            script.main(["--ckpt", str(path)])
-        err = capsys.readouterr().err
-        assert exit_info.value.code == 2 and err.count("\n") == 1
+        err = error_line(capsys, script.main, ["--ckpt", path])
         assert err.startswith(f"{script.__name__}.py: error: {reason}")
 
 
@@ -335,18 +332,14 @@ def test_probe_refuses_data_with_another_tokenizer(tmp_path, capsys):
     other = token_folder(tmp_path / "other", {"tokenizer": "hf:Qwen3-0.6B", "vocab_size": 151669, "eot": 151643,
                                               "tokenizer_sha256": "aec2"})
     ckpt = save_untrained(tmp_path / "ckpt.pt", data=trained_on, residual="mhar", vocab_size=50304)
-    with pytest.raises(SystemExit) as exc:
-        probe.main(["--ckpt", str(ckpt), "--data", str(other)])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.count("\n") == 1
+    err = error_line(capsys, probe.main, ["--ckpt", ckpt, "--data", other])
     assert err.startswith(f"probe.py: error: {other} is tokenized with hf:Qwen3-0.6B (151669 ids) but the model was "
                           f"trained on {trained_on}, tokenized with gpt2 (50257 ids): pass --data {trained_on}")
     # the same vocabulary size, another tokenizer.json: refused too
     same_size = token_folder(tmp_path / "same_size", {"tokenizer": "hf:mine", "vocab_size": 50257, "eot": 50256,
                                                       "tokenizer_sha256": "77ab"})
-    with pytest.raises(SystemExit):
-        probe.main(["--ckpt", str(ckpt), "--data", str(same_size)])
-    assert "tokenized with hf:mine (50257 ids) but" in capsys.readouterr().err
+    err = error_line(capsys, probe.main, ["--ckpt", ckpt, "--data", same_size])
+    assert "tokenized with hf:mine (50257 ids) but" in err
 
 
 def test_probe_notes_a_tokenizer_it_cannot_check(tmp_path):
@@ -364,7 +357,6 @@ def test_probe_notes_a_tokenizer_it_cannot_check(tmp_path):
 ], ids=["gpu", "cuda_without_gpu"])
 def test_probe_absent_device_is_one_line(device, message, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a GPU machine
-    with pytest.raises(SystemExit) as exc:
-        probe.main(["--ckpt", str(save_untrained(tmp_path / "ckpt.pt")), "--device", device])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.count("\n") == 1 and err.startswith(f"probe.py: error: {message}"), err
+    err = error_line(capsys, probe.main, ["--ckpt", save_untrained(tmp_path / "ckpt.pt"),
+                                          "--device", device])
+    assert err.startswith(f"probe.py: error: {message}"), err

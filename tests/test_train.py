@@ -19,7 +19,7 @@ import torch
 import mhar
 import train
 from common import sample_rows, seed_of
-from helpers import ROOT, VOCAB
+from helpers import ROOT, VOCAB, error_line
 
 
 def flags(data, out, *extra):
@@ -56,12 +56,7 @@ def assert_same_state(a, b):
 
 def error_of(capsys, argv, status=2):
     """Run train.py in-process on bad input: the exit status, one line on stderr, no traceback."""
-    with pytest.raises(SystemExit) as exit:
-        train.main(argv)
-    err = capsys.readouterr().err.strip()
-    assert exit.value.code == status, err
-    assert err.startswith("train.py: error: ") and "\n" not in err and "Traceback" not in err
-    return err
+    return error_line(capsys, train.main, argv, status)
 
 
 # -----------------------------------------------------------------------------
