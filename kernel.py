@@ -42,6 +42,8 @@ Without a CUDA GPU the kernels run in the Triton interpreter, on CPU tensors, wh
 TRITON_INTERPRET=1 is set before this file is imported (slow; for tests). `python kernel.py`
 checks the kernels against `mhar.route`, then benchmarks them when a GPU is present.
 """
+import array
+import functools
 import os
 from collections import namedtuple
 
@@ -292,6 +294,7 @@ INTERPRETED = not isinstance(_route_forward_kernel, triton.runtime.JITFunction)
 
 # %% Launchers
 
+@functools.lru_cache(maxsize=None)   # a launch asks at every call
 def layout(width, heads, sites):
     """The constexprs of a launch routing `sites` sites at this width and head count; raises on
     what the kernels cannot hold."""
@@ -327,25 +330,30 @@ def _num_warps(config, backward):
 def _programs(M, target=None):
     """Positions per program, and programs, for `target` programs (None: what this process
     launches). A split fixed by M alone, for determinism."""
-    per_program = triton.cdiv(M, target or (INTERPRETED_PROGRAMS if INTERPRETED else PROGRAMS))
-    return per_program, triton.cdiv(M, per_program)
+    per_program = -(-M // (target or (INTERPRETED_PROGRAMS if INTERPRETED else PROGRAMS)))
+    return per_program, -(-M // per_program)          # ceiling divisions (triton.cdiv: 5 µs a call)
 
 
-def _address_table(tensors, device):
-    """The kernels read their tensors through a table of addresses: no copy into one buffer.
-    They take every address as 16-byte aligned (vector loads): see _aligned."""
-    assert all(t.data_ptr() % 16 == 0 for t in tensors), "a routed tensor is not 16-byte aligned"
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+def _address_table(addresses, device):
+    """The kernels read their tensors through a table of addresses: no copy into one buffer. On a
+    GPU the table goes up from pinned memory, asynchronously: the host never waits for the GPU
+    (a table from pageable memory would be a synchronizing copy at every launch)."""
+    table = torch.frombuffer(array.array("q", addresses), dtype=torch.int64)  # 3x faster than torch.tensor
+    if device.type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+    return table
 
 
 def _aligned(tensor):
-    """The tensor, 16-byte aligned: a fresh allocation is, a view (a row of a stacked V) may not
-    be. (Called inside the custom ops only: traced code cannot read addresses.)"""
+    """The tensor, contiguous and 16-byte aligned (the kernels load every row as 16-byte vectors):
+    a fresh allocation is, a view (a row of a stacked V) may not be."""
     tensor = tensor.contiguous()
     return tensor if tensor.data_ptr() % 16 == 0 else tensor.clone()
 
 
-def _check_sources(sources, qg, heads):
+def check_sources(sources, heads, sites):
+    """The layout of a launch over these sources (each (B, T, d)); raises on a dtype or shape the
+    kernels cannot route together."""
     first = sources[0]
     if first.dtype not in SOURCE_TYPES:
         raise TypeError(f"fused routing stores sources in float32 or bfloat16, got {first.dtype}")
@@ -353,56 +361,142 @@ def _check_sources(sources, qg, heads):
         if source.shape != first.shape or source.dtype != first.dtype:
             raise ValueError(f"fused routing needs sources of one shape and dtype, got {tuple(source.shape)} "
                              f"{source.dtype} next to {tuple(first.shape)} {first.dtype}")
-    if qg.shape[1:] != first.shape[-1:]:
-        raise ValueError(f"q and g must have shape ({first.shape[-1]},) to match the sources")
-    return layout(first.shape[-1], heads, qg.shape[0])
+    return layout(first.shape[-1], heads, sites)
 
 
-def _route_forward(sources, qg, init, heads, eps):
+def _route_forward(sources, qg, init, heads, eps, addresses=None):
     """Route G sites over `sources` (each (B, T, d)); init = [] or, per site, the output and lse
-    of the partial state it continues. Returns the G outputs (sources' dtype) and G lse (fp32)."""
-    config = _check_sources(sources, qg, heads)
-    sources, init = [_aligned(t) for t in sources], [_aligned(t) for t in init]
+    of the partial state it continues. Returns the G outputs (sources' dtype) and G lse (fp32).
+    addresses: the sources' addresses when the caller has checked and aligned them already."""
     source, G = sources[0], qg.shape[0]
+    if addresses is None:
+        check_sources(sources, heads, G)
+        sources = [_aligned(t) for t in sources]
+        addresses = [t.data_ptr() for t in sources]
+    config = layout(source.shape[-1], heads, G)
     M = source.numel() // source.shape[-1]
     outs = [torch.empty(source.shape, dtype=source.dtype, device=source.device) for _ in range(G)]
     lses = [torch.empty((*source.shape[:-1], heads), dtype=torch.float32, device=source.device)
             for _ in range(G)]
     per_site = [[outs[i], lses[i], *init[i::G]] for i in range(G)]
-    table = _address_table(sources + [t for site in per_site for t in site], source.device)
+    table = _address_table(addresses + [t.data_ptr() for site in per_site for t in site], source.device)
     per_program, programs = _programs(M)
     _route_forward_kernel[(programs,)](
-        table, qg.contiguous(), len(sources), M, per_program, eps, SOURCE=SOURCE_TYPES[source.dtype],
+        table, qg, len(addresses), M, per_program, eps, SOURCE=SOURCE_TYPES[source.dtype],
         INIT=bool(init), NUM_STAGES=NUM_STAGES, num_warps=_num_warps(config, backward=False), **config)
     return outs, lses
 
 
 def _route_backward(grads, owned, qg_grads, init_grads, sources, qg, outs, douts, lses, dlses, init,
-                    heads, eps, row0, own_lo, fresh_lo):
+                    heads, eps, row0, own_lo, fresh_lo, addresses=None):
     """Add the gradients of `sources` into rows row0.. of the fp32 buffer `grads` (in place); write
     the final gradients of sources own_lo.. into `owned` (their dtype), each program's partial
-    gradient of qg into `qg_grads` (programs, G, d), and the gradients of `init` into init_grads."""
-    config = _check_sources(sources, qg, heads)
-    sources, outs, douts, lses, dlses, init = ([_aligned(t) for t in tensors]
-                                               for tensors in (sources, outs, douts, lses, dlses, init))
-    source, G = sources[0], qg.shape[0]
+    gradient of qg into `qg_grads` (programs, G, d), and the gradients of `init` into init_grads.
+    The tensors besides the sources are the forward's own outputs and contiguous gradients."""
+    source, G = outs[0], qg.shape[0]                # an output has the sources' shape and dtype
+    if addresses is None:
+        check_sources(sources, heads, G)
+        sources = [_aligned(t) for t in sources]
+        addresses = [t.data_ptr() for t in sources]
+    config = layout(source.shape[-1], heads, G)
     M = source.numel() // source.shape[-1]
     per_site = [[outs[i], douts[i], lses[i], dlses[i], *init[i::G], *init_grads[i::G]] for i in range(G)]
-    table = _address_table(sources + [t for site in per_site for t in site], source.device)
+    table = _address_table(addresses + [t.data_ptr() for site in per_site for t in site], source.device)
     per_program, programs = _programs(M)
     _route_backward_kernel[(programs,)](
-        table, qg.contiguous(), grads, owned, qg_grads, len(sources), M, per_program, row0, own_lo,
+        table, qg, grads, owned, qg_grads, len(addresses), M, per_program, row0, own_lo,
         fresh_lo, eps, SOURCE=SOURCE_TYPES[source.dtype], INIT=bool(init), NUM_STAGES=NUM_STAGES,
         num_warps=_num_warps(config, backward=True), **config)
 
 
-# %% Custom operators and autograd
+# %% Autograd: one launch, two ways in
 #
-# `route_sites` is one launch: G sites over a list of sources, optionally continuing partial
-# states. Its outputs are the G routed outputs, their G log-sum-exps and the carrier: a tensor of
-# the gradient buffer's shape and no memory (a stride-0 view of one element). Autograd hands the
-# buffer from launch to launch backward as the carrier's gradient, which orders the launches'
-# backward exactly in reverse, under torch.compile too.
+# A launch routes G sites over a list of sources, optionally continuing partial states. Its
+# outputs are the G routed outputs, their G log-sum-exps and the carrier: a tensor of the gradient
+# buffer's shape and no memory (a stride-0 view of one element). Autograd hands the buffer from
+# launch to launch backward as the carrier's gradient, which orders the launches' backward exactly
+# in reverse, under torch.compile too.
+#
+# Eager code calls the launch through RouteSites, a torch.autograd.Function, and hands it the
+# addresses of sources FusedHistory checked once, when they were appended. torch.compile traces
+# the custom operators route_sites and route_sites_backward instead (traced code cannot read
+# addresses; an operator's dispatch of its tensor lists costs the host a few hundred µs per launch,
+# the Function a few µs). Both run the same functions below.
+
+Spec = namedtuple("Spec", "heads eps rows row0 own_lo fresh_lo last")
+Spec.__doc__ = """A launch's ints: H, the norm's eps, the rows of the gradient buffer, the row of
+its first source, and which sources it completes (own_lo..) and touches first (fresh_lo..) in
+backward; `last`: the last launch of a forward (it hands no buffer on). See route_sites."""
+
+
+def _launch_forward(sources, qg, init, spec, addresses=None):
+    outs, lses = _route_forward(sources, qg, init, spec.heads, spec.eps, addresses)
+    return [*outs, *lses, _carrier(sources[0], 0 if spec.last else spec.rows)]
+
+
+def _carrier(like, rows):
+    return torch.zeros((), dtype=torch.float32, device=like.device).expand(rows, *like.shape)
+
+
+def _save(ctx, sources, qg, init, outputs, spec, addresses=None):
+    # Saved: the sources (inputs, alive anyway), the outputs and their lse (the only new
+    # activations: an output is the next sublayer's input, and the lse are d/H times smaller).
+    # Given their addresses, a launch keeps only the sources it completes in backward, which it
+    # read first: the others an earlier launch keeps alive, and its backward runs later.
+    G = qg.shape[0]
+    kept = sources if addresses is None else sources[spec.own_lo:]
+    ctx.save_for_backward(qg, *kept, *init, *outputs[:2 * G])
+    ctx.counts, ctx.spec, ctx.addresses = (len(kept), len(init), G), spec, addresses
+
+
+def _launch_backward(ctx, grads, backward):
+    """The gradients of one launch's inputs: (carrier, the sources it completes, qg, init), from
+    the gradients of its outputs; `backward` runs the kernel (_route_backward, or its operator)."""
+    (n_kept, n_init, G), spec = ctx.counts, ctx.spec
+    qg, *saved = ctx.saved_tensors
+    sources, saved = saved[:n_kept], saved[n_kept:]
+    init, outs, lses = saved[:n_init], saved[n_init:n_init + G], saved[n_init + G:]
+    douts, dlses, dcarrier = grads[:G], grads[G:2 * G], grads[2 * G]
+    source = outs[0]                                # of the sources' shape and dtype
+    n_sources = len(ctx.addresses) if ctx.addresses is not None else n_kept
+    douts = [d.contiguous() if d is not None else torch.zeros_like(source) for d in douts]
+    dlses = [d.contiguous() if d is not None else torch.zeros_like(lse) for d, lse in zip(dlses, lses)]
+    if spec.last:   # the first launch in backward: no gradient yet, and every row it reads is fresh
+        buffer = torch.empty((spec.rows, *source.shape), dtype=torch.float32, device=source.device)
+    else:
+        buffer = dcarrier.contiguous()
+    owned = torch.empty((n_sources - spec.own_lo, *source.shape), dtype=source.dtype,
+                        device=source.device)
+    programs = _programs(source.numel() // source.shape[-1])[1]
+    qg_grads = torch.empty((programs, *qg.shape), dtype=torch.float32, device=source.device)
+    init_grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in init]
+    args = (buffer, owned, qg_grads, init_grads, sources, qg, outs, douts, lses, dlses, init,
+            spec.heads, spec.eps, spec.row0, spec.own_lo, spec.fresh_lo)
+    backward(*args, addresses=ctx.addresses) if ctx.addresses is not None else backward(*args)
+    qg_grad = qg_grads.sum(0)                           # over programs, in a fixed order: deterministic
+    carrier_grad = buffer if ctx.needs_input_grad[0] else None
+    return carrier_grad, list(owned.unbind(0)), qg_grad, init_grads
+
+
+class RouteSites(torch.autograd.Function):
+    """One launch in eager code: RouteSites.apply(carrier, qg, spec, addresses, sources,
+    *sources[spec.own_lo:], *init) -> (out × G, lse × G, carrier), `addresses` those of the list
+    `sources`. Autograd sees only the sources whose gradient the launch completes (a list
+    argument is not an input): the cost of a call does not grow with the sources it reads."""
+
+    @staticmethod
+    def forward(ctx, carrier, qg, spec, addresses, sources, *tensors):
+        init = tensors[len(sources) - spec.own_lo:]
+        outputs = _launch_forward(sources, qg, init, spec, addresses)
+        _save(ctx, sources, qg, init, outputs, spec, addresses)
+        ctx.set_materialize_grads(False)                # no zero-filled gradients for unused lse
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        carrier_grad, source_grads, qg_grad, init_grads = _launch_backward(ctx, grads, _route_backward)
+        return carrier_grad, qg_grad, None, None, None, *source_grads, *init_grads
+
 
 @torch.library.custom_op("mhar::route_sites", mutates_args=())
 def route_sites(carrier: Tensor, sources: list[Tensor], qg: Tensor, init: list[Tensor], heads: int,
@@ -414,12 +508,8 @@ def route_sites(carrier: Tensor, sources: list[Tensor], qg: Tensor, init: list[T
     launch completes and which it touches first in backward. The last launch of a forward passes
     on an empty carrier: nothing consumes it, and a gradient for it would be zero-filled.
     """
-    outs, lses = _route_forward(sources, qg, init, heads, eps)
-    return [*outs, *lses, _carrier(sources[0], 0 if last else rows)]
-
-
-def _carrier(like, rows):
-    return torch.zeros((), dtype=torch.float32, device=like.device).expand(rows, *like.shape)
+    return _launch_forward(sources, qg.contiguous(), init,
+                           Spec(heads, eps, rows, row0, own_lo, fresh_lo, last))
 
 
 @route_sites.register_fake
@@ -442,47 +532,30 @@ def route_sites_backward(grads: Tensor, owned: Tensor, qg_grads: Tensor, init_gr
     """Backward of one route_sites launch: adds into the buffer `grads` in place, writes the final
     gradients of sources own_lo.. into `owned`, per-program partial gradients of qg into
     `qg_grads`, and the gradients of the partial states `init` into `init_grads`."""
-    _route_backward(grads, owned, qg_grads, init_grads, sources, qg, outs, douts, lses, dlses, init,
-                    heads, eps, row0, own_lo, fresh_lo)
+    _route_backward(grads, owned, qg_grads, init_grads, sources, qg.contiguous(), outs, douts, lses,
+                    dlses, init, heads, eps, row0, own_lo, fresh_lo)
 
 
 def _setup_route_sites(ctx, inputs, output):
-    carrier, sources, qg, init, heads, eps, rows, row0, own_lo, fresh_lo, last = inputs
-    G = qg.shape[0]
-    # Saved: the sources (inputs, alive anyway), the outputs and their lse (the only new
-    # activations: an output is the next sublayer's input, and the lse are d/H times smaller).
-    ctx.save_for_backward(qg, *sources, *init, *output[:2 * G])
-    ctx.counts = len(sources), len(init), G
-    ctx.heads, ctx.eps, ctx.rows, ctx.row0, ctx.own_lo, ctx.fresh_lo, ctx.last = (
-        heads, eps, rows, row0, own_lo, fresh_lo, last)
+    carrier, sources, qg, init, *ints = inputs
+    _save(ctx, sources, qg, init, output, Spec(*ints))
 
 
 def _route_sites_backward(ctx, grads):
-    n_sources, n_init, G = ctx.counts
-    qg, *saved = ctx.saved_tensors
-    sources, saved = saved[:n_sources], saved[n_sources:]
-    init, outs, lses = saved[:n_init], saved[n_init:n_init + G], saved[n_init + G:]
-    douts, dlses, dcarrier = grads[:G], grads[G:2 * G], grads[2 * G]
-    source = sources[0]
-    douts = [d.contiguous() if d is not None else torch.zeros_like(source) for d in douts]
-    dlses = [d.contiguous() if d is not None else torch.zeros_like(lse) for d, lse in zip(dlses, lses)]
-    if ctx.last:    # the first launch in backward: no gradient yet, and every row it reads is fresh
-        buffer = torch.empty((ctx.rows, *source.shape), dtype=torch.float32, device=source.device)
-    else:
-        buffer = dcarrier.contiguous()
-    owned = torch.empty((n_sources - ctx.own_lo, *source.shape), dtype=source.dtype, device=source.device)
-    programs = _programs(source.numel() // source.shape[-1])[1]
-    qg_grads = torch.empty((programs, *qg.shape), dtype=torch.float32, device=source.device)
-    init_grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in init]
-    route_sites_backward(buffer, owned, qg_grads, init_grads, sources, qg, outs, douts, lses, dlses,
-                         init, ctx.heads, ctx.eps, ctx.row0, ctx.own_lo, ctx.fresh_lo)
-    qg_grad = qg_grads.sum(0)                           # over programs, in a fixed order: deterministic
-    source_grads = [None] * ctx.own_lo + list(owned.unbind(0))
-    carrier_grad = buffer if ctx.needs_input_grad[0] else None
+    carrier_grad, owned_grads, qg_grad, init_grads = _launch_backward(ctx, grads, route_sites_backward)
+    source_grads = [None] * ctx.spec.own_lo + owned_grads
     return carrier_grad, source_grads, qg_grad, init_grads, None, None, None, None, None, None, None
 
 
 route_sites.register_autograd(_route_sites_backward, setup_context=_setup_route_sites)
+
+
+def run_launch(carrier, sources, qg, init, spec, addresses):
+    """One launch, by the way in that fits: route_sites when torch.compile traces (addresses None),
+    else RouteSites with the sources' addresses. Returns [out × G, lse × G, carrier]."""
+    if addresses is None:
+        return route_sites(carrier, sources, qg, init, *spec)
+    return list(RouteSites.apply(carrier, qg, spec, addresses, sources, *sources[spec.own_lo:], *init))
 
 
 def check_available(device=None):
@@ -501,8 +574,7 @@ def fused_route(V, q, g, heads, eps=1e-6):
         raise ValueError(f"q and g must have shape ({V.shape[-1]},) to match the sources, "
                          f"got {tuple(q.shape)} and {tuple(g.shape)}")
     qg = (q.float() * g.float())[None]                                         # (1, d)
-    sources = list(V.contiguous().unbind(0))
-    return route_sites(_carrier(V[0], 0), sources, qg, [], heads, eps, 0, 0, 0, 0, True)[0]
+    return route_sites(_carrier(V[0], 0), list(V.unbind(0)), qg, [], heads, eps, 0, 0, 0, 0, True)[0]
 
 
 # %% The history of one forward pass
@@ -559,6 +631,7 @@ def _fits(width, heads, sites):
     return True
 
 
+@functools.lru_cache(maxsize=None)   # every forward asks
 def schedule(n_sites, group, block=1, delta=False):
     """The launches of one forward, in order (see Launch): `group` consecutive sites share phase 1."""
     launches = []
@@ -585,7 +658,15 @@ def schedule(n_sites, group, block=1, delta=False):
         assert all(mine) or not any(mine), "a launch touches some of its rows first and others not"
         launch["fresh_lo"] = 0 if all(mine) else launch["hi"] - launch["lo"]
         launch["last"] = i == len(launches) - 1
-    return [Launch(**launch) for launch in launches]
+    return tuple(Launch(**launch) for launch in launches)
+
+
+@functools.lru_cache(maxsize=None)
+def _launches_by_site(n_sites, group, block, delta):
+    launches = {}
+    for launch in schedule(n_sites, group, block, delta):
+        launches.setdefault(launch.site, []).append(launch)
+    return launches
 
 
 class FusedHistory:
@@ -607,14 +688,16 @@ class FusedHistory:
         layout(width, heads, group)                                  # fails here if a group cannot fit
         self.queries, self.norms, self.heads, self.eps = queries, norms, heads, eps
         self.block, self.null = block, null
-        self.launches = {}                                           # site -> the launches its read makes
-        for launch in schedule(n_sites, group, block, delta):
-            self.launches.setdefault(launch.site, []).append(launch)
+        self.launches = _launches_by_site(n_sites, group, block, delta)  # site -> its read's launches
+        self.group = group
         self.rows_total = committed_rows(n_sites - 1, block, delta)
         self.rows = []              # committed sources: (delta's null,) b_0 = s_0, completed blocks
         self.partial = None         # the current block's partial sum, not yet committed
         self.in_block = 0           # how many outputs it holds
         self.appended = 0
+        self.traced = torch.compiler.is_compiling()   # traced code cannot read addresses
+        self.addresses = []         # of the committed sources, checked and aligned as they came
+        self.qg = None              # q ⊙ g (fp32) by group and by site: made at the first append
         self.carrier = None         # hands the source-gradient buffer backward from launch to launch
         self.states = {}            # site -> (out, lse): its phase-1 partial state, or its final one
         self.outputs = {}           # site -> its routed output, once read
@@ -627,16 +710,32 @@ class FusedHistory:
                                f"sublayers, not the history's append and read)")
         if self.appended == 0:
             check_available(source.device)
+            check_sources([source], self.heads, 1)
+            # g folded into the query once per forward and split by group and by site (a launch's
+            # own slice of the whole (S, d) would give it a gradient of the whole: S·d zeros each)
+            qg = torch.stack(list(self.queries)).float() * torch.stack(list(self.norms)).float()
+            self.qg = qg.split(self.group), qg.split(1)           # (G, d) per group, (1, d) per site
             if self.null is not None:
-                self.rows.append(self.null.to(source.dtype).expand_as(source).contiguous())
-            self.rows.append(source.contiguous())                   # b_0 = s_0
+                self._commit(self.null.to(source.dtype).expand_as(source))
+            self._commit(source)                                     # b_0 = s_0
         else:
+            first = self.rows[0]
+            if source.shape != first.shape or source.dtype != first.dtype:
+                raise ValueError(f"FusedHistory: every source has the first one's shape and dtype "
+                                 f"{tuple(first.shape)} {first.dtype}, got {tuple(source.shape)} "
+                                 f"{source.dtype} (append the embedding in the sublayers' dtype)")
             self.partial = source if self.partial is None else self.partial + source
             self.in_block += 1
             if self.in_block == self.block:
-                self.rows.append(self.partial.contiguous())
+                self._commit(self.partial)
                 self.partial, self.in_block = None, 0
         self.appended += 1
+
+    def _commit(self, source):
+        if not self.traced:
+            source = _aligned(source)
+            self.addresses.append(source.data_ptr())
+        self.rows.append(source)
 
     def read(self, site):
         """The routed input of site `site` (B, T, d), once the history holds its sources."""
@@ -650,17 +749,22 @@ class FusedHistory:
         return self.outputs[site]
 
     def _launch(self, launch):
-        sites = range(launch.site, launch.site + launch.sites)
-        sources = self.rows[launch.lo:launch.hi] + ([self.partial.contiguous()] if launch.partial else [])
-        queries = torch.stack([self.queries[j] for j in sites]).float()
-        qg = queries * torch.stack([self.norms[j] for j in sites]).float()   # (G, d)
+        sources = self.rows[launch.lo:launch.hi]
+        addresses = None if self.traced else self.addresses[launch.lo:launch.hi]
+        if launch.partial:
+            partial = self.partial if self.traced else _aligned(self.partial)
+            sources = sources + [partial]
+            addresses = None if self.traced else addresses + [partial.data_ptr()]
         init = list(self.states[launch.site]) if launch.phase == 2 else []
         if self.carrier is None:
             self.carrier = _carrier(sources[0], self.rows_total)
-        results = route_sites(self.carrier, sources, qg, init, self.heads, self.eps, self.rows_total,
-                              launch.lo, launch.own_lo, launch.fresh_lo, launch.last)
+        spec = Spec(self.heads, self.eps, self.rows_total, launch.lo, launch.own_lo, launch.fresh_lo,
+                    launch.last)
+        by_group, by_site = self.qg
+        qg = by_group[launch.site // self.group] if launch.phase == 1 else by_site[launch.site]  # (G, d)
+        results = run_launch(self.carrier, sources, qg, init, spec, addresses)
         outs, lses, self.carrier = results[:launch.sites], results[launch.sites:-1], results[-1]
-        for j, out, lse in zip(sites, outs, lses):
+        for j, out, lse in zip(range(launch.site, launch.site + launch.sites), outs, lses):
             self.states[j] = (out, lse)                              # phase 2 replaces its site's state
 
 
