@@ -46,6 +46,7 @@ import array
 import functools
 import os
 from collections import namedtuple
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -110,8 +111,9 @@ def _addresses(entries, mask, ELEMENT: tl.constexpr):
 # constexpr, and specializing on their divisibility by 16 would compile more variants for no gain.
 @triton.jit(do_not_specialize=["N", "M", "per_program"])
 def _route_forward_kernel(
-    table_ptr,          # int64 addresses: the N sources, then per site its output and lse (and,
-                        # with INIT, the output and lse of the partial state it continues)
+    table_ptr,          # int64 addresses: the N sources, then per site its output, the output's
+                        # rounding remainder and lse (and, with INIT, those of the partial state
+                        # it continues)
     qg_ptr,             # [G, D] fp32: q ⊙ g of each site (g folded into the query once)
     N,                  # number of sources to read
     M,                  # number of positions B·T
@@ -128,6 +130,7 @@ def _route_forward_kernel(
     G: tl.constexpr,        # sites routed together
     G_PAD: tl.constexpr,    # next power of two >= G
     INIT: tl.constexpr,     # each site continues a partial state instead of starting empty
+    SPLIT: tl.constexpr,    # bf16 outputs: also store the remainder out − bf16(out), in bf16
     NUM_STAGES: tl.constexpr,
 ):
     program = tl.program_id(0)
@@ -142,12 +145,14 @@ def _route_forward_kernel(
     tile2 = site_mask[:, None, None] & mask2[None, :, :]                           # (.., K2_PAD)
     qg1 = tl.load(qg_ptr + sites[:, None, None] * D + cols1[None, :, :], mask=tile1, other=0.0)
     qg2 = tl.load(qg_ptr + sites[:, None, None] * D + cols2[None, :, :], mask=tile2, other=0.0)
-    site_table = table_ptr + N + sites * (4 if INIT else 2)                        # entries per site
+    site_table = table_ptr + N + sites * (6 if INIT else 3)                        # entries per site
     out_at = _addresses(site_table, site_mask, SOURCE)
-    lse_at = _addresses(site_table + 1, site_mask, tl.float32)
+    rest_at = _addresses(site_table + 1, site_mask, SOURCE)
+    lse_at = _addresses(site_table + 2, site_mask, tl.float32)
     if INIT:
-        init_out_at = _addresses(site_table + 2, site_mask, SOURCE)
-        init_lse_at = _addresses(site_table + 3, site_mask, tl.float32)
+        init_out_at = _addresses(site_table + 3, site_mask, SOURCE)
+        init_rest_at = _addresses(site_table + 4, site_mask, SOURCE)
+        init_lse_at = _addresses(site_table + 5, site_mask, tl.float32)
 
     for pos in range(first, last):
         row1 = pos * D + cols1[None, :, :]
@@ -156,6 +161,9 @@ def _route_forward_kernel(
         if INIT:    # a normalized partial state (out, lse) is the online softmax (max lse, sum 1, acc out)
             acc1 = tl.load(init_out_at[:, None, None] + row1, mask=tile1, other=0.0).to(tl.float32)
             acc2 = tl.load(init_out_at[:, None, None] + row2, mask=tile2, other=0.0).to(tl.float32)
+            if SPLIT:
+                acc1 += tl.load(init_rest_at[:, None, None] + row1, mask=tile1, other=0.0).to(tl.float32)
+                acc2 += tl.load(init_rest_at[:, None, None] + row2, mask=tile2, other=0.0).to(tl.float32)
             row_max = tl.load(init_lse_at[:, None] + state, mask=state_mask, other=0.0)
             row_sum = tl.full([G_PAD, H_PAD], 1.0, tl.float32)
         else:
@@ -176,16 +184,24 @@ def _route_forward_kernel(
             acc1 = acc1 * rescale[:, :, None] + weight[:, :, None] * v1[None, :, :]
             acc2 = acc2 * rescale[:, :, None] + weight[:, :, None] * v2[None, :, :]
             row_max = new_max
-        tl.store(out_at[:, None, None] + row1, (acc1 / row_sum[:, :, None]).to(SOURCE), mask=tile1)
-        tl.store(out_at[:, None, None] + row2, (acc2 / row_sum[:, :, None]).to(SOURCE), mask=tile2)
+        out1 = acc1 / row_sum[:, :, None]
+        out2 = acc2 / row_sum[:, :, None]
+        tl.store(out_at[:, None, None] + row1, out1.to(SOURCE), mask=tile1)
+        tl.store(out_at[:, None, None] + row2, out2.to(SOURCE), mask=tile2)
+        if SPLIT:   # out = bf16(out) + remainder, to ~16 bits: backward and phase 2 read both
+            rest1 = out1 - out1.to(SOURCE).to(tl.float32)
+            rest2 = out2 - out2.to(SOURCE).to(tl.float32)
+            tl.store(rest_at[:, None, None] + row1, rest1.to(SOURCE), mask=tile1)
+            tl.store(rest_at[:, None, None] + row2, rest2.to(SOURCE), mask=tile2)
         tl.store(lse_at[:, None] + state, row_max + tl.log(row_sum), mask=state_mask)
 
 
 @triton.jit(do_not_specialize=["N", "M", "per_program", "row0", "own_lo", "fresh_lo"])
 def _route_backward_kernel(
-    table_ptr,          # int64 addresses: the N sources, then per site its output, output gradient,
-                        # lse and lse gradient (and, with INIT, its partial state's output and lse,
-                        # and where their gradients go)
+    table_ptr,          # int64 addresses: the N sources, then per site its output, the output's
+                        # remainder, output gradient, lse, and the coupling given for a partial
+                        # state (0 for a complete site); with INIT also the lse of the partial state
+                        # it continues and where that state's output gradient and coupling go
     qg_ptr,             # [G, D] fp32: q ⊙ g of each site
     grads_ptr,          # [rows, M, D] fp32 source-gradient buffer: source n is row row0 + n
     owned_ptr,          # [N - own_lo, M, D] final gradients of sources own_lo.., in their dtype
@@ -199,7 +215,8 @@ def _route_backward_kernel(
     eps,                # RMSNorm epsilon
     SOURCE: tl.constexpr, D: tl.constexpr, H: tl.constexpr, K: tl.constexpr, K1: tl.constexpr,
     K2: tl.constexpr, K2_PAD: tl.constexpr, H_PAD: tl.constexpr, G: tl.constexpr,
-    G_PAD: tl.constexpr, INIT: tl.constexpr, NUM_STAGES: tl.constexpr,     # as in the forward
+    G_PAD: tl.constexpr, INIT: tl.constexpr, SPLIT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,                                               # as in the forward
 ):
     program = tl.program_id(0)
     first = program.to(tl.int64) * per_program
@@ -213,16 +230,20 @@ def _route_backward_kernel(
     tile2 = site_mask[:, None, None] & mask2[None, :, :]
     qg1 = tl.load(qg_ptr + sites[:, None, None] * D + cols1[None, :, :], mask=tile1, other=0.0)
     qg2 = tl.load(qg_ptr + sites[:, None, None] * D + cols2[None, :, :], mask=tile2, other=0.0)
-    site_table = table_ptr + N + sites * (8 if INIT else 4)
+    site_table = table_ptr + N + sites * (8 if INIT else 5)
     out_at = _addresses(site_table, site_mask, SOURCE)
-    dout_at = _addresses(site_table + 1, site_mask, SOURCE)
-    lse_at = _addresses(site_table + 2, site_mask, tl.float32)
-    dlse_at = _addresses(site_table + 3, site_mask, tl.float32)
+    rest_at = _addresses(site_table + 1, site_mask, SOURCE)
+    dout_at = _addresses(site_table + 2, site_mask, SOURCE)
+    lse_at = _addresses(site_table + 3, site_mask, tl.float32)
+    given_entry = tl.load(site_table + 4, mask=site_mask, other=0)   # 0: a complete site
+    given = given_entry != 0                                          # (G_PAD,): a partial state
+    given_at = tl.multiple_of(given_entry.to(tl.pointer_type(tl.float32)), 16)
+    complete1 = tile1 & (given == 0)[:, None, None]
+    complete2 = tile2 & (given == 0)[:, None, None]
     if INIT:
-        init_out_at = _addresses(site_table + 4, site_mask, SOURCE)
         init_lse_at = _addresses(site_table + 5, site_mask, tl.float32)
         init_dout_at = _addresses(site_table + 6, site_mask, SOURCE)
-        init_dlse_at = _addresses(site_table + 7, site_mask, tl.float32)
+        init_coupling_at = _addresses(site_table + 7, site_mask, tl.float32)
     row_stride = M.to(tl.int64) * D                 # int64: rows · B·T·d passes 2^31 at large batches
     qg_grad1 = tl.zeros([G_PAD, H_PAD, K1], tl.float32)                        # Σ dℓ·r·V per site
     qg_grad2 = tl.zeros([G_PAD, H_PAD, K2_PAD], tl.float32)
@@ -233,24 +254,28 @@ def _route_backward_kernel(
         state = pos * H + heads[None, :]
         dout1 = tl.load(dout_at[:, None, None] + row1, mask=tile1, other=0.0).to(tl.float32)
         dout2 = tl.load(dout_at[:, None, None] + row2, mask=tile2, other=0.0).to(tl.float32)
-        out1 = tl.load(out_at[:, None, None] + row1, mask=tile1, other=0.0).to(tl.float32)
-        out2 = tl.load(out_at[:, None, None] + row2, mask=tile2, other=0.0).to(tl.float32)
         lse = tl.load(lse_at[:, None] + state, mask=state_mask, other=0.0)
-        dlse = tl.load(dlse_at[:, None] + state, mask=state_mask, other=0.0)
-        # The softmax couples the sources: dℓ_n = α_n·(<dout, V_n> − c) per head, and
-        # c = Σ_n α_n·<dout, V_n> − dlse = <dout, out> − dlse needs no pass over the sources.
-        # (As FlashAttention's rowsum(dO ∘ O): with bf16 outputs, c carries their rounding.)
-        coupling = tl.sum(dout1 * out1, axis=2) + tl.sum(dout2 * out2, axis=2) - dlse  # (G_PAD, H_PAD)
+        # The softmax couples the sources: dℓ_n = α_n·(<dout, V_n> − c) per head, with
+        # c = Σ_n α_n·<dout, V_n> = <dout, out>: no pass over the sources (FlashAttention's
+        # rowsum(dO ∘ O)). A bf16 output's rounding would cost c most of its digits where the
+        # sources are alike: out is read with its remainder, to ~16 bits. A partial state's c
+        # comes from the phase 2 that continued it, exact (below): its output is not read.
+        out1 = tl.load(out_at[:, None, None] + row1, mask=complete1, other=0.0).to(tl.float32)
+        out2 = tl.load(out_at[:, None, None] + row2, mask=complete2, other=0.0).to(tl.float32)
+        if SPLIT:
+            out1 += tl.load(rest_at[:, None, None] + row1, mask=complete1, other=0.0).to(tl.float32)
+            out2 += tl.load(rest_at[:, None, None] + row2, mask=complete2, other=0.0).to(tl.float32)
+        coupling = (tl.sum(dout1 * out1, axis=2) + tl.sum(dout2 * out2, axis=2)
+                    + tl.load(given_at[:, None] + state, mask=state_mask & given[:, None], other=0.0))
         if INIT:    # out = β·init_out + Σ_n α_n·V_n, with β = exp(init_lse − lse)
-            init1 = tl.load(init_out_at[:, None, None] + row1, mask=tile1, other=0.0).to(tl.float32)
-            init2 = tl.load(init_out_at[:, None, None] + row2, mask=tile2, other=0.0).to(tl.float32)
             beta = tl.exp(tl.load(init_lse_at[:, None] + state, mask=state_mask, other=0.0) - lse)
             init_dout1 = beta[:, :, None] * dout1
             init_dout2 = beta[:, :, None] * dout2
             tl.store(init_dout_at[:, None, None] + row1, init_dout1.to(SOURCE), mask=tile1)
             tl.store(init_dout_at[:, None, None] + row2, init_dout2.to(SOURCE), mask=tile2)
-            init_coupling = tl.sum(dout1 * init1, axis=2) + tl.sum(dout2 * init2, axis=2)
-            tl.store(init_dlse_at[:, None] + state, beta * (init_coupling - coupling), mask=state_mask)
+            # the partial state's c = <β·dout, init_out> − (the gradient of its lse, β·(<dout,
+            # init_out> − c)) = β·c: handed back in the place of that gradient
+            tl.store(init_coupling_at[:, None] + state, beta * coupling, mask=state_mask)
         for n in tl.range(0, N, num_stages=NUM_STAGES):
             source = tl.multiple_of(tl.load(table_ptr + n).to(tl.pointer_type(SOURCE)), 16) + pos * D
             v1 = tl.load(source + cols1, mask=mask1, other=0.0).to(tl.float32)
@@ -365,8 +390,9 @@ def check_sources(sources, heads, sites):
 
 
 def _route_forward(sources, qg, init, heads, eps, addresses=None):
-    """Route G sites over `sources` (each (B, T, d)); init = [] or, per site, the output and lse
-    of the partial state it continues. Returns the G outputs (sources' dtype) and G lse (fp32).
+    """Route G sites over `sources` (each (B, T, d)); init = [] or, per site, the state (output,
+    remainder, lse) of the partial state it continues. Returns the G outputs (sources' dtype),
+    their G remainders (bf16: out − bf16(out); fp32 sources need none: empty) and G lse (fp32).
     addresses: the sources' addresses when the caller has checked and aligned them already."""
     source, G = sources[0], qg.shape[0]
     if addresses is None:
@@ -375,24 +401,30 @@ def _route_forward(sources, qg, init, heads, eps, addresses=None):
         addresses = [t.data_ptr() for t in sources]
     config = layout(source.shape[-1], heads, G)
     M = source.numel() // source.shape[-1]
+    split = source.dtype == torch.bfloat16
     outs = [torch.empty(source.shape, dtype=source.dtype, device=source.device) for _ in range(G)]
+    rests = [torch.empty(source.shape if split else 0, dtype=source.dtype, device=source.device)
+             for _ in range(G)]
     lses = [torch.empty((*source.shape[:-1], heads), dtype=torch.float32, device=source.device)
             for _ in range(G)]
-    per_site = [[outs[i], lses[i], *init[i::G]] for i in range(G)]
+    per_site = [[outs[i], rests[i], lses[i], *init[i::G]] for i in range(G)]
     table = _address_table(addresses + [t.data_ptr() for site in per_site for t in site], source.device)
     per_program, programs = _programs(M)
     _route_forward_kernel[(programs,)](
         table, qg, len(addresses), M, per_program, eps, SOURCE=SOURCE_TYPES[source.dtype],
-        INIT=bool(init), NUM_STAGES=NUM_STAGES, num_warps=_num_warps(config, backward=False), **config)
-    return outs, lses
+        INIT=bool(init), SPLIT=split, NUM_STAGES=NUM_STAGES,
+        num_warps=_num_warps(config, backward=False), **config)
+    return outs, rests, lses
 
 
-def _route_backward(grads, owned, qg_grads, init_grads, sources, qg, outs, douts, lses, dlses, init,
-                    heads, eps, row0, own_lo, fresh_lo, addresses=None):
+def _route_backward(grads, owned, qg_grads, init_grads, sources, qg, outs, rests, douts, lses,
+                    couplings, init, heads, eps, row0, own_lo, fresh_lo, addresses=None):
     """Add the gradients of `sources` into rows row0.. of the fp32 buffer `grads` (in place); write
     the final gradients of sources own_lo.. into `owned` (their dtype), each program's partial
-    gradient of qg into `qg_grads` (programs, G, d), and the gradients of `init` into init_grads.
-    The tensors besides the sources are the forward's own outputs and contiguous gradients."""
+    gradient of qg into `qg_grads` (programs, G, d), and the output gradient and coupling of the
+    partial state `init` (phase 2) into init_grads. couplings: per site None, or for a partial
+    state the coupling its phase 2 handed back. The tensors besides the sources are the
+    forward's own outputs and contiguous gradients."""
     source, G = outs[0], qg.shape[0]                # an output has the sources' shape and dtype
     if addresses is None:
         check_sources(sources, heads, G)
@@ -400,19 +432,23 @@ def _route_backward(grads, owned, qg_grads, init_grads, sources, qg, outs, douts
         addresses = [t.data_ptr() for t in sources]
     config = layout(source.shape[-1], heads, G)
     M = source.numel() // source.shape[-1]
-    per_site = [[outs[i], douts[i], lses[i], dlses[i], *init[i::G], *init_grads[i::G]] for i in range(G)]
-    table = _address_table(addresses + [t.data_ptr() for site in per_site for t in site], source.device)
+    per_site = [[outs[i], rests[i], douts[i], lses[i], couplings[i], *init[2::3], *init_grads]
+                if init else [outs[i], rests[i], douts[i], lses[i], couplings[i]] for i in range(G)]
+    table = _address_table(addresses + [0 if t is None else t.data_ptr() for site in per_site for t in site],
+                           source.device)
     per_program, programs = _programs(M)
     _route_backward_kernel[(programs,)](
         table, qg, grads, owned, qg_grads, len(addresses), M, per_program, row0, own_lo,
-        fresh_lo, eps, SOURCE=SOURCE_TYPES[source.dtype], INIT=bool(init), NUM_STAGES=NUM_STAGES,
+        fresh_lo, eps, SOURCE=SOURCE_TYPES[source.dtype], INIT=bool(init),
+        SPLIT=source.dtype == torch.bfloat16, NUM_STAGES=NUM_STAGES,
         num_warps=_num_warps(config, backward=True), **config)
 
 
 # %% Autograd: one launch, two ways in
 #
 # A launch routes G sites over a list of sources, optionally continuing partial states. Its
-# outputs are the G routed outputs, their G log-sum-exps and the carrier: a tensor of the gradient
+# outputs are the G routed outputs, their G remainders (no gradient: a bf16 output's rounding
+# error, which backward and phase 2 add back), their G log-sum-exps and the carrier: a tensor of the gradient
 # buffer's shape and no memory (a stride-0 view of one element). Autograd hands the buffer from
 # launch to launch backward as the carrier's gradient, which orders the launches' backward exactly
 # in reverse, under torch.compile too.
@@ -423,15 +459,16 @@ def _route_backward(grads, owned, qg_grads, init_grads, sources, qg, outs, douts
 # addresses; an operator's dispatch of its tensor lists costs the host a few hundred µs per launch,
 # the Function a few µs). Both run the same functions below.
 
-Spec = namedtuple("Spec", "heads eps rows row0 own_lo fresh_lo last")
+Spec = namedtuple("Spec", "heads eps rows row0 own_lo fresh_lo last continued")
 Spec.__doc__ = """A launch's ints: H, the norm's eps, the rows of the gradient buffer, the row of
 its first source, and which sources it completes (own_lo..) and touches first (fresh_lo..) in
-backward; `last`: the last launch of a forward (it hands no buffer on). See route_sites."""
+backward; `last`: the last launch of a forward (it hands no buffer on); `continued`: a bit per
+site whose state a phase 2 continues (see Launch). See route_sites."""
 
 
 def _launch_forward(sources, qg, init, spec, addresses=None):
-    outs, lses = _route_forward(sources, qg, init, spec.heads, spec.eps, addresses)
-    return [*outs, *lses, _carrier(sources[0], 0 if spec.last else spec.rows)]
+    outs, rests, lses = _route_forward(sources, qg, init, spec.heads, spec.eps, addresses)
+    return [*outs, *rests, *lses, _carrier(sources[0], 0 if spec.last else spec.rows)]
 
 
 def _carrier(like, rows):
@@ -439,13 +476,13 @@ def _carrier(like, rows):
 
 
 def _save(ctx, sources, qg, init, outputs, spec, addresses=None):
-    # Saved: the sources (inputs, alive anyway), the outputs and their lse (the only new
-    # activations: an output is the next sublayer's input, and the lse are d/H times smaller).
+    # Saved: the sources (inputs, alive anyway), the outputs, their remainders and lse (the only
+    # new activations: an output is the next sublayer's input, the lse are d/H times smaller).
     # Given their addresses, a launch keeps only the sources it completes in backward, which it
     # read first: the others an earlier launch keeps alive, and its backward runs later.
     G = qg.shape[0]
     kept = sources if addresses is None else sources[spec.own_lo:]
-    ctx.save_for_backward(qg, *kept, *init, *outputs[:2 * G])
+    ctx.save_for_backward(qg, *kept, *init, *outputs[:3 * G])
     ctx.counts, ctx.spec, ctx.addresses = (len(kept), len(init), G), spec, addresses
 
 
@@ -455,12 +492,14 @@ def _launch_backward(ctx, grads, backward):
     (n_kept, n_init, G), spec = ctx.counts, ctx.spec
     qg, *saved = ctx.saved_tensors
     sources, saved = saved[:n_kept], saved[n_kept:]
-    init, outs, lses = saved[:n_init], saved[n_init:n_init + G], saved[n_init + G:]
-    douts, dlses, dcarrier = grads[:G], grads[G:2 * G], grads[2 * G]
+    init, saved = saved[:n_init], saved[n_init:]
+    outs, rests, lses = saved[:G], saved[G:2 * G], saved[2 * G:]
+    douts, dlses, dcarrier = grads[:G], grads[2 * G:3 * G], grads[3 * G]   # (remainders: none)
     source = outs[0]                                # of the sources' shape and dtype
     n_sources = len(ctx.addresses) if ctx.addresses is not None else n_kept
     douts = [d.contiguous() if d is not None else torch.zeros_like(source) for d in douts]
-    dlses = [d.contiguous() if d is not None else torch.zeros_like(lse) for d, lse in zip(dlses, lses)]
+    # the gradient of a continued site's lse is its coupling, handed back by its phase 2
+    couplings = [d.contiguous() if spec.continued >> i & 1 else None for i, d in enumerate(dlses)]
     if spec.last:   # the first launch in backward: no gradient yet, and every row it reads is fresh
         buffer = torch.empty((spec.rows, *source.shape), dtype=torch.float32, device=source.device)
     else:
@@ -469,18 +508,19 @@ def _launch_backward(ctx, grads, backward):
                         device=source.device)
     programs = _programs(source.numel() // source.shape[-1])[1]
     qg_grads = torch.empty((programs, *qg.shape), dtype=torch.float32, device=source.device)
-    init_grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in init]
-    args = (buffer, owned, qg_grads, init_grads, sources, qg, outs, douts, lses, dlses, init,
+    init_grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in init[::2]]
+    args = (buffer, owned, qg_grads, init_grads, sources, qg, outs, rests, douts, lses, couplings, init,
             spec.heads, spec.eps, spec.row0, spec.own_lo, spec.fresh_lo)
     backward(*args, addresses=ctx.addresses) if ctx.addresses is not None else backward(*args)
     qg_grad = qg_grads.sum(0)                           # over programs, in a fixed order: deterministic
     carrier_grad = buffer if ctx.needs_input_grad[0] else None
+    init_grads = [init_grads[0], None, init_grads[1]] if init else []      # (out, remainder, lse)
     return carrier_grad, list(owned.unbind(0)), qg_grad, init_grads
 
 
 class RouteSites(torch.autograd.Function):
     """One launch in eager code: RouteSites.apply(carrier, qg, spec, addresses, sources,
-    *sources[spec.own_lo:], *init) -> (out × G, lse × G, carrier), `addresses` those of the list
+    *sources[spec.own_lo:], *init) -> (out × G, remainder × G, lse × G, carrier), `addresses` those of the list
     `sources`. Autograd sees only the sources whose gradient the launch completes (a list
     argument is not an input): the cost of a call does not grow with the sources it reads."""
 
@@ -490,6 +530,7 @@ class RouteSites(torch.autograd.Function):
         outputs = _launch_forward(sources, qg, init, spec, addresses)
         _save(ctx, sources, qg, init, outputs, spec, addresses)
         ctx.set_materialize_grads(False)                # no zero-filled gradients for unused lse
+        ctx.mark_non_differentiable(*outputs[qg.shape[0]:2 * qg.shape[0]])    # the remainders
         return tuple(outputs)
 
     @staticmethod
@@ -500,25 +541,29 @@ class RouteSites(torch.autograd.Function):
 
 @torch.library.custom_op("mhar::route_sites", mutates_args=())
 def route_sites(carrier: Tensor, sources: list[Tensor], qg: Tensor, init: list[Tensor], heads: int,
-                eps: float, rows: int, row0: int, own_lo: int, fresh_lo: int, last: bool) -> list[Tensor]:
-    """Route the G = len(qg) sites over `sources`: [out × G, lse × G, carrier].
+                eps: float, rows: int, row0: int, own_lo: int, fresh_lo: int, last: bool,
+                continued: int) -> list[Tensor]:
+    """Route the G = len(qg) sites over `sources`: [out × G, remainder × G, lse × G, carrier].
 
     The sources are rows row0.. of the history's gradient buffer of `rows` rows (an extra source
     past them, a block's partial sum, has no row); own_lo and fresh_lo say which of them this
     launch completes and which it touches first in backward. The last launch of a forward passes
     on an empty carrier: nothing consumes it, and a gradient for it would be zero-filled.
+    `continued`: a bit per site whose state a later launch continues (see Launch).
     """
     return _launch_forward(sources, qg.contiguous(), init,
-                           Spec(heads, eps, rows, row0, own_lo, fresh_lo, last))
+                           Spec(heads, eps, rows, row0, own_lo, fresh_lo, last, continued))
 
 
 @route_sites.register_fake
-def _(carrier, sources, qg, init, heads, eps, rows, row0, own_lo, fresh_lo, last):
+def _(carrier, sources, qg, init, heads, eps, rows, row0, own_lo, fresh_lo, last, continued):
     source, G = sources[0], qg.shape[0]
     outs = [source.new_empty(source.shape) for _ in range(G)]
+    split = source.dtype == torch.bfloat16
+    rests = [source.new_empty(source.shape if split else 0) for _ in range(G)]
     lses = [source.new_empty((*source.shape[:-1], heads), dtype=torch.float32) for _ in range(G)]
     carrier = source.new_empty((), dtype=torch.float32).expand(0 if last else rows, *source.shape)
-    return [*outs, *lses, carrier]
+    return [*outs, *rests, *lses, carrier]
 
 
 # A custom op that mutates arguments may not also return tensors (functionalization needs outputs
@@ -526,14 +571,15 @@ def _(carrier, sources, qg, init, heads, eps, rows, row0, own_lo, fresh_lo, last
 @torch.library.custom_op("mhar::route_sites_backward",
                          mutates_args=("grads", "owned", "qg_grads", "init_grads"))
 def route_sites_backward(grads: Tensor, owned: Tensor, qg_grads: Tensor, init_grads: list[Tensor],
-                         sources: list[Tensor], qg: Tensor, outs: list[Tensor], douts: list[Tensor],
-                         lses: list[Tensor], dlses: list[Tensor], init: list[Tensor], heads: int,
-                         eps: float, row0: int, own_lo: int, fresh_lo: int) -> None:
+                         sources: list[Tensor], qg: Tensor, outs: list[Tensor], rests: list[Tensor],
+                         douts: list[Tensor], lses: list[Tensor], couplings: list[Optional[Tensor]],
+                         init: list[Tensor], heads: int, eps: float, row0: int, own_lo: int,
+                         fresh_lo: int) -> None:
     """Backward of one route_sites launch: adds into the buffer `grads` in place, writes the final
     gradients of sources own_lo.. into `owned`, per-program partial gradients of qg into
     `qg_grads`, and the gradients of the partial states `init` into `init_grads`."""
-    _route_backward(grads, owned, qg_grads, init_grads, sources, qg.contiguous(), outs, douts, lses,
-                    dlses, init, heads, eps, row0, own_lo, fresh_lo)
+    _route_backward(grads, owned, qg_grads, init_grads, sources, qg.contiguous(), outs, rests, douts,
+                    lses, couplings, init, heads, eps, row0, own_lo, fresh_lo)
 
 
 def _setup_route_sites(ctx, inputs, output):
@@ -544,7 +590,7 @@ def _setup_route_sites(ctx, inputs, output):
 def _route_sites_backward(ctx, grads):
     carrier_grad, owned_grads, qg_grad, init_grads = _launch_backward(ctx, grads, route_sites_backward)
     source_grads = [None] * ctx.spec.own_lo + owned_grads
-    return carrier_grad, source_grads, qg_grad, init_grads, None, None, None, None, None, None, None
+    return carrier_grad, source_grads, qg_grad, init_grads, *[None] * len(Spec._fields)
 
 
 route_sites.register_autograd(_route_sites_backward, setup_context=_setup_route_sites)
@@ -552,7 +598,7 @@ route_sites.register_autograd(_route_sites_backward, setup_context=_setup_route_
 
 def run_launch(carrier, sources, qg, init, spec, addresses):
     """One launch, by the way in that fits: route_sites when torch.compile traces (addresses None),
-    else RouteSites with the sources' addresses. Returns [out × G, lse × G, carrier]."""
+    else RouteSites with the sources' addresses. Returns [out × G, remainder × G, lse × G, carrier]."""
     if addresses is None:
         return route_sites(carrier, sources, qg, init, *spec)
     return list(RouteSites.apply(carrier, qg, spec, addresses, sources, *sources[spec.own_lo:], *init))
@@ -574,7 +620,7 @@ def fused_route(V, q, g, heads, eps=1e-6):
         raise ValueError(f"q and g must have shape ({V.shape[-1]},) to match the sources, "
                          f"got {tuple(q.shape)} and {tuple(g.shape)}")
     qg = (q.float() * g.float())[None]                                         # (1, d)
-    return route_sites(_carrier(V[0], 0), list(V.unbind(0)), qg, [], heads, eps, 0, 0, 0, 0, True)[0]
+    return route_sites(_carrier(V[0], 0), list(V.unbind(0)), qg, [], heads, eps, 0, 0, 0, 0, True, 0)[0]
 
 
 # %% The history of one forward pass
@@ -585,12 +631,14 @@ def fused_route(V, q, g, heads, eps=1e-6):
 # null source); the committed sources are the rows of the gradient buffer. Block routing's partial
 # sum of the current block is read by one site only, so it travels outside the buffer.
 
-Launch = namedtuple("Launch", "phase site sites lo hi partial own_lo fresh_lo last")
+Launch = namedtuple("Launch", "phase site sites lo hi partial own_lo fresh_lo last continued")
 Launch.__doc__ = """One route_sites call, made when site `site` is read. Phase 1: sites site..
 (`sites` of them) over committed rows 0..hi-1; phase 2: site `site` continues its phase-1 state
 over rows lo..hi-1. Either also reads the site's partial block sum when `partial`. The launch
 completes the gradients of its sources own_lo.. and touches its sources fresh_lo.. first in
-backward; the last launch of the forward has no successor to hand the gradient buffer to."""
+backward; the last launch of the forward has no successor to hand the gradient buffer to.
+`continued`: a bit per site (1 << i for site `site` + i) whose state a phase 2 continues: its
+backward takes that site's coupling from the phase 2."""
 
 
 def committed_rows(site, block=1, delta=False):
@@ -658,6 +706,11 @@ def schedule(n_sites, group, block=1, delta=False):
         assert all(mine) or not any(mine), "a launch touches some of its rows first and others not"
         launch["fresh_lo"] = 0 if all(mine) else launch["hi"] - launch["lo"]
         launch["last"] = i == len(launches) - 1
+    continued = {launch["site"] for launch in launches if launch["phase"] == 2}
+    for launch in launches:
+        sites = range(launch["site"], launch["site"] + launch["sites"])
+        launch["continued"] = sum(1 << i for i, site in enumerate(sites)
+                                  if site in continued and launch["phase"] == 1)
     return tuple(Launch(**launch) for launch in launches)
 
 
@@ -699,7 +752,7 @@ class FusedHistory:
         self.addresses = []         # of the committed sources, checked and aligned as they came
         self.qg = None              # q ⊙ g (fp32) by group and by site: made at the first append
         self.carrier = None         # hands the source-gradient buffer backward from launch to launch
-        self.states = {}            # site -> (out, lse): its phase-1 partial state, or its final one
+        self.states = {}            # site -> (out, remainder, lse): its phase-1 partial state, or its final one
         self.outputs = {}           # site -> its routed output, once read
 
     def append(self, source):
@@ -759,13 +812,14 @@ class FusedHistory:
         if self.carrier is None:
             self.carrier = _carrier(sources[0], self.rows_total)
         spec = Spec(self.heads, self.eps, self.rows_total, launch.lo, launch.own_lo, launch.fresh_lo,
-                    launch.last)
+                    launch.last, launch.continued)
         by_group, by_site = self.qg
         qg = by_group[launch.site // self.group] if launch.phase == 1 else by_site[launch.site]  # (G, d)
         results = run_launch(self.carrier, sources, qg, init, spec, addresses)
-        outs, lses, self.carrier = results[:launch.sites], results[launch.sites:-1], results[-1]
-        for j, out, lse in zip(range(launch.site, launch.site + launch.sites), outs, lses):
-            self.states[j] = (out, lse)                              # phase 2 replaces its site's state
+        G = launch.sites
+        outs, rests, lses, self.carrier = results[:G], results[G:2 * G], results[2 * G:-1], results[-1]
+        for j, state in zip(range(launch.site, launch.site + G), zip(outs, rests, lses)):
+            self.states[j] = state                       # (out, remainder, lse); phase 2 replaces it
 
 
 # %% Traffic: the bytes each algorithm moves
@@ -782,34 +836,35 @@ def launch_bytes(launch, positions, width, heads, source_bytes, target=None):
     init = launch.phase == 2                                           # continues a partial state
     programs = _programs(M, target)[1]
     row, state = d * b, 4 * H                                          # bytes of an output row, of its lse
+    out = row * (2 if b == 2 else 1)                                   # bf16: with its remainder
     # forward: per program q ⊙ g and the sites' addresses; per position a table entry and a row per
-    # source, the partial states read, the outputs and their lse written
-    forward = (programs * G * (4 * d + 8 * (4 if init else 2))
-               + M * (N * (8 + row) + G * (row + state) * (2 if init else 1)))
+    # source, the partial state read, the outputs (with remainders) and their lse written
+    forward = (programs * G * (4 * d + 8 * (6 if init else 3))
+               + M * (N * (8 + row) + G * (out + state) * (2 if init else 1)))
     # backward: per program q ⊙ g, addresses, and the partial gradient of q ⊙ g; per position the
-    # outputs, their gradients, lse and lse gradients, the partial states and their gradients; per
-    # source the table entry, the row, the fp32 gradient row (read unless fresh), and the gradient
+    # output gradients and lse, the outputs of complete sites (with remainders), the coupling of
+    # continued ones; with a partial state its lse read, its output gradient and coupling written;
+    # per source the table entry, the row, the fp32 gradient row (read unless fresh), and the gradient
     # written, to the buffer, or in the source dtype for a source this launch completes
     per_source = [8 + row + 4 * d * (n < launch.fresh_lo) + (4 * d if n < launch.own_lo else row)
                   for n in range(N)]
-    backward = (programs * G * (8 * d + 8 * (8 if init else 4))
-                + M * (G * (2 * row + 2 * state) * (2 if init else 1) + sum(per_source)))
+    continued = bin(launch.continued).count("1")
+    sites = G * (row + state) + (G - continued) * out + continued * state
+    backward = (programs * G * (8 * d + 8 * (8 if init else 5))
+                + M * (sites + init * (2 * state + row) + sum(per_source)))
     return forward, backward
 
 
 def torch_bytes(launch, positions, width, heads, source_bytes, target=None):
-    """A model of the bytes the torch ops around one launch move: (forward, backward). q ⊙ g from
-    the stacked parameters and its gradient, the address tables, the sum of the per-program
-    partials of q ⊙ g's gradient, and the zero gradients autograd makes for unused lse outputs."""
+    """A model of the bytes the torch ops around one launch move: (forward, backward). The address
+    tables and the sum of the per-program partials of q ⊙ g's gradient. (q ⊙ g itself is made
+    once per forward: see traffic.)"""
     M, d, G = positions, width, launch.sites
     N = launch.hi - launch.lo + launch.partial
     init = launch.phase == 2
-    qg = 4 * G * d
-    forward = 7 * qg + 8 * (N + G * (4 if init else 2))               # two stacks, a product; the table
-    unused_lse = 1 if init else G                # phase 2 consumes the lse of phase 1's partial states
+    forward = 8 * (N + G * (6 if init else 3))                        # the table
     programs = _programs(M, target)[1]
-    backward = (6 * qg + 8 * (N + G * (8 if init else 4)) + 4 * G * d * (programs + 1)
-                + unused_lse * M * heads * 4)
+    backward = 8 * (N + G * (8 if init else 5)) + 4 * G * d * (programs + 1)
     return forward, backward
 
 
@@ -833,12 +888,17 @@ def traffic(n_layer, width, heads, positions, group=0, block=1, delta=False, sou
     sums_forward = 3 * E * len(extends)
     sums_backward = 3 * E * sum(reads_partial(site - 1, block, delta) for site in extends)
     null = (E + 4 * width) if delta else 0                           # delta's null: expanded, summed back
+    # q ⊙ g of all S sites: two stacks and a product forward; backward the two splits' gradients
+    # gathered and summed, the product's gradient, the stacks' (views)
+    qg = 4 * n_sites * width
+    qg_forward, qg_backward = 7 * qg, 10 * qg
+    rest = E if source_bytes == 2 else 0                             # a bf16 output's remainder
     saved = (sum(launch.phase == 2 for launch in launches) * E      # the partial states phase 2 continues
-             + sum(launch.sites for launch in launches) * positions * heads * 4)      # every lse
+             + sum(launch.sites for launch in launches) * (rest + positions * heads * 4))  # every lse
     return {"forward": {"kernels": sum(f for f, _ in kernels),
-                        "torch": sum(f for f, _ in around) + sums_forward + null},
+                        "torch": sum(f for f, _ in around) + sums_forward + null + qg_forward},
             "backward": {"kernels": sum(b for _, b in kernels),
-                         "torch": sum(b for _, b in around) + sums_backward + null},
+                         "torch": sum(b for _, b in around) + sums_backward + null + qg_backward},
             "saved": saved}
 
 
