@@ -29,11 +29,15 @@ def direct_sums(monkeypatch):
 
 @pytest.fixture
 def nan_outputs(monkeypatch):
-    """Every torch.empty returns NaNs, so an element a kernel never writes cannot pass."""
-    def nan_empty(*size, **kwargs):
-        shape = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
-        return torch.full(shape, math.nan, **kwargs)
-    monkeypatch.setattr(torch, "empty", nan_empty)
+    """Every torch.empty, empty_like and new_empty returns NaNs, so an element a kernel never
+    writes cannot pass."""
+    def nans(empty):
+        def nan_empty(*args, **kwargs):
+            tensor = empty(*args, **kwargs)
+            return tensor.fill_(math.nan) if tensor.is_floating_point() else tensor
+        return nan_empty
+    for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")):
+        monkeypatch.setattr(owner, name, nans(getattr(owner, name)))
 
 
 # ----------------------------------------------------------------------------------------------
