@@ -319,7 +319,20 @@ INTERPRETED = not isinstance(_route_forward_kernel, triton.runtime.JITFunction)
 
 # %% Launchers
 
-@functools.lru_cache(maxsize=None)   # a launch asks at every call
+def memoized(fn):
+    """fn with its results kept by arguments: launches and histories ask at every call. (A plain
+    dict: torch.compile warns at every functools.lru_cache it traces.)"""
+    results = {}
+
+    @functools.wraps(fn)
+    def cached(*args):
+        if args not in results:
+            results[args] = fn(*args)
+        return results[args]
+    return cached
+
+
+@memoized
 def layout(width, heads, sites):
     """The constexprs of a launch routing `sites` sites at this width and head count; raises on
     what the kernels cannot hold."""
@@ -650,23 +663,18 @@ def reads_partial(site, block=1, delta=False):
 
 
 @torch.compiler.assume_constant_result     # a pure function of ints: torch.compile calls it, not traces it
+@memoized                                  # a history is built at every forward
 def auto_group(n_sites, width, heads, block=1, delta=False):
     """The group size for Config.fused_group = 0: the one whose kernels move the fewest bytes by
     the traffic model (at a nominal B·T: the choice hardly depends on it), among the groups one
     program holds. Near √S for full routing, where groups that tile the sites evenly beat powers
     of two (25 sites move 13 % fewer bytes in 5 groups of 5 than in groups of 4); for block and
     delta routing usually the block or a multiple of it."""
-    key = n_sites, width, heads, block, delta
-    if key not in _AUTO_GROUPS:                                       # a history is built at every forward
-        def kernel_bytes(group):
-            return sum(sum(launch_bytes(launch, 4096, width, heads, 2, PROGRAMS))
-                       for launch in schedule(n_sites, group, block, delta))
-        groups = [G for G in range(1, n_sites + 1) if _fits(width, heads, G)]
-        _AUTO_GROUPS[key] = min(groups, key=kernel_bytes)
-    return _AUTO_GROUPS[key]
-
-
-_AUTO_GROUPS = {}
+    def kernel_bytes(group):
+        return sum(sum(launch_bytes(launch, 4096, width, heads, 2, PROGRAMS))
+                   for launch in schedule(n_sites, group, block, delta))
+    groups = [G for G in range(1, n_sites + 1) if _fits(width, heads, G)]
+    return min(groups, key=kernel_bytes)
 
 
 def _fits(width, heads, sites):
@@ -677,7 +685,7 @@ def _fits(width, heads, sites):
     return True
 
 
-@functools.lru_cache(maxsize=None)   # every forward asks
+@memoized
 def schedule(n_sites, group, block=1, delta=False):
     """The launches of one forward, in order (see Launch): `group` consecutive sites share phase 1."""
     launches = []
@@ -712,7 +720,7 @@ def schedule(n_sites, group, block=1, delta=False):
     return tuple(Launch(**launch) for launch in launches)
 
 
-@functools.lru_cache(maxsize=None)
+@memoized
 def _launches_by_site(n_sites, group, block, delta):
     launches = {}
     for launch in schedule(n_sites, group, block, delta):

@@ -446,7 +446,7 @@ class GPT(nn.Module):
 
     def delta_routed(self, x, rope, history, cache=None):
         """Delta routing: the baseline's residual x plus a gated route over [null, D_0, D_1..]."""
-        history.append(x)                                            # D_0 = s_0, the embedding
+        history.append(x.to(compute_dtype(x)))   # D_0 = s_0, stored as the block deltas (bf16 on GPUs)
         for j, site in enumerate(self.sites[:-1]):
             y = self.sublayer(j, x + site.gate * history.read(j), rope, cache)
             history.append(y)  # the history sums these into block deltas D_i = h_end - h_start

@@ -641,7 +641,9 @@ def set_rng_states(s):
     kind, keys, pos, has_gauss, gauss = s["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     if s["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
+        # one state per GPU the saving process saw; a machine with fewer restores those it has
+        for index, state in enumerate(s["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, index)
 
 
 def save_checkpoint(path, ckpt):
@@ -801,6 +803,8 @@ def start_session(args):
         die(str(e))
     if device.type == "cuda" and ddp:
         device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}")
+    elif device.type == "cuda" and device.index is None:   # "cuda": set_device needs an index
+        device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
