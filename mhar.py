@@ -562,13 +562,19 @@ class GPT(nn.Module):
             return 2 + j // S
         return 1 + j // S + (j % S > 0)
 
-    # Dense bf16 tensor-core peaks (vendor datasheets); unknown devices get no MFU, not a wrong one.
-    PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
+    # Dense bf16 tensor-core peaks (vendor datasheets), by the exact name torch.cuda.get_device_name()
+    # gives; unknown devices get no MFU, not a wrong one (an H100 PCIe peaks at 756 TFLOPS, an NVL
+    # at 835: a name that merely contains "H100" is not enough).
+    PEAK_FLOPS = {"NVIDIA H100 80GB HBM3": 989e12,          # H100 SXM5
+                  "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+                  "NVIDIA H200": 989e12, "NVIDIA B200": 2250e12,
+                  "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12,
+                  "NVIDIA A100-PCIE-40GB": 312e12, "NVIDIA A100 80GB PCIe": 312e12}
 
     def estimate_mfu(self, tokens_per_s, device_name):
         """Model FLOPs utilization at a throughput, on a device named as by
-        torch.cuda.get_device_name()."""
-        peak = next((f for name, f in self.PEAK_FLOPS.items() if name in (device_name or "")), None)
+        torch.cuda.get_device_name(); None for a device not in PEAK_FLOPS."""
+        peak = self.PEAK_FLOPS.get(device_name)
         return None if peak is None else self.flops_per_token() * tokens_per_s / peak
 
     def param_groups(self):

@@ -841,13 +841,15 @@ def set_precision(session, args):
 
 
 def wrap_model(gpt, args, session):
-    """The model the loop trains: compiled and wrapped for data parallelism as asked (a sharded
-    model is its own wrapper)."""
-    model = torch.compile(gpt) if args.compile else gpt
+    """The model the loop trains: wrapped for data parallelism and compiled as asked (a sharded
+    model is its own wrapper). DDP is compiled, not wrapped around a compiled model: so torch.compile
+    splits the graph at DDP's gradient buckets, and each all-reduce overlaps the rest of the
+    backward (PyTorch's DDP and torch.compile notes)."""
+    model = gpt
     if session.ddp and not session.fsdp:
         device = session.device
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    return model
+    return torch.compile(model) if args.compile else model
 
 
 # -----------------------------------------------------------------------------
@@ -1004,9 +1006,13 @@ def fmt_count(n):
 
 
 def peak_memory(device):
-    """Peak bytes: of allocated tensors on CUDA, the process's maximum resident set elsewhere."""
+    """Peak bytes: on CUDA of allocated tensors since the previous call (the counter is reset, so
+    that a step's figure is not an evaluation's); elsewhere the process's maximum resident set (the
+    kernel keeps no other)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (
         1 if sys.platform == "darwin" else 1024)
@@ -1017,6 +1023,7 @@ class Report:
 
     def __init__(self, out, master):
         self.log_path, self.master, self.wandb = out / "log.jsonl", master, None
+        self.peak_mem = 0       # the largest peak_mem recorded: the run's
 
     def print(self, message):
         if self.master:
@@ -1024,6 +1031,7 @@ class Report:
 
     def record(self, entry):
         """A line of log.jsonl (and of wandb)."""
+        self.peak_mem = max(self.peak_mem, entry.get("peak_mem", 0))
         if self.master:
             with open(self.log_path, "a") as f:
                 f.write(json.dumps(entry) + "\n")
@@ -1162,13 +1170,12 @@ def save_shards(run):
 def evaluate_and_save(run):
     """The validation loss at the current step, logged; then a checkpoint."""
     s, p = run.session, run.progress
-    eval_model = run.model.module if isinstance(run.model, DDP) else run.model
     val = run.data.val if run.data else None
-    val_loss = evaluate(eval_model, val, run.args, s.rank, s.world, s.device, s.autocast)
+    val_loss = evaluate(run.model, val, run.args, s.rank, s.world, s.device, s.autocast)
     ema_loss = {}
     if run.ema:  # the same batches through the averaged weights
         with run.ema.swapped_in():
-            ema_loss["ema_val_loss"] = evaluate(eval_model, val, run.args, s.rank, s.world,
+            ema_loss["ema_val_loss"] = evaluate(run.model, val, run.args, s.rank, s.world,
                                                 s.device, s.autocast)
     p.evals.append(dict(step=p.step, val_loss=val_loss, **ema_loss))
     run.report.record(dict(step=p.step, val_loss=val_loss, **ema_loss, tokens=p.tokens,
@@ -1217,7 +1224,7 @@ def train_step(model, optimizer, xs, ys, args, session):
     loss_sum = torch.zeros((), device=xs.device)
     for micro in range(args.grad_accum):
         last = micro == args.grad_accum - 1
-        with model.no_sync() if isinstance(model, DDP) and not last else nullcontext():
+        with model.no_sync() if session.ddp and not session.fsdp and not last else nullcontext():
             with session.autocast:
                 logits, loss = model(xs[micro], ys[micro])            # loss: the cross-entropy
                 objective = loss + args.z_loss * hf.z_loss(logits) if args.z_loss else loss
@@ -1311,7 +1318,8 @@ def finish(run, timer, t_start, stop_signal):
         best_val_loss=min((e["val_loss"] for e in p.evals), default=None),
         unigram_entropy=run.entropy, tokens=p.tokens,
         tokens_per_s=trained_tokens / timer.train_time if timer.train_time else None,
-        peak_mem=peak_memory(s.device), wall_s=time.time() - t_start, world_size=s.world,
+        peak_mem=max(run.report.peak_mem, peak_memory(s.device)), wall_s=time.time() - t_start,
+        world_size=s.world,
         stop_signal=stop_signal)
     if run.ema and p.evals:  # the averaged weights at the last evaluation (the paper's metric)
         summary["final_ema_val_loss"] = p.evals[-1]["ema_val_loss"]

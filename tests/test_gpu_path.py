@@ -147,3 +147,29 @@ def test_fused_history_names_a_source_of_another_dtype():
     history.read(0)
     with pytest.raises(ValueError, match="append the embedding in the sublayers' dtype"):
         history.append(torch.randn(1, 3, 24, dtype=torch.bfloat16))
+
+
+# ----------------------------------------------------------------------------------------------
+# The training loop's GPU habits: DDP compiled (not wrapped around a compiled model), peaks reset.
+
+def test_ddp_is_compiled_not_wrapped_around_a_compiled_model(monkeypatch):
+    """torch.compile(DDP(model)) lets each gradient bucket's all-reduce overlap the backward;
+    DDP(torch.compile(model)) does not. One gloo process stands in for the ranks."""
+    from torch.nn.parallel import DistributedDataParallel
+    train.dist.init_process_group("gloo", store=train.dist.HashStore(), rank=0, world_size=1)
+    try:
+        session = train.Session(True, False, 0, 1, torch.device("cpu"), torch.float32, None)
+        model = train.wrap_model(mhar.GPT(tiny()), argparse.Namespace(compile=True), session)
+        assert isinstance(model._orig_mod, DistributedDataParallel)
+        assert model.no_sync is not None                    # the loop's gradient accumulation
+    finally:
+        train.dist.destroy_process_group()
+
+
+def test_cuda_peak_memory_is_reset_after_each_reading(monkeypatch):
+    """A logged peak is the peak since the previous log line (a step's, not an evaluation's)."""
+    peaks = [5, 3]
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: peaks[0])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: peaks.pop(0))
+    cuda = torch.device("cuda", 0)
+    assert train.peak_memory(cuda) == 5 and train.peak_memory(cuda) == 3

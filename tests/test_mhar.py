@@ -487,8 +487,11 @@ def test_site_counts_and_flops_follow_what_the_history_reads(overrides):
     d = routed.config.n_embd
     assert routed.flops_per_token() - baseline.flops_per_token() == 24 * d * sum(read)
     assert routed.estimate_mfu(1e6, "cpu") is None
+    assert routed.estimate_mfu(1e6, "NVIDIA H100 Future Edition") is None     # not a known name
     mfu = routed.estimate_mfu(1e6, "NVIDIA H100 80GB HBM3")
     assert mfu == pytest.approx(routed.flops_per_token() * 1e6 / 989e12)
+    pcie = routed.estimate_mfu(1e6, "NVIDIA H100 PCIe")
+    assert pcie == pytest.approx(routed.flops_per_token() * 1e6 / 756e12)
 
 
 def sample_loop(model, idx, steps, temperature, top_k=None):
