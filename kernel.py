@@ -45,15 +45,16 @@ checks the kernels against `mhar.route`, then benchmarks them when a GPU is pres
 import array
 import functools
 import os
+import sys
 from collections import namedtuple
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-if __name__ == "__main__" and not torch.cuda.is_available():
-    # `python kernel.py` without a GPU runs its checks in the interpreter, which triton.jit
-    # consults when it decorates the kernels below: switch it on before importing triton.
+if __name__ == "__main__" and (not torch.cuda.is_available() or "--host" in sys.argv):
+    # `python kernel.py` without a GPU (and --host anywhere) runs in the interpreter, which
+    # triton.jit consults when it decorates the kernels below: switch it on before importing triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 UNAVAILABLE = ("fused routing needs a CUDA GPU, or TRITON_INTERPRET=1 set before triton is "
@@ -1075,46 +1076,51 @@ def print_traffic():
 def _benchmark(device="cuda", shapes=KERNEL_TABLE, timer=None, compile_backend="inductor",
                dtype=torch.bfloat16):
     """Route every site of a network (identity sublayers: only the routing is timed), forward +
-    backward: readable, torch.compile'd, fused one pass per site, fused grouped. Prints ms,
-    achieved GB/s (the modeled bytes over the time) and % of the copy bandwidth; returns
-    {(preset, "fused 1" | "fused G"): ms}."""
+    backward: readable, torch.compile'd, fused one pass per site, fused grouped at every group
+    size that fits (auto_group's marked *). Prints ms, achieved GB/s (the modeled bytes over the
+    time) and % of the copy bandwidth; returns {(preset, "fused 1" | "fused G"): ms}, G auto_group's."""
     import mhar
     timer = timer or _do_bench
     bandwidth = _copy_bandwidth(timer) if device == "cuda" else None
     if bandwidth:
         print(f"\n{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
     compiled = torch.compile(mhar.route, dynamic=True, backend=compile_backend)
-    methods = {"eager": stacked_network(mhar.route), "compile": stacked_network(compiled),
-               "fused 1": fused_network(1), "fused G": fused_network(0)}
     identity = torch.nn.Identity()
     routing = {}
-    print(f"{'shape':6} {'method':8} {'G':>2} {'fwd+bwd ms':>10} {'GB/s':>6} {'% of copy':>9}   "
-          f"(paper, H100: torch.compile, fused)")
+    print(f"{'shape':6} {'method':8} {'G':>2} {'fwd+bwd ms':>10} {'host ms':>7} {'GB/s':>6} "
+          f"{'% of copy':>9}   (paper, H100: torch.compile, fused)")
     for preset, d, L, B, T in shapes:
         sites = 2 * L + 1
         s0 = torch.randn(B, T, d, device=device, dtype=dtype, requires_grad=True)
         qs = [(0.02 * torch.randn(d, device=device)).requires_grad_() for _ in range(sites)]
         gs = [torch.ones(d, device=device, requires_grad=True) for _ in range(sites)]
         dout = torch.randn(B, T, d, device=device, dtype=dtype)
-        for method, network in methods.items():
-            group = {"fused 1": 1, "fused G": auto_group(sites, d, HEADS)}.get(method)
+        chosen = auto_group(sites, d, HEADS)
+        methods = {"eager": (stacked_network(mhar.route), None),
+                   "compile": (stacked_network(compiled), None), "fused 1": (fused_network(1), 1),
+                   **{f"fused {G}" + ("*" if G == chosen else ""): (fused_network(G), G)
+                      for G in range(2, sites + 1) if _fits(d, HEADS, G) and G <= 12}}
+        for method, (network, group) in methods.items():
+            def run():
+                network(s0, qs, gs, HEADS, identity).backward(dout)
             try:
-                ms = timer(lambda: network(s0, qs, gs, HEADS, identity).backward(dout),
-                           grad_to_none=[s0, *qs, *gs])
+                ms = timer(run, grad_to_none=[s0, *qs, *gs])
+                host = _host_ms(run, device)
             except torch.cuda.OutOfMemoryError:
                 print(f"{preset:6} {method:8} {'':2} {'OOM':>10}")
                 continue
             finally:
                 if device == "cuda":
                     torch.cuda.empty_cache()
-            line = f"{preset:6} {method:8} {group or '':>2} {ms:10.2f}"
+            line = f"{preset:6} {method:8} {group or '':>2} {ms:10.2f} {host:7.2f}"
             if group:
                 moved = traffic(L, d, HEADS, B * T, group, source_bytes=s0.element_size())
                 moved = sum(sum(moved[way].values()) for way in ("forward", "backward"))
                 per_second = moved / ms * 1e3                              # bytes/s
                 line += f" {per_second / 1e9:6.0f} {100 * per_second / bandwidth if bandwidth else 0:9.0f}"
-                routing[preset, method] = ms
-            if preset in PAPER_MS and method == "fused G":
+                routing.update({(preset, "fused 1"): ms} if group == 1 else {})
+                routing.update({(preset, "fused G"): ms} if group == chosen else {})
+            if preset in PAPER_MS and group == chosen:
                 line += f"   ({PAPER_MS[preset][0]} ms, {PAPER_MS[preset][1]} ms)"
             print(line)
     return routing
@@ -1123,15 +1129,16 @@ def _benchmark(device="cuda", shapes=KERNEL_TABLE, timer=None, compile_backend="
 def _step_benchmark(routing, device="cuda", steps=None, timer=None, vocab_size=50304):
     """A whole training step (forward + backward, bf16 autocast on a GPU, one microbatch of the
     kernel-table shape): the baseline, MHAR eager and fused (both algorithms), and the grouped
-    routing's share of its step. Speed = baseline ms / fused ms (the paper: 0.88 / 0.71 / 0.55)."""
+    routing's share of its step, and the peak memory of the baseline's and the fused step. Speed =
+    baseline ms / fused ms, the tokens/s ratio (the paper: 0.88 / 0.71 / 0.55)."""
     import mhar
     timer = timer or _do_bench
     steps = steps or [(preset, B, T) for preset, _, _, B, T in KERNEL_TABLE]
     print(f"\n{'shape':6} {'baseline ms':>11} {'eager ms':>9} {'fused 1 ms':>10} {'fused G ms':>10} "
-          f"{'speed G':>7} {'routing share G':>15}")
+          f"{'speed G':>7} {'routing share G':>15} {'peak GB base/fused G':>20}")
     for preset, B, T in steps:
         idx = torch.randint(0, vocab_size, (B, T), device=device)
-        step_ms = {}
+        step_ms, peak = {}, {}
         for name, overrides in (("baseline", dict(residual="baseline")), ("eager", dict(route_heads=HEADS)),
                                 ("fused 1", dict(route_heads=HEADS, fused=True, fused_group=1)),
                                 ("fused G", dict(route_heads=HEADS, fused=True))):
@@ -1142,7 +1149,10 @@ def _step_benchmark(routing, device="cuda", steps=None, timer=None, vocab_size=5
                     loss = model(idx, idx)[1]
                 loss.backward()
             try:
+                if device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
                 step_ms[name] = timer(step, grad_to_none=list(model.parameters()))
+                peak[name] = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else float("nan")
             except torch.cuda.OutOfMemoryError:
                 step_ms[name] = float("nan")                        # the paper's eager 1B runs out too
             finally:
@@ -1152,7 +1162,84 @@ def _step_benchmark(routing, device="cuda", steps=None, timer=None, vocab_size=5
         share = routing.get((preset, "fused G"), float("nan")) / step_ms["fused G"]
         print(f"{preset:6} {step_ms['baseline']:11.1f} {step_ms['eager']:9.1f} {step_ms['fused 1']:10.1f} "
               f"{step_ms['fused G']:10.1f} {step_ms['baseline'] / step_ms['fused G']:6.2f}x "
-              f"{100 * share:14.0f}%")
+              f"{100 * share:14.0f}% {peak.get('baseline', float('nan')):9.1f}/"
+              f"{peak.get('fused G', float('nan')):.1f}")
+
+
+def host_cost(shapes=KERNEL_TABLE, positions=4, repeats=3, heads=HEADS):
+    """Python's share of the fused path: every interpreted launch a no-op, a chain of 2L+1 sites
+    (each source the previous site's output times 1.0) forward then backward, against the same
+    chain with each site one plain op h * q_j; best of `repeats` × 3 runs, one thread. Prints µs
+    per site and the ratio; returns {(preset, group): ratio}. Needs the interpreter (CPU)."""
+    import time
+    from triton.runtime import interpreter
+
+    if not INTERPRETED:
+        raise RuntimeError("host_cost stubs the Triton interpreter's launches: set TRITON_INTERPRET=1 "
+                           "before triton is imported (python kernel.py --host does, without a GPU)")
+
+    def best(run):
+        run()                                                       # warm: caches, schedules
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(3):
+                run()
+            times.append((time.perf_counter() - start) / 3)
+        return min(times)
+
+    def fused_chain(s0, qs, gs, group):
+        history = FusedHistory(qs, gs, heads, group=group)
+        history.append(s0)
+        out = history.read(0)
+        for site in range(1, len(qs)):
+            history.append(out * 1.0)
+            out = history.read(site)
+        out.float().sum().backward()
+
+    def plain_chain(s0, qs, gs, group):
+        h = s0
+        for site, q in enumerate(qs):
+            h = (h * 1.0 if site else h) * q.to(h.dtype)
+        h.float().sum().backward()
+
+    threads, run = torch.get_num_threads(), interpreter.InterpretedFunction.run
+    torch.set_num_threads(1)
+    interpreter.InterpretedFunction.run = lambda *args, **kwargs: None    # launches cost nothing
+    ratios = {}
+    try:
+        print(f"host time per routing site, forward + backward, launches stubbed, {positions} bf16 "
+              f"positions, H = {heads}, one thread; plain: one op h * q_j per site")
+        print(f"{'shape':6} {'d':>5} {'sites':>5} {'G':>3} {'fused µs':>9} {'plain µs':>9} {'ratio':>6}")
+        for preset, d, L, *_ in shapes:
+            sites = 2 * L + 1
+            s0 = torch.randn(1, positions, d).bfloat16().requires_grad_()
+            qs = [torch.zeros(d, requires_grad=True) for _ in range(sites)]
+            gs = [torch.ones(d, requires_grad=True) for _ in range(sites)]
+            plain = best(lambda: plain_chain(s0, qs, gs, 0)) / sites
+            for group in (1, auto_group(sites, d, heads)):
+                fused = best(lambda: fused_chain(s0, qs, gs, group)) / sites
+                ratios[preset, group] = fused / plain
+                print(f"{preset:6} {d:5} {sites:5} {group:3} {fused * 1e6:9.0f} {plain * 1e6:9.0f} "
+                      f"{fused / plain:5.1f}x")
+    finally:
+        interpreter.InterpretedFunction.run = run
+        torch.set_num_threads(threads)
+    return ratios
+
+
+def _host_ms(fn, device):
+    """The host's time to issue fn: on a GPU the launches are queued and Python returns before
+    the kernels end, unless something synchronizes; where host ms nears fwd+bwd ms, the host is
+    the bound."""
+    import time
+    synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    synchronize()
+    start = time.perf_counter()
+    fn()
+    host = time.perf_counter() - start
+    synchronize()
+    return host * 1e3
 
 
 def _do_bench(fn, grad_to_none=None):
@@ -1171,9 +1258,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Check the fused routing against mhar.route; with a "
                                                  "GPU, benchmark it; --traffic prints the modeled bytes.")
     parser.add_argument("--traffic", action="store_true", help="the traffic model at the kernel-table shapes")
+    parser.add_argument("--host", action="store_true",
+                        help="the host (Python) time per site with the launches stubbed (CPU, interpreter)")
     args = parser.parse_args(argv)
     if args.traffic:
         print_traffic()
+        return 0
+    if args.host:
+        host_cost()
         return 0
     torch.manual_seed(0)
     if torch.cuda.is_available() and not INTERPRETED:
@@ -1189,5 +1281,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import sys
     sys.exit(main())

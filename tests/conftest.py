@@ -1,19 +1,22 @@
 """Fixtures every test file shares. Run the suite from the repository root: python -m pytest -q
 
 Without a GPU the fused kernels run in the Triton interpreter, which must be switched on before
-triton is first imported: this file is imported before any test module.
+triton is first imported: this file is imported before any test module. With one, they are
+compiled, and the tests that need the interpreter (CPU tensors, byte counts) are skipped.
 """
 import json
 import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch  # (imports no triton)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's flat modules
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from helpers import VOCAB  # noqa: E402
 

@@ -1,6 +1,7 @@
 """Helpers every test file shares: one relative error, one builder of route inputs, the tiny models, an
 lm-eval task over local files."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,10 @@ from mhar import preset
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 VOCAB = 64  # the vocabulary of the training tests' corpus (the `data` fixture)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# fused kernels on CPU tensors: in the Triton interpreter, which conftest.py switches on without a GPU
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason=(
+    "runs the fused kernels on CPU tensors, in the Triton interpreter: on a GPU machine the compiled "
+    "kernels are tested in test_gpu.py"))
 
 
 def rel_err(a, b):

@@ -9,7 +9,7 @@ import torch
 import kernel
 import mhar
 import train
-from helpers import rel_err, tiny
+from helpers import interpreted, rel_err, tiny
 
 
 # ----------------------------------------------------------------------------------------------
@@ -102,6 +102,7 @@ def bf16_loss_and_grads(model, idx, module=None):
     return logits.detach(), {name: p.grad for name, p in (module or model).named_parameters()}
 
 
+@interpreted
 @pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS.keys())
 @pytest.mark.parametrize("overrides", MODES.values(), ids=MODES.keys())
 def test_fused_matches_readable_under_bf16_autocast(overrides, variant):
@@ -124,6 +125,7 @@ def test_fused_matches_readable_under_bf16_autocast(overrides, variant):
     assert max(excess.values()) < 3e-2, sorted(excess.items(), key=lambda kv: -kv[1])[:3]
 
 
+@interpreted
 @pytest.mark.parametrize("overrides", MODES.values(), ids=MODES.keys())
 def test_fused_compiles_under_bf16_autocast(overrides):
     """torch.compile (aot_eager, one graph) of the fused model under bf16 autocast gives its eager
@@ -139,6 +141,7 @@ def test_fused_compiles_under_bf16_autocast(overrides):
     assert max(rel_err(compiled_grads[name], grads[name]) for name in grads) < 2e-2
 
 
+@interpreted
 def test_fused_history_names_a_source_of_another_dtype():
     """A source in another dtype than the first is refused with what to do, not by the kernel."""
     q, g = torch.zeros(24), torch.ones(24)

@@ -11,7 +11,7 @@ import torch
 
 import kernel
 import mhar
-from helpers import rel_err, route_inputs, tiny
+from helpers import interpreted, rel_err, route_inputs, tiny
 from kernel import FusedHistory, fused_route
 
 DEVICE = "cuda" if torch.cuda.is_available() and not kernel.INTERPRETED else "cpu"
@@ -334,6 +334,7 @@ METERED = {   # id: (n_layer, width, heads, B·T, group, block, delta)
 }
 
 
+@interpreted
 @pytest.mark.parametrize("case", METERED.values(), ids=METERED.keys())
 def test_meter_counts_what_the_model_predicts(case):
     n_layer, d, heads, positions, group, block, delta = case
@@ -366,14 +367,26 @@ def test_traffic_table(capsys):
 # ----------------------------------------------------------------------------------------------
 # The GPU benchmark's code, run on the CPU with tiny shapes and a clock that only calls.
 
+@interpreted
 def test_benchmark_code_runs_on_the_cpu(capsys):
     def call_once(fn, grad_to_none=None):
         fn()
         return 1.0
-    routing = kernel._benchmark("cpu", [("tiny", 24, 1, 1, 3)], call_once, "eager", torch.float32)
+    routing = kernel._benchmark("cpu", [("tiny", 24, 2, 1, 3)], call_once, "eager", torch.float32)
     assert set(routing) == {("tiny", "fused 1"), ("tiny", "fused G")}
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines[1:]] == ["eager", "compile", "fused", "fused", "fused",
+                                                        "fused", "fused"]          # G = 1 .. 5
     kernel._step_benchmark(routing, "cpu", [("tiny", 1, 3)], call_once, vocab_size=128)
     assert "tiny" in capsys.readouterr().out.splitlines()[-1]
+
+
+@interpreted
+def test_host_cost_runs_on_the_cpu(capsys):
+    """The host-time measurement of the README (python kernel.py --host), at a tiny shape."""
+    ratios = kernel.host_cost([("tiny", 24, 2, 1, 3)], repeats=1)
+    assert set(ratios) == {("tiny", 1), ("tiny", kernel.auto_group(5, 24, kernel.HEADS))}
+    assert all(ratio > 0 for ratio in ratios.values())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -500,6 +513,7 @@ def chain_grads(history, dtype, seed, sites=13, d=64):
             torch.cat([w.grad.flatten() for w in weights])]
 
 
+@interpreted
 def test_fused_bf16_is_as_close_to_float64_as_the_readable_path():
     """Each kind of gradient, averaged over seeds, no further from float64 on the fused path (one
     pass per site, and grouped) than on the readable one, which routes in fp32 and rounds each

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import mhar
-from helpers import ROOT, rel_err, route_inputs, tiny
+from helpers import ROOT, interpreted, rel_err, route_inputs, tiny
 from mhar import GPT, Config, preset, route, route_weights
 
 # ----------------------------------------------------------------------------------------------
@@ -438,6 +438,7 @@ def test_checkpointing_gives_the_same_loss_and_gradients(residual, overrides):
     assert len(calls) == 2
 
 
+@interpreted
 def test_fused_routing_under_checkpointing():
     """The routing is outside the checkpointed sublayers, so the fused history works under it."""
     idx = torch.randint(0, 128, (1, 7))
