@@ -1170,12 +1170,14 @@ def save_shards(run):
 def evaluate_and_save(run):
     """The validation loss at the current step, logged; then a checkpoint."""
     s, p = run.session, run.progress
+    # not through DDP, whose forwards broadcast buffers (under torch.compile: the eager model)
+    eval_model = run.gpt if s.ddp and not s.fsdp else run.model
     val = run.data.val if run.data else None
-    val_loss = evaluate(run.model, val, run.args, s.rank, s.world, s.device, s.autocast)
+    val_loss = evaluate(eval_model, val, run.args, s.rank, s.world, s.device, s.autocast)
     ema_loss = {}
     if run.ema:  # the same batches through the averaged weights
         with run.ema.swapped_in():
-            ema_loss["ema_val_loss"] = evaluate(run.model, val, run.args, s.rank, s.world,
+            ema_loss["ema_val_loss"] = evaluate(eval_model, val, run.args, s.rank, s.world,
                                                 s.device, s.autocast)
     p.evals.append(dict(step=p.step, val_loss=val_loss, **ema_loss))
     run.report.record(dict(step=p.step, val_loss=val_loss, **ema_loss, tokens=p.tokens,
@@ -1332,6 +1334,11 @@ def finish(run, timer, t_start, stop_signal):
         with suppress(Exception):  # the run is saved: the dashboard's goodbye cannot fail it
             run.report.wandb.finish()
     if s.ddp:
+        # Every rank's gloo work finished first: a worker thread still freeing the last all-reduce's
+        # tensors needs the GIL, which the main thread holds while the process group's destructor
+        # joins that thread (a deadlock seen about once in four runs on a loaded 2-core machine).
+        dist.barrier()
+        run.model = None            # DDP's reducer, the last holder of the group with it
         dist.destroy_process_group()
     return summary
 
