@@ -722,10 +722,13 @@ def schedule(n_sites, group, block=1, delta=False):
 
 
 @memoized
-def _launches_by_site(n_sites, group, block, delta):
-    launches = {}
+def _launches_by_site(n_sites, group, block, delta, heads, eps):
+    """site -> the (launch, Spec) pairs its read makes."""
+    launches, rows = {}, committed_rows(n_sites - 1, block, delta)
     for launch in schedule(n_sites, group, block, delta):
-        launches.setdefault(launch.site, []).append(launch)
+        spec = Spec(heads, eps, rows, launch.lo, launch.own_lo, launch.fresh_lo, launch.last,
+                    launch.continued)
+        launches.setdefault(launch.site, []).append((launch, spec))
     return launches
 
 
@@ -748,7 +751,7 @@ class FusedHistory:
         layout(width, heads, group)                                  # fails here if a group cannot fit
         self.queries, self.norms, self.heads, self.eps = queries, norms, heads, eps
         self.block, self.null = block, null
-        self.launches = _launches_by_site(n_sites, group, block, delta)  # site -> its read's launches
+        self.launches = _launches_by_site(n_sites, group, block, delta, heads, eps)
         self.group = group
         self.rows_total = committed_rows(n_sites - 1, block, delta)
         self.rows = []              # committed sources: (delta's null,) b_0 = s_0, completed blocks
@@ -803,12 +806,12 @@ class FusedHistory:
             raise ValueError(f"FusedHistory.read({site}): site j is read right after the (j+1)-th "
                              f"append, and the history holds {self.appended} sources")
         if site not in self.outputs:
-            for launch in self.launches.get(site, []):
-                self._launch(launch)
+            for launch, spec in self.launches.get(site, []):
+                self._launch(launch, spec)
             self.outputs[site] = self.states[site][0]
         return self.outputs[site]
 
-    def _launch(self, launch):
+    def _launch(self, launch, spec):
         sources = self.rows[launch.lo:launch.hi]
         addresses = None if self.traced else self.addresses[launch.lo:launch.hi]
         if launch.partial:
@@ -818,8 +821,6 @@ class FusedHistory:
         init = list(self.states[launch.site]) if launch.phase == 2 else []
         if self.carrier is None:
             self.carrier = _carrier(sources[0], self.rows_total)
-        spec = Spec(self.heads, self.eps, self.rows_total, launch.lo, launch.own_lo, launch.fresh_lo,
-                    launch.last, launch.continued)
         by_group, by_site = self.qg
         qg = by_group[launch.site // self.group] if launch.phase == 1 else by_site[launch.site]  # (G, d)
         results = run_launch(self.carrier, sources, qg, init, spec, addresses)
