@@ -43,18 +43,15 @@ def test_compiled_kernels_match_the_route_fp32(N, d, heads):
 
 
 def test_compiled_chain_bf16_as_close_to_float64_as_the_readable_path():
-    from test_kernel import chain_grads, ReadableHistory
     import kernel
-    torch.set_default_device(CUDA)
-    try:
-        exact = chain_grads(lambda q, g: ReadableHistory(q, g, 4), torch.float64, 0)
-        errors = {}
-        for name, history in (("readable", lambda q, g: ReadableHistory(q, g, 4)),
-                              ("one-pass", lambda q, g: kernel.FusedHistory(q, g, 4, group=1)),
-                              ("grouped", lambda q, g: kernel.FusedHistory(q, g, 4, group=0))):
-            errors[name] = [rel_err(a, b) for a, b in zip(chain_grads(history, torch.bfloat16, 0), exact)]
-    finally:
-        torch.set_default_device("cpu")
+    from test_kernel import ReadableHistory, chain_grads
+    exact = chain_grads(lambda q, g: ReadableHistory(q, g, 4), torch.float64, 0, device=CUDA)
+    errors = {}
+    for name, history in (("readable", lambda q, g: ReadableHistory(q, g, 4)),
+                          ("one-pass", lambda q, g: kernel.FusedHistory(q, g, 4, group=1)),
+                          ("grouped", lambda q, g: kernel.FusedHistory(q, g, 4, group=0))):
+        results = chain_grads(history, torch.bfloat16, 0, device=CUDA)
+        errors[name] = [rel_err(a, b) for a, b in zip(results, exact)]
     for name in ("one-pass", "grouped"):
         assert all(f <= 1.1 * r for f, r in zip(errors[name], errors["readable"])), errors
 
@@ -66,10 +63,14 @@ def gpt_step(model, idx):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-def test_fused_step_is_bitwise_deterministic():
+def fused_gpt():
+    """A tiny fused model on the GPU and a batch for it."""
     torch.manual_seed(0)
-    model = mhar.GPT(tiny(fused=True)).to(CUDA)
-    idx = torch.randint(0, 128, (2, 32), device=CUDA)
+    return mhar.GPT(tiny(fused=True)).to(CUDA), torch.randint(0, 128, (2, 32), device=CUDA)
+
+
+def test_fused_step_is_bitwise_deterministic():
+    model, idx = fused_gpt()
     first = gpt_step(model, idx)
     model.zero_grad(set_to_none=True)
     second = gpt_step(model, idx)
@@ -98,9 +99,7 @@ def test_fused_bf16_training_step_matches_readable(overrides):
 
 
 def test_fused_model_compiles_with_inductor_in_one_graph():
-    torch.manual_seed(0)
-    model = mhar.GPT(tiny(fused=True)).to(CUDA)
-    idx = torch.randint(0, 128, (2, 32), device=CUDA)
+    model, idx = fused_gpt()
     eager = gpt_step(model, idx)
     model.zero_grad(set_to_none=True)
     compiled = gpt_step(torch.compile(model, fullgraph=True), idx)
@@ -109,9 +108,7 @@ def test_fused_model_compiles_with_inductor_in_one_graph():
 
 def test_fused_step_never_synchronizes_the_host():
     """set_sync_debug_mode("error") raises at any synchronizing call (a pageable copy, .item())."""
-    torch.manual_seed(0)
-    model = mhar.GPT(tiny(fused=True, route_block=1)).to(CUDA)
-    idx = torch.randint(0, 128, (2, 32), device=CUDA)
+    model, idx = fused_gpt()
     gpt_step(model, idx)                                   # compiles the kernels first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

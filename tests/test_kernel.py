@@ -494,18 +494,20 @@ def test_kernels_compile_for_sm90_without_spills():
 # ----------------------------------------------------------------------------------------------
 # bf16 accuracy: the fused path against float64, next to the readable path.
 
-def chain_grads(history, dtype, seed, sites=13, d=64):
+def chain_grads(history, dtype, seed, sites=13, d=64, device="cpu"):
     """Output and the gradients of s_0, of the queries and norm weights, and of the sublayers'
     weights, through a chain of `sites` sites whose sublayers are tanh(h W) with W random: distinct
     sources. The inputs are rounded to bf16 first on every path, so only the arithmetic differs."""
     gen = torch.Generator().manual_seed(seed)
-    s0 = torch.randn(2, 8, d, generator=gen).bfloat16().to(dtype).requires_grad_()
-    weights = [(torch.randn(d, d, generator=gen) / d ** 0.5).bfloat16().to(dtype).requires_grad_()
+    s0 = torch.randn(2, 8, d, generator=gen).bfloat16().to(device, dtype).requires_grad_()
+    weights = [(torch.randn(d, d, generator=gen) / d ** 0.5).bfloat16().to(device, dtype).requires_grad_()
                for _ in range(sites - 1)]
     parameter = torch.float64 if dtype == torch.float64 else torch.float32
-    queries = [(0.5 * torch.randn(d, generator=gen)).to(parameter).requires_grad_() for _ in range(sites)]
-    norms = [(1 + 0.1 * torch.randn(d, generator=gen)).to(parameter).requires_grad_() for _ in range(sites)]
-    dout = torch.randn(2, 8, d, generator=gen).bfloat16()
+    queries = [(0.5 * torch.randn(d, generator=gen)).to(device, parameter).requires_grad_()
+               for _ in range(sites)]
+    norms = [(1 + 0.1 * torch.randn(d, generator=gen)).to(device, parameter).requires_grad_()
+             for _ in range(sites)]
+    dout = torch.randn(2, 8, d, generator=gen).bfloat16().to(device)
     layers = [lambda h, w=w: torch.tanh(h @ w) for w in weights]
     out = network(history(queries, norms), s0, layers)
     out.backward(dout.to(out.dtype))
