@@ -30,8 +30,9 @@ the Triton interpreter loads and stores), and separately the torch ops around th
 
 Autograd without Python-side state. Each launch is a torch custom operator with a functional
 signature (a list of source tensors, which the kernel reads through a table of addresses: no
-copies), so `torch.compile(fullgraph=True)` traces a fused model. The fp32 source-gradient buffer
-travels backward as the gradient of a "carrier" tensor (no memory) that each launch hands to the
+copies), so `torch.compile(fullgraph=True)` traces a fused model; eager code runs the same
+launch through a torch.autograd.Function, whose dispatch costs the host far less. The fp32
+source-gradient buffer travels backward as the gradient of a "carrier" tensor (no memory) that each launch hands to the
 next; each launch adds its share into the buffer in place and returns, in their own dtype, the
 final gradients of the sources it read first (it is the last to touch them in backward). Nothing
 is zero-filled: the first launch to touch a row in backward writes it instead of adding to it.
@@ -40,7 +41,8 @@ of Σ dℓ·r·V that torch sums in a fixed order, so the backward is bitwise de
 
 Without a CUDA GPU the kernels run in the Triton interpreter, on CPU tensors, when
 TRITON_INTERPRET=1 is set before this file is imported (slow; for tests). `python kernel.py`
-checks the kernels against `mhar.route`, then benchmarks them when a GPU is present.
+checks the kernels against `mhar.route`, then benchmarks them when a GPU is present; `--host`
+measures the Python time per site with the launches stubbed.
 """
 import array
 import functools
@@ -532,8 +534,8 @@ def _launch_backward(ctx, grads, backward):
 
 class RouteSites(torch.autograd.Function):
     """One launch in eager code: RouteSites.apply(carrier, qg, spec, addresses, sources,
-    *sources[spec.own_lo:], *init) -> (out × G, remainder × G, lse × G, carrier), `addresses` those of the list
-    `sources`. Autograd sees only the sources whose gradient the launch completes (a list
+    *sources[spec.own_lo:], *init) -> (out × G, remainder × G, lse × G, carrier), `addresses`
+    those of the list `sources`. Autograd sees only the sources whose gradient the launch completes (a list
     argument is not an input): the cost of a call does not grow with the sources it reads."""
 
     @staticmethod
@@ -762,7 +764,7 @@ class FusedHistory:
         self.addresses = []         # of the committed sources, checked and aligned as they came
         self.qg = None              # q ⊙ g (fp32) by group and by site: made at the first append
         self.carrier = None         # hands the source-gradient buffer backward from launch to launch
-        self.states = {}            # site -> (out, remainder, lse): its phase-1 partial state, or its final one
+        self.states = {}            # site -> (out, remainder, lse): its phase-1 state, or its final one
         self.outputs = {}           # site -> its routed output, once read
 
     def append(self, source):
