@@ -405,6 +405,15 @@ def check_sources(sources, heads, sites):
     return layout(first.shape[-1], heads, sites)
 
 
+def _checked(sources, heads, sites):
+    """The sources checked and aligned, and their addresses (the custom operators' way in; eager
+    launches are handed those FusedHistory took at append). Keep the sources while the kernel
+    may read them: an aligned copy lives only as long as they do."""
+    check_sources(sources, heads, sites)
+    sources = [_aligned(t) for t in sources]
+    return sources, [t.data_ptr() for t in sources]
+
+
 def _route_forward(sources, qg, init, heads, eps, addresses=None):
     """Route G sites over `sources` (each (B, T, d)); init = [] or, per site, the state (output,
     remainder, lse) of the partial state it continues. Returns the G outputs (sources' dtype),
@@ -412,9 +421,7 @@ def _route_forward(sources, qg, init, heads, eps, addresses=None):
     addresses: the sources' addresses when the caller has checked and aligned them already."""
     source, G = sources[0], qg.shape[0]
     if addresses is None:
-        check_sources(sources, heads, G)
-        sources = [_aligned(t) for t in sources]
-        addresses = [t.data_ptr() for t in sources]
+        sources, addresses = _checked(sources, heads, G)
     config = layout(source.shape[-1], heads, G)
     M = source.numel() // source.shape[-1]
     split = source.dtype == torch.bfloat16
@@ -442,9 +449,7 @@ def _route_backward(grads, owned, qg_grads, init_grads, sources, qg, outs, rests
     forward's own outputs and contiguous gradients."""
     source, G = outs[0], qg.shape[0]                # an output has the sources' shape and dtype
     if addresses is None:
-        check_sources(sources, heads, G)
-        sources = [_aligned(t) for t in sources]
-        addresses = [t.data_ptr() for t in sources]
+        sources, addresses = _checked(sources, heads, G)
     config = layout(source.shape[-1], heads, G)
     M = source.numel() // source.shape[-1]
     per_site = [[outs[i], rests[i], douts[i], lses[i], couplings[i], *init[2::3], *init_grads]
@@ -463,10 +468,10 @@ def _route_backward(grads, owned, qg_grads, init_grads, sources, qg, outs, rests
 #
 # A launch routes G sites over a list of sources, optionally continuing partial states. Its
 # outputs are the G routed outputs, their G remainders (no gradient: a bf16 output's rounding
-# error, which backward and phase 2 add back), their G log-sum-exps and the carrier: a tensor of the gradient
-# buffer's shape and no memory (a stride-0 view of one element). Autograd hands the buffer from
-# launch to launch backward as the carrier's gradient, which orders the launches' backward exactly
-# in reverse, under torch.compile too.
+# error, which backward and phase 2 add back), their G log-sum-exps and the carrier: a tensor of
+# the gradient buffer's shape and no memory (a stride-0 view of one element). Autograd hands the
+# buffer from launch to launch backward as the carrier's gradient, which orders the launches'
+# backward exactly in reverse, under torch.compile too.
 #
 # Eager code calls the launch through RouteSites, a torch.autograd.Function, and hands it the
 # addresses of sources FusedHistory checked once, when they were appended. torch.compile traces
@@ -1200,7 +1205,7 @@ def host_cost(shapes=KERNEL_TABLE, positions=4, repeats=3, heads=HEADS):
             out = history.read(site)
         out.float().sum().backward()
 
-    def plain_chain(s0, qs, gs, group):
+    def plain_chain(s0, qs):
         h = s0
         for site, q in enumerate(qs):
             h = (h * 1.0 if site else h) * q.to(h.dtype)
@@ -1219,7 +1224,7 @@ def host_cost(shapes=KERNEL_TABLE, positions=4, repeats=3, heads=HEADS):
             s0 = torch.randn(1, positions, d).bfloat16().requires_grad_()
             qs = [torch.zeros(d, requires_grad=True) for _ in range(sites)]
             gs = [torch.ones(d, requires_grad=True) for _ in range(sites)]
-            plain = best(lambda: plain_chain(s0, qs, gs, 0)) / sites
+            plain = best(lambda: plain_chain(s0, qs)) / sites
             for group in (1, auto_group(sites, d, heads)):
                 fused = best(lambda: fused_chain(s0, qs, gs, group)) / sites
                 ratios[preset, group] = fused / plain

@@ -791,6 +791,10 @@ class Session:
     def master(self):
         return self.rank == 0  # logs, evaluates (with the others' help) and saves
 
+    @property
+    def replicated(self):
+        return self.ddp and not self.fsdp  # every rank holds the whole model, in DDP
+
 
 def start_session(args):
     """The Session. torchrun sets RANK and WORLD_SIZE; each rank takes its own GPU (LOCAL_RANK),
@@ -846,7 +850,7 @@ def wrap_model(gpt, args, session):
     splits the graph at DDP's gradient buckets, and each all-reduce overlaps the rest of the
     backward (PyTorch's DDP and torch.compile notes)."""
     model = gpt
-    if session.ddp and not session.fsdp:
+    if session.replicated:
         device = session.device
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     return torch.compile(model) if args.compile else model
@@ -1171,7 +1175,7 @@ def evaluate_and_save(run):
     """The validation loss at the current step, logged; then a checkpoint."""
     s, p = run.session, run.progress
     # not through DDP, whose forwards broadcast buffers (under torch.compile: the eager model)
-    eval_model = run.gpt if s.ddp and not s.fsdp else run.model
+    eval_model = run.gpt if s.replicated else run.model
     val = run.data.val if run.data else None
     val_loss = evaluate(eval_model, val, run.args, s.rank, s.world, s.device, s.autocast)
     ema_loss = {}
@@ -1226,7 +1230,7 @@ def train_step(model, optimizer, xs, ys, args, session):
     loss_sum = torch.zeros((), device=xs.device)
     for micro in range(args.grad_accum):
         last = micro == args.grad_accum - 1
-        with model.no_sync() if session.ddp and not session.fsdp and not last else nullcontext():
+        with model.no_sync() if session.replicated and not last else nullcontext():
             with session.autocast:
                 logits, loss = model(xs[micro], ys[micro])            # loss: the cross-entropy
                 objective = loss + args.z_loss * hf.z_loss(logits) if args.z_loss else loss

@@ -54,6 +54,30 @@ def route_inputs(N, B, T, d, dtype=torch.float64, seed=0, device="cpu"):
     return (V.to(device, dtype), q.to(device, param_dtype), g.to(device, param_dtype), dout.to(device, dtype))
 
 
+def route_and_grads(route, V, q, g, dout, heads):
+    """Output and (dV, dq, dg) of one route call (mhar.route, kernel.fused_route)."""
+    V, q, g = (x.clone().requires_grad_() for x in (V, q, g))
+    out = route(V, q, g, heads)
+    out.backward(dout.to(out.dtype))
+    return out, V.grad, q.grad, g.grad
+
+
+def gpt_pair(device="cpu", **overrides):
+    """A fused tiny model and its readable twin with the same weights: (fused, readable). Queries
+    are nonzero and delta's gates open, so that the logit path and the route are both in play."""
+    import mhar
+    torch.manual_seed(0)
+    readable = mhar.GPT(tiny(**overrides)).to(device)
+    with torch.no_grad():
+        for site in readable.sites:
+            site.query.normal_(0, 0.3)                        # zero queries would hide the logit path
+            if site.gate is not None:
+                site.gate.fill_(0.5)                          # a closed gate would hide the route
+    fused = mhar.GPT(tiny(fused=True, **overrides)).to(device)
+    fused.load_state_dict(readable.state_dict())
+    return fused, readable
+
+
 def save_tiny_qwen3(directory, tied=True, head_dim=16, n_kv_head=2, rope_theta=1e6,
                     max_shard_size=None, seed=0):
     """A tiny random Qwen3ForCausalLM that transformers saves into `directory` (offline): d 64, 2

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mhar
-from helpers import ROOT, rel_err, route_inputs, tiny
+from helpers import ROOT, gpt_pair, rel_err, route_and_grads, route_inputs, tiny
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
@@ -22,13 +22,6 @@ def a_gpu():
         pytest.skip("needs a CUDA GPU: none here (the interpreter tests cover this code on the CPU)")
     import kernel
     assert not kernel.INTERPRETED, "TRITON_INTERPRET=1 is set: these tests are for the compiled kernels"
-
-
-def route_and_grads(route, V, q, g, dout, heads):
-    V, q, g = (x.clone().requires_grad_() for x in (V, q, g))
-    out = route(V, q, g, heads)
-    out.backward(dout.to(out.dtype))
-    return [out, V.grad, q.grad, g.grad]
 
 
 @pytest.mark.parametrize("N,d,heads", [(1, 40, 2), (9, 520, 8), (25, 1280, 8), (49, 1024, 8)],
@@ -84,13 +77,7 @@ MODES = {"full": dict(), "block": dict(route_block=2), "delta": dict(delta=True,
 
 @pytest.mark.parametrize("overrides", MODES.values(), ids=MODES.keys())
 def test_fused_bf16_training_step_matches_readable(overrides):
-    torch.manual_seed(0)
-    readable = mhar.GPT(tiny(**overrides)).to(CUDA)
-    with torch.no_grad():
-        for site in readable.sites:
-            site.query.normal_(0, 0.3)
-    fused = mhar.GPT(tiny(fused=True, **overrides)).to(CUDA)
-    fused.load_state_dict(readable.state_dict())
+    fused, readable = gpt_pair(CUDA, **overrides)
     idx = torch.randint(0, 128, (2, 32), device=CUDA)
     (loss, grads), (fused_loss, fused_grads) = gpt_step(readable, idx), gpt_step(fused, idx)
     assert rel_err(fused_loss, loss) < 1e-2

@@ -9,7 +9,7 @@ import torch
 import kernel
 import mhar
 import train
-from helpers import interpreted, rel_err, tiny
+from helpers import gpt_pair, interpreted, rel_err, tiny
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,21 +80,6 @@ MODES = {   # id: Config overrides
 VARIANTS = {"eager": dict(), "checkpointed": dict(checkpointing=True)}
 
 
-def models(overrides, variant):
-    """The readable model and its fused twin, same weights; nonzero queries and open gates so that
-    routing and gates are both in play."""
-    torch.manual_seed(0)
-    readable = mhar.GPT(tiny(**{**overrides, **variant}))
-    with torch.no_grad():
-        for site in readable.sites:
-            site.query.normal_(0, 0.3)
-            if site.gate is not None:
-                site.gate.fill_(0.5)
-    fused = mhar.GPT(tiny(fused=True, **{**overrides, **variant}))
-    fused.load_state_dict(readable.state_dict())
-    return readable, fused
-
-
 def bf16_loss_and_grads(model, idx, module=None):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits, loss = model(idx, idx)
@@ -110,7 +95,7 @@ def test_fused_matches_readable_under_bf16_autocast(overrides, variant):
     bf16 rounding: all gradients as one vector within 2e-2, and each tensor's no further from the
     readable one than 3x the readable one's own distance from the fp32 model's, + 3e-2 (a gate's
     gradient, one sum over every position, loses digits to cancellation on both paths)."""
-    readable, fused = models(overrides, variant)
+    fused, readable = gpt_pair(**overrides, **variant)
     idx = torch.randint(0, 128, (2, 9))
     logits, grads = bf16_loss_and_grads(readable, idx)
     fused_logits, fused_grads = bf16_loss_and_grads(fused, idx)
@@ -130,7 +115,7 @@ def test_fused_matches_readable_under_bf16_autocast(overrides, variant):
 def test_fused_compiles_under_bf16_autocast(overrides):
     """torch.compile (aot_eager, one graph) of the fused model under bf16 autocast gives its eager
     logits and gradients."""
-    _, fused = models(overrides, dict(n_layer=1))
+    fused, _ = gpt_pair(**overrides, n_layer=1)
     idx = torch.randint(0, 128, (1, 5))
     logits, grads = bf16_loss_and_grads(fused, idx)
     grads = {name: g.clone() for name, g in grads.items()}

@@ -11,7 +11,7 @@ import torch
 
 import kernel
 import mhar
-from helpers import interpreted, rel_err, route_inputs, tiny
+from helpers import gpt_pair, interpreted, rel_err, route_and_grads, route_inputs
 from kernel import FusedHistory, fused_route
 
 DEVICE = "cuda" if torch.cuda.is_available() and not kernel.INTERPRETED else "cpu"
@@ -42,14 +42,6 @@ def nan_outputs(monkeypatch):
 
 # ----------------------------------------------------------------------------------------------
 # One site: fused_route has the contract of mhar.route.
-
-def route_and_grads(route, V, q, g, dout, heads):
-    """Output and (dV, dq, dg) of one route call."""
-    V, q, g = (x.clone().requires_grad_() for x in (V, q, g))
-    out = route(V, q, g, heads)
-    out.backward(dout.to(out.dtype))
-    return out, V.grad, q.grad, g.grad
-
 
 # d = 40 is not a power of two, and neither are the head widths 40, 20, 10, 5; B·T = 15 is odd.
 @pytest.mark.parametrize("heads,N", [(1, 5), (2, 1), (4, 2), (8, 5)],
@@ -248,19 +240,6 @@ def test_fused_history_refuses_misuse():
 # ----------------------------------------------------------------------------------------------
 # The model: GPT(fused=True) against the readable routing, eager and compiled.
 
-def gpt_pair(**overrides):
-    torch.manual_seed(0)
-    readable = mhar.GPT(tiny(**overrides)).to(DEVICE)
-    with torch.no_grad():
-        for site in readable.sites:
-            site.query.normal_(0, 0.3)                        # zero queries would hide the logit path
-            if site.gate is not None:
-                site.gate.fill_(0.5)                          # a closed gate would hide the route
-    fused = mhar.GPT(tiny(fused=True, **overrides)).to(DEVICE)
-    fused.load_state_dict(readable.state_dict())
-    return fused, readable
-
-
 def loss_and_grads(model, idx, module=None):
     """The loss of model(idx) and the gradients of module's (by default model's) parameters."""
     loss = model(idx, idx)[1]
@@ -273,7 +252,7 @@ def loss_and_grads(model, idx, module=None):
 def test_gpt_fused_matches_readable(overrides):
     """The model with fused=True (automatic groups): same loss and parameter gradients as the readable
     routing (fp32)."""
-    fused, readable = gpt_pair(**overrides)
+    fused, readable = gpt_pair(DEVICE, **overrides)
     idx = torch.randint(0, 128, (1, 7), device=DEVICE)
     (fused_loss, fused_grads), (loss, grads) = loss_and_grads(fused, idx), loss_and_grads(readable, idx)
     assert rel_err(fused_loss, loss) < 1e-6
@@ -284,7 +263,7 @@ def test_gpt_fused_matches_readable(overrides):
 def test_gpt_fused_compiles_in_one_graph():
     """torch.compile(fullgraph=True) fails on any graph break; the compiled model gives eager's loss
     and gradients."""
-    fused, _ = gpt_pair(n_layer=1)
+    fused, _ = gpt_pair(DEVICE, n_layer=1)
     idx = torch.randint(0, 128, (1, 5), device=DEVICE)
     eager_loss, eager_grads = loss_and_grads(fused, idx)
     fused.zero_grad()
