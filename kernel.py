@@ -440,44 +440,46 @@ def _route_forward(sources, qg, init, heads, eps, addresses=None):
 
 
 def _route_backward(grads, owned, qg_grads, init_grads, sources, qg, outs, rests, douts, lses,
-                    couplings, init, heads, eps, row0, own_lo, fresh_lo, addresses=None):
+                    couplings, init_lse, heads, eps, row0, own_lo, fresh_lo, addresses=None):
     """Add the gradients of `sources` into rows row0.. of the fp32 buffer `grads` (in place); write
     the final gradients of sources own_lo.. into `owned` (their dtype), each program's partial
     gradient of qg into `qg_grads` (programs, G, d), and the output gradient and coupling of the
-    partial state `init` (phase 2) into init_grads. couplings: per site None, or for a partial
-    state the coupling its phase 2 handed back. The tensors besides the sources are the
-    forward's own outputs and contiguous gradients."""
-    source, G = outs[0], qg.shape[0]                # an output has the sources' shape and dtype
+    partial state whose lse is `init_lse` ([] or [lse]: phase 2) into init_grads. couplings: per
+    site None, or for a partial state the coupling its phase 2 handed back (whose output and
+    remainder the kernel does not read: they may be None). douts: contiguous, one per site."""
+    source, G = douts[0], qg.shape[0]               # an output gradient has the sources' shape and dtype
     if addresses is None:
         sources, addresses = _checked(sources, heads, G)
     config = layout(source.shape[-1], heads, G)
     M = source.numel() // source.shape[-1]
-    per_site = [[outs[i], rests[i], douts[i], lses[i], couplings[i], *init[2::3], *init_grads]
-                if init else [outs[i], rests[i], douts[i], lses[i], couplings[i]] for i in range(G)]
+    per_site = [[outs[i], rests[i], douts[i], lses[i], couplings[i], *init_lse, *init_grads] for i in range(G)]
     table = _address_table(addresses + [0 if t is None else t.data_ptr() for site in per_site for t in site],
                            source.device)
     per_program, programs = _programs(M)
     _route_backward_kernel[(programs,)](
         table, qg, grads, owned, qg_grads, len(addresses), M, per_program, row0, own_lo,
-        fresh_lo, eps, SOURCE=SOURCE_TYPES[source.dtype], INIT=bool(init),
+        fresh_lo, eps, SOURCE=SOURCE_TYPES[source.dtype], INIT=bool(init_lse),
         SPLIT=source.dtype == torch.bfloat16, NUM_STAGES=NUM_STAGES,
         num_warps=_num_warps(config, backward=True), **config)
 
 
 # %% Autograd: one launch, two ways in
 #
-# A launch routes G sites over a list of sources, optionally continuing partial states. Its
-# outputs are the G routed outputs, their G remainders (no gradient: a bf16 output's rounding
-# error, which backward and phase 2 add back), their G log-sum-exps and the carrier: a tensor of
-# the gradient buffer's shape and no memory (a stride-0 view of one element). Autograd hands the
-# buffer from launch to launch backward as the carrier's gradient, which orders the launches'
-# backward exactly in reverse, under torch.compile too.
+# A launch routes G sites over a list of sources, optionally continuing a partial state. It
+# makes per site an output, its remainder (a bf16 output's rounding error, which backward and
+# phase 2 add back) and its log-sum-exp, and it passes on the carrier: a tensor of the gradient
+# buffer's shape and no memory (a stride-0 view of one element). Autograd hands the buffer from
+# launch to launch backward as the carrier's gradient, which orders the launches' backward
+# exactly in reverse, under torch.compile too.
 #
-# Eager code calls the launch through RouteSites, a torch.autograd.Function, and hands it the
-# addresses of sources FusedHistory checked once, when they were appended. torch.compile traces
-# the custom operators route_sites and route_sites_backward instead (traced code cannot read
-# addresses; an operator's dispatch of its tensor lists costs the host a few hundred µs per launch,
-# the Function a few µs). Both run the same functions below.
+# Eager code calls the launch through RouteSites, a torch.autograd.Function: autograd sees only
+# what has a gradient (the sources the launch completes, q ⊙ g, the carrier; the outputs of the
+# sites it completes), and the partial states go from phase 1 to phase 2 beside it, as Partials,
+# their gradients back the same way (the carrier runs a phase 2's backward before its phase 1's).
+# The sources' addresses are those FusedHistory checked once, when they were appended.
+# torch.compile traces the custom operators route_sites and route_sites_backward instead, every
+# state an output (traced code cannot read addresses; an operator's dispatch of its tensor lists
+# costs the host a few hundred µs per launch, the Function a few µs). Both run the same functions.
 
 Spec = namedtuple("Spec", "heads eps rows row0 own_lo fresh_lo last continued")
 Spec.__doc__ = """A launch's ints: H, the norm's eps, the rows of the gradient buffer, the row of
@@ -487,75 +489,96 @@ site whose state a phase 2 continues (see Launch). See route_sites."""
 
 
 def _launch_forward(sources, qg, init, spec, addresses=None):
-    outs, rests, lses = _route_forward(sources, qg, init, spec.heads, spec.eps, addresses)
-    return [*outs, *rests, *lses, _carrier(sources[0], 0 if spec.last else spec.rows)]
+    """(outs, remainders, lses) of the G sites, and the carrier."""
+    states = _route_forward(sources, qg, init, spec.heads, spec.eps, addresses)
+    return *states, _carrier(sources[0], 0 if spec.last else spec.rows)
 
 
 def _carrier(like, rows):
     return like.new_zeros((), dtype=torch.float32).expand(rows, *like.shape)
 
 
-def _save(ctx, sources, qg, init, outputs, spec, addresses=None):
-    # Saved: the sources (inputs, alive anyway), the outputs, their remainders and lse (the only
-    # new activations: an output is the next sublayer's input, the lse are d/H times smaller).
-    # Given their addresses, a launch keeps only the sources it completes in backward, which it
-    # read first: the others an earlier launch keeps alive, and its backward runs later.
-    G = qg.shape[0]
-    kept = sources if addresses is None else sources[spec.own_lo:]
-    ctx.save_for_backward(qg, *kept, *init, *outputs[:3 * G])
-    ctx.counts, ctx.spec, ctx.addresses = (len(kept), len(init), G), spec, addresses
-
-
-def _launch_backward(ctx, grads, backward):
-    """The gradients of one launch's inputs: (carrier, the sources it completes, qg, init), from
-    the gradients of its outputs; `backward` runs the kernel (_route_backward, or its operator)."""
-    (n_kept, n_init, G), spec = ctx.counts, ctx.spec
-    qg, *saved = ctx.saved_tensors
-    sources, saved = saved[:n_kept], saved[n_kept:]
-    init, saved = saved[:n_init], saved[n_init:]
-    outs, rests, lses = saved[:G], saved[G:2 * G], saved[2 * G:]
-    douts, dlses, dcarrier = grads[:G], grads[2 * G:3 * G], grads[3 * G]   # (remainders: none)
-    source = outs[0]                                # of the sources' shape and dtype
-    n_sources = len(ctx.addresses) if ctx.addresses is not None else n_kept
-    douts = [d.contiguous() if d is not None else torch.zeros_like(source) for d in douts]
-    # the gradient of a continued site's lse is its coupling, handed back by its phase 2
-    couplings = [d.contiguous() if spec.continued >> i & 1 else None for i, d in enumerate(dlses)]
+def _launch_backward(backward, spec, sources, qg, states, init_lse, douts, couplings, dcarrier,
+                     addresses=None):
+    """The gradients of one launch's inputs, from those of its outputs: (the gradient buffer the
+    carrier hands back, the final gradients of the sources it completes, q ⊙ g's, and the output
+    gradient and coupling of the partial state it continues: [] without one). states: (outs,
+    remainders, lses) as the forward made them; douts per site (None: no gradient); couplings
+    per site (None: a complete site); `backward` runs the kernel (_route_backward or its
+    operator). sources: all of them, or (with their addresses) any list led by the first."""
+    like = sources[0]                                    # of the sources' shape and dtype
+    douts = [torch.zeros_like(like) if d is None else d.contiguous() for d in douts]
     if spec.last:   # the first launch in backward: no gradient yet, and every row it reads is fresh
-        buffer = source.new_empty((spec.rows, *source.shape), dtype=torch.float32)
+        buffer = like.new_empty((spec.rows, *like.shape), dtype=torch.float32)
     else:
         buffer = dcarrier.contiguous()
-    owned = source.new_empty((n_sources - spec.own_lo, *source.shape))
-    programs = _programs(source.numel() // source.shape[-1])[1]
-    qg_grads = qg.new_empty((programs, *qg.shape))                 # fp32, as qg
-    init_grads = [torch.empty_like(t) for t in init[::2]]
-    args = (buffer, owned, qg_grads, init_grads, sources, qg, outs, rests, douts, lses, couplings, init,
-            spec.heads, spec.eps, spec.row0, spec.own_lo, spec.fresh_lo)
-    backward(*args, addresses=ctx.addresses) if ctx.addresses is not None else backward(*args)
+    n_sources = len(sources) if addresses is None else len(addresses)
+    owned = like.new_empty((n_sources - spec.own_lo, *like.shape))
+    qg_grads = qg.new_empty((_programs(like.numel() // like.shape[-1])[1], *qg.shape))  # fp32, as qg
+    init_lse = [] if init_lse is None else [init_lse]
+    init_grads = [torch.empty_like(like), torch.empty_like(init_lse[0])] if init_lse else []
+    args = (buffer, owned, qg_grads, init_grads, sources, qg, *states[:2], douts, states[2], couplings,
+            init_lse, spec.heads, spec.eps, spec.row0, spec.own_lo, spec.fresh_lo)
+    backward(*args) if addresses is None else backward(*args, addresses=addresses)
     qg_grad = qg_grads.sum(0)                           # over programs, in a fixed order: deterministic
-    carrier_grad = buffer if ctx.needs_input_grad[0] else None
-    init_grads = [init_grads[0], None, init_grads[1]] if init else []      # (out, remainder, lse)
-    return carrier_grad, list(owned.unbind(0)), qg_grad, init_grads
+    return buffer, list(owned.unbind(0)), qg_grad, init_grads
+
+
+class Partial:
+    """A site's phase-1 state on its way to its phase 2, outside autograd (eager code): forward
+    hands over (out, rest, lse), of which phase 2 leaves only the lse (the two backwards read
+    nothing else); backward hands back `grads`, the gradients of its output and coupling."""
+    __slots__ = ("out", "rest", "lse", "grads")
 
 
 class RouteSites(torch.autograd.Function):
-    """One launch in eager code: RouteSites.apply(carrier, qg, spec, addresses, sources,
-    *sources[spec.own_lo:], *init) -> (out × G, remainder × G, lse × G, carrier), `addresses`
-    those of the list `sources`. Autograd sees only the sources whose gradient the launch completes (a list
-    argument is not an input): the cost of a call does not grow with the sources it reads."""
+    """One launch in eager code: RouteSites.apply(carrier, qg, spec, sources, addresses, init,
+    partials, *sources[spec.own_lo:]) -> (the output of each site it completes, carrier).
+    `addresses` are those of the list `sources`; init: the Partial a phase 2 continues (None in
+    phase 1); partials: per site the Partial its state goes to, None for a site it completes.
+    A list argument is not an input: the cost of a call does not grow with the sources it reads."""
 
     @staticmethod
-    def forward(ctx, carrier, qg, spec, addresses, sources, *tensors):
-        init = tensors[len(sources) - spec.own_lo:]
-        outputs = _launch_forward(sources, qg, init, spec, addresses)
-        _save(ctx, sources, qg, init, outputs, spec, addresses)
-        ctx.set_materialize_grads(False)                # no zero-filled gradients for unused lse
-        ctx.mark_non_differentiable(*outputs[qg.shape[0]:2 * qg.shape[0]])    # the remainders
-        return tuple(outputs)
+    def forward(ctx, carrier, qg, spec, sources, addresses, init, partials, *completed):
+        outs, rests, lses, carrier = _launch_forward(
+            sources, qg, [init.out, init.rest, init.lse] if init else [], spec, addresses)
+        if init:
+            init.out = init.rest = None                  # free: only the lse is read again
+        finals = []
+        for out, rest, lse, partial in zip(outs, rests, lses, partials):
+            if partial:
+                partial.out, partial.rest, partial.lse = out, rest, lse
+            else:
+                finals.append(out)
+        # Saved: the outputs (the next sublayers' inputs, alive anyway), their remainders and lse
+        # (the only new activations), and the sources the launch completes, which it read first:
+        # the others an earlier launch keeps alive, and its backward runs later.
+        ctx.save_for_backward(qg, *finals)
+        ctx.rests = [None if partial else rest for rest, partial in zip(rests, partials)]
+        ctx.lses, ctx.partials, ctx.init = lses, partials, init
+        ctx.spec, ctx.sources, ctx.addresses = spec, sources, addresses
+        ctx.set_materialize_grads(False)
+        return (*finals, carrier)
 
     @staticmethod
     def backward(ctx, *grads):
-        carrier_grad, source_grads, qg_grad, init_grads = _launch_backward(ctx, grads, _route_backward)
-        return carrier_grad, qg_grad, None, None, None, *source_grads, *init_grads
+        qg, *finals = ctx.saved_tensors
+        finals, final_grads = iter(finals), iter(grads[:-1])
+        outs, douts, couplings = [], [], []
+        for partial, lse in zip(ctx.partials, ctx.lses):
+            if partial:     # its gradients, from its phase 2's backward (which ran: the carrier)
+                dout, coupling = partial.grads or (None, torch.zeros_like(lse))
+                partial.grads = None
+                outs.append(None), douts.append(dout), couplings.append(coupling)
+            else:
+                outs.append(next(finals)), douts.append(next(final_grads)), couplings.append(None)
+        buffer, source_grads, qg_grad, init_grads = _launch_backward(
+            _route_backward, ctx.spec, ctx.sources, qg, (outs, ctx.rests, ctx.lses),
+            ctx.init.lse if ctx.init else None, douts, couplings, grads[-1], ctx.addresses)
+        if ctx.init:
+            ctx.init.grads = init_grads
+        carrier_grad = buffer if ctx.needs_input_grad[0] else None
+        return carrier_grad, qg_grad, None, None, None, None, None, *source_grads
 
 
 @torch.library.custom_op("mhar::route_sites", mutates_args=())
@@ -566,12 +589,14 @@ def route_sites(carrier: Tensor, sources: list[Tensor], qg: Tensor, init: list[T
 
     The sources are rows row0.. of the history's gradient buffer of `rows` rows (an extra source
     past them, a block's partial sum, has no row); own_lo and fresh_lo say which of them this
-    launch completes and which it touches first in backward. The last launch of a forward passes
-    on an empty carrier: nothing consumes it, and a gradient for it would be zero-filled.
+    launch completes and which it touches first in backward. init: [] or the (out, remainder,
+    lse) of the partial state a phase 2 continues. The last launch of a forward passes on an
+    empty carrier: nothing consumes it, and a gradient for it would be zero-filled.
     `continued`: a bit per site whose state a later launch continues (see Launch).
     """
-    return _launch_forward(sources, qg.contiguous(), init,
-                           Spec(heads, eps, rows, row0, own_lo, fresh_lo, last, continued))
+    outs, rests, lses, carrier = _launch_forward(
+        sources, qg.contiguous(), init, Spec(heads, eps, rows, row0, own_lo, fresh_lo, last, continued))
+    return [*outs, *rests, *lses, carrier]
 
 
 @route_sites.register_fake
@@ -592,35 +617,38 @@ def _(carrier, sources, qg, init, heads, eps, rows, row0, own_lo, fresh_lo, last
 def route_sites_backward(grads: Tensor, owned: Tensor, qg_grads: Tensor, init_grads: list[Tensor],
                          sources: list[Tensor], qg: Tensor, outs: list[Tensor], rests: list[Tensor],
                          douts: list[Tensor], lses: list[Tensor], couplings: list[Optional[Tensor]],
-                         init: list[Tensor], heads: int, eps: float, row0: int, own_lo: int,
+                         init_lse: list[Tensor], heads: int, eps: float, row0: int, own_lo: int,
                          fresh_lo: int) -> None:
     """Backward of one route_sites launch: adds into the buffer `grads` in place, writes the final
     gradients of sources own_lo.. into `owned`, per-program partial gradients of qg into
-    `qg_grads`, and the gradients of the partial states `init` into `init_grads`."""
+    `qg_grads`, and the gradients of the partial state whose lse is `init_lse` into `init_grads`."""
     _route_backward(grads, owned, qg_grads, init_grads, sources, qg.contiguous(), outs, rests, douts,
-                    lses, couplings, init, heads, eps, row0, own_lo, fresh_lo)
+                    lses, couplings, init_lse, heads, eps, row0, own_lo, fresh_lo)
 
 
 def _setup_route_sites(ctx, inputs, output):
     carrier, sources, qg, init, *ints = inputs
-    _save(ctx, sources, qg, init, output, Spec(*ints))
+    G = qg.shape[0]
+    ctx.save_for_backward(qg, *sources, *init, *output[:3 * G])
+    ctx.counts, ctx.spec = (len(sources), len(init)), Spec(*ints)
 
 
 def _route_sites_backward(ctx, grads):
-    carrier_grad, owned_grads, qg_grad, init_grads = _launch_backward(ctx, grads, route_sites_backward)
-    source_grads = [None] * ctx.spec.own_lo + owned_grads
-    return carrier_grad, source_grads, qg_grad, init_grads, *[None] * len(Spec._fields)
+    (n_sources, n_init), spec = ctx.counts, ctx.spec
+    qg, *saved = ctx.saved_tensors
+    sources, init, states = saved[:n_sources], saved[n_sources:n_sources + n_init], saved[n_sources + n_init:]
+    G = qg.shape[0]
+    # the gradient of a continued site's lse is its coupling, handed back by its phase 2
+    couplings = [d.contiguous() if spec.continued >> i & 1 else None for i, d in enumerate(grads[2 * G:3 * G])]
+    buffer, owned_grads, qg_grad, init_grads = _launch_backward(
+        route_sites_backward, spec, sources, qg, (states[:G], states[G:2 * G], states[2 * G:]),
+        init[2] if init else None, grads[:G], couplings, grads[3 * G])
+    carrier_grad = buffer if ctx.needs_input_grad[0] else None
+    init_grads = [init_grads[0], None, init_grads[1]] if init else []      # (out, remainder, lse)
+    return carrier_grad, [None] * spec.own_lo + owned_grads, qg_grad, init_grads, *[None] * len(Spec._fields)
 
 
 route_sites.register_autograd(_route_sites_backward, setup_context=_setup_route_sites)
-
-
-def run_launch(carrier, sources, qg, init, spec, addresses):
-    """One launch, by the way in that fits: route_sites when torch.compile traces (addresses None),
-    else RouteSites with the sources' addresses. Returns [out × G, remainder × G, lse × G, carrier]."""
-    if addresses is None:
-        return route_sites(carrier, sources, qg, init, *spec)
-    return list(RouteSites.apply(carrier, qg, spec, addresses, sources, *sources[spec.own_lo:], *init))
 
 
 def check_available(device=None):
@@ -769,8 +797,8 @@ class FusedHistory:
         self.addresses = []         # of the committed sources, checked and aligned as they came
         self.qg = None              # q ⊙ g (fp32) by group and by site: made at the first append
         self.carrier = None         # hands the source-gradient buffer backward from launch to launch
-        self.states = {}            # site -> (out, remainder, lse): its phase-1 state, or its final one
-        self.outputs = {}           # site -> its routed output, once read
+        self.partials = {}          # site -> its phase-1 state, until its phase 2 (eager: a Partial)
+        self.outputs = {}           # site -> its routed output, once complete
 
     def append(self, source):
         """Append a source (B, T, d): the embedding first, then each sublayer's raw output."""
@@ -812,10 +840,8 @@ class FusedHistory:
         if site != self.appended - 1:
             raise ValueError(f"FusedHistory.read({site}): site j is read right after the (j+1)-th "
                              f"append, and the history holds {self.appended} sources")
-        if site not in self.outputs:
-            for launch, spec in self.launches.get(site, []):
-                self._launch(launch, spec)
-            self.outputs[site] = self.states[site][0]
+        for launch, spec in self.launches.get(site, []):
+            self._launch(launch, spec)
         return self.outputs[site]
 
     def _launch(self, launch, spec):
@@ -825,16 +851,28 @@ class FusedHistory:
             partial = self.partial if self.traced else _aligned(self.partial)
             sources = sources + [partial]
             addresses = None if self.traced else addresses + [partial.data_ptr()]
-        init = list(self.states[launch.site]) if launch.phase == 2 else []
         if self.carrier is None:
             self.carrier = _carrier(sources[0], self.rows_total)
         by_group, by_site = self.qg
         qg = by_group[launch.site // self.group] if launch.phase == 1 else by_site[launch.site]  # (G, d)
-        results = run_launch(self.carrier, sources, qg, init, spec, addresses)
-        G = launch.sites
-        outs, rests, lses, self.carrier = results[:G], results[G:2 * G], results[2 * G:-1], results[-1]
-        for j, state in zip(range(launch.site, launch.site + G), zip(outs, rests, lses)):
-            self.states[j] = state                       # (out, remainder, lse); phase 2 replaces it
+        continued = [spec.continued >> i & 1 for i in range(launch.sites)]
+        if self.traced:                          # every state an output of the operator
+            init = list(self.partials.pop(launch.site)) if launch.phase == 2 else []
+            *results, self.carrier = route_sites(self.carrier, sources, qg, init, *spec)
+            states = list(zip(*[iter(results)] * launch.sites))          # (outs, remainders, lses)
+            partials = [state if cont else None for cont, state in zip(continued, zip(*states))]
+            finals = [out for cont, out in zip(continued, states[0]) if not cont]
+        else:                                    # partial states beside autograd, as Partials
+            init = self.partials.pop(launch.site) if launch.phase == 2 else None
+            partials = [Partial() if cont else None for cont in continued]
+            *finals, self.carrier = RouteSites.apply(self.carrier, qg, spec, sources, addresses, init,
+                                                     partials, *sources[spec.own_lo:])
+        finals = iter(finals)
+        for site, partial in zip(range(launch.site, launch.site + launch.sites), partials):
+            if partial:
+                self.partials[site] = partial
+            else:
+                self.outputs[site] = next(finals)
 
 
 # %% Traffic: the bytes each algorithm moves
@@ -1186,15 +1224,19 @@ def host_cost(shapes=KERNEL_TABLE, positions=4, repeats=3, heads=HEADS):
         raise RuntimeError("host_cost stubs the Triton interpreter's launches: set TRITON_INTERPRET=1 "
                            "before triton is imported (python kernel.py --host does, without a GPU)")
 
-    def best(run):
-        run()                                                       # warm: caches, schedules
-        times = []
+    def best(*runs):
+        """The best of `repeats` × 3 runs of each, alternating: a load that comes and goes
+        weighs on both alike."""
+        for run in runs:
+            run()                                                   # warm: caches, schedules
+        times = [[] for _ in runs]
         for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(3):
-                run()
-            times.append((time.perf_counter() - start) / 3)
-        return min(times)
+            for run, kept in zip(runs, times):
+                start = time.perf_counter()
+                for _ in range(3):
+                    run()
+                kept.append((time.perf_counter() - start) / 3)
+        return [min(kept) for kept in times]
 
     def fused_chain(s0, qs, gs, group):
         history = FusedHistory(qs, gs, heads, group=group)
@@ -1224,9 +1266,9 @@ def host_cost(shapes=KERNEL_TABLE, positions=4, repeats=3, heads=HEADS):
             s0 = torch.randn(1, positions, d).bfloat16().requires_grad_()
             qs = [torch.zeros(d, requires_grad=True) for _ in range(sites)]
             gs = [torch.ones(d, requires_grad=True) for _ in range(sites)]
-            plain = best(lambda: plain_chain(s0, qs)) / sites
             for group in (1, auto_group(sites, d, heads)):
-                fused = best(lambda: fused_chain(s0, qs, gs, group)) / sites
+                plain, fused = (t / sites for t in best(lambda: plain_chain(s0, qs),
+                                                        lambda: fused_chain(s0, qs, gs, group)))
                 ratios[preset, group] = fused / plain
                 print(f"{preset:6} {d:5} {sites:5} {group:3} {fused * 1e6:9.0f} {plain * 1e6:9.0f} "
                       f"{fused / plain:5.1f}x")
