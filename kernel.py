@@ -368,6 +368,14 @@ def _num_warps(config, backward):
     return 4 if tile <= 1024 else 8 if backward or tile <= 4096 else 16
 
 
+@memoized
+def _constexprs(width, heads, sites, dtype, init, backward):
+    """The keyword arguments of a launch besides its tensors and ints: a launch asks at every call."""
+    config = layout(width, heads, sites)
+    return dict(SOURCE=SOURCE_TYPES[dtype], INIT=init, SPLIT=dtype == torch.bfloat16, NUM_STAGES=NUM_STAGES,
+                num_warps=_num_warps(config, backward), **config)
+
+
 def _programs(M, target=None):
     """Positions per program, and programs, for `target` programs (None: what this process
     launches). A split fixed by M alone, for determinism."""
@@ -422,20 +430,19 @@ def _route_forward(sources, qg, init, heads, eps, addresses=None):
     source, G = sources[0], qg.shape[0]
     if addresses is None:
         sources, addresses = _checked(sources, heads, G)
-    config = layout(source.shape[-1], heads, G)
-    M = source.numel() // source.shape[-1]
-    split = source.dtype == torch.bfloat16
+    width = source.shape[-1]
+    M = source.numel() // width
     # (empty_like and new_empty: a third of torch.empty's host time with dtype and device given)
     outs = [torch.empty_like(source) for _ in range(G)]
+    split = source.dtype == torch.bfloat16
     rests = [torch.empty_like(source) if split else source.new_empty(0) for _ in range(G)]
-    lses = [source.new_empty((*source.shape[:-1], heads), dtype=torch.float32) for _ in range(G)]
+    lse = source.new_empty((*source.shape[:-1], heads), dtype=torch.float32)
+    lses = [lse, *[torch.empty_like(lse) for _ in range(G - 1)]]
     per_site = [[outs[i], rests[i], lses[i], *init[i::G]] for i in range(G)]
     table = _address_table(addresses + [t.data_ptr() for site in per_site for t in site], source.device)
     per_program, programs = _programs(M)
-    _route_forward_kernel[(programs,)](
-        table, qg, len(addresses), M, per_program, eps, SOURCE=SOURCE_TYPES[source.dtype],
-        INIT=bool(init), SPLIT=split, NUM_STAGES=NUM_STAGES,
-        num_warps=_num_warps(config, backward=False), **config)
+    _route_forward_kernel[(programs,)](table, qg, len(addresses), M, per_program, eps,
+                                       **_constexprs(width, heads, G, source.dtype, bool(init), False))
     return outs, rests, lses
 
 
@@ -450,17 +457,16 @@ def _route_backward(grads, owned, qg_grads, init_grads, sources, qg, outs, rests
     source, G = douts[0], qg.shape[0]               # an output gradient has the sources' shape and dtype
     if addresses is None:
         sources, addresses = _checked(sources, heads, G)
-    config = layout(source.shape[-1], heads, G)
-    M = source.numel() // source.shape[-1]
-    per_site = [[outs[i], rests[i], douts[i], lses[i], couplings[i], *init_lse, *init_grads] for i in range(G)]
+    width = source.shape[-1]
+    M = source.numel() // width
+    per_site = [[outs[i], rests[i], douts[i], lses[i], couplings[i], *init_lse, *init_grads]
+                for i in range(G)]
     table = _address_table(addresses + [0 if t is None else t.data_ptr() for site in per_site for t in site],
                            source.device)
     per_program, programs = _programs(M)
     _route_backward_kernel[(programs,)](
-        table, qg, grads, owned, qg_grads, len(addresses), M, per_program, row0, own_lo,
-        fresh_lo, eps, SOURCE=SOURCE_TYPES[source.dtype], INIT=bool(init_lse),
-        SPLIT=source.dtype == torch.bfloat16, NUM_STAGES=NUM_STAGES,
-        num_warps=_num_warps(config, backward=True), **config)
+        table, qg, grads, owned, qg_grads, len(addresses), M, per_program, row0, own_lo, fresh_lo, eps,
+        **_constexprs(width, heads, G, source.dtype, bool(init_lse), True))
 
 
 # %% Autograd: one launch, two ways in
@@ -472,14 +478,17 @@ def _route_backward(grads, owned, qg_grads, init_grads, sources, qg, outs, rests
 # launch to launch backward as the carrier's gradient, which orders the launches' backward
 # exactly in reverse, under torch.compile too.
 #
-# Eager code calls the launch through RouteSites, a torch.autograd.Function: autograd sees only
-# what has a gradient (the sources the launch completes, q ⊙ g, the carrier; the outputs of the
-# sites it completes), and the partial states go from phase 1 to phase 2 beside it, as Partials,
-# their gradients back the same way (the carrier runs a phase 2's backward before its phase 1's).
-# The sources' addresses are those FusedHistory checked once, when they were appended.
-# torch.compile traces the custom operators route_sites and route_sites_backward instead, every
-# state an output (traced code cannot read addresses; an operator's dispatch of its tensor lists
-# costs the host a few hundred µs per launch, the Function a few µs). Both run the same functions.
+# Eager code calls the launch through RouteSites, a torch.autograd.Function, and autograd sees
+# only what it must: the carrier, the sources the launch completes and the outputs of the sites
+# it completes. What else goes between launches goes beside autograd, in the order the carrier
+# fixes (a later launch's backward runs first): a partial state from its phase 1 to its phase 2
+# as a Partial, and its gradients back; each launch's per-program partials of q ⊙ g's gradient,
+# which the forward's first launch, the last backward, sums at once. The sources' addresses are
+# those FusedHistory checked once, when they were appended. (Each of these cut the host's time;
+# `python kernel.py --host` measures it.) torch.compile traces the custom operators route_sites
+# and route_sites_backward instead, every state and q ⊙ g an input or output (traced code cannot
+# read addresses; an operator's dispatch of its tensor lists costs the host a few hundred µs per
+# launch, the Function a few µs). Both run the same functions.
 
 Spec = namedtuple("Spec", "heads eps rows row0 own_lo fresh_lo last continued")
 Spec.__doc__ = """A launch's ints: H, the norm's eps, the rows of the gradient buffer, the row of
@@ -501,11 +510,12 @@ def _carrier(like, rows):
 def _launch_backward(backward, spec, sources, qg, states, init_lse, douts, couplings, dcarrier,
                      addresses=None):
     """The gradients of one launch's inputs, from those of its outputs: (the gradient buffer the
-    carrier hands back, the final gradients of the sources it completes, q ⊙ g's, and the output
-    gradient and coupling of the partial state it continues: [] without one). states: (outs,
-    remainders, lses) as the forward made them; douts per site (None: no gradient); couplings
-    per site (None: a complete site); `backward` runs the kernel (_route_backward or its
-    operator). sources: all of them, or (with their addresses) any list led by the first."""
+    carrier hands back, the final gradients of the sources it completes, q ⊙ g's per program
+    (programs, G, d), and the output gradient and coupling of the partial state it continues:
+    [] without one). states: (outs, remainders, lses) as the forward made them; douts per site
+    (None: no gradient); couplings per site (None: a complete site); `backward` runs the kernel
+    (_route_backward or its operator). sources: all of them, or (with their addresses) any list
+    led by the first."""
     like = sources[0]                                    # of the sources' shape and dtype
     douts = [torch.zeros_like(like) if d is None else d.contiguous() for d in douts]
     if spec.last:   # the first launch in backward: no gradient yet, and every row it reads is fresh
@@ -513,15 +523,15 @@ def _launch_backward(backward, spec, sources, qg, states, init_lse, douts, coupl
     else:
         buffer = dcarrier.contiguous()
     n_sources = len(sources) if addresses is None else len(addresses)
-    owned = like.new_empty((n_sources - spec.own_lo, *like.shape))
+    n_owned = n_sources - spec.own_lo                  # one, mostly: then no stack to unbind
+    owned = torch.empty_like(like) if n_owned == 1 else like.new_empty((n_owned, *like.shape))
     qg_grads = qg.new_empty((_programs(like.numel() // like.shape[-1])[1], *qg.shape))  # fp32, as qg
     init_lse = [] if init_lse is None else [init_lse]
     init_grads = [torch.empty_like(like), torch.empty_like(init_lse[0])] if init_lse else []
     args = (buffer, owned, qg_grads, init_grads, sources, qg, *states[:2], douts, states[2], couplings,
             init_lse, spec.heads, spec.eps, spec.row0, spec.own_lo, spec.fresh_lo)
     backward(*args) if addresses is None else backward(*args, addresses=addresses)
-    qg_grad = qg_grads.sum(0)                           # over programs, in a fixed order: deterministic
-    return buffer, list(owned.unbind(0)), qg_grad, init_grads
+    return buffer, [owned] if n_owned == 1 else list(owned.unbind(0)), qg_grads, init_grads
 
 
 class Partial:
@@ -531,17 +541,40 @@ class Partial:
     __slots__ = ("out", "rest", "lse", "grads")
 
 
+def _qg_gradient(parts):
+    """The gradient of q ⊙ g (S, d) from the launches' per-program partials {(phase, site):
+    (programs, G, d)}: phase 1 covers every site once, phase 2 some of them again. Summed over
+    programs and phases in one fixed order: deterministic."""
+    keys = sorted(parts)                                   # phase 1 by site, then phase 2 by site
+    phase2 = [site for phase, site in keys if phase == 2]
+    grad = torch.cat([parts[key] for key in keys[:len(keys) - len(phase2)]], dim=1).sum(0)   # (S, d)
+    if phase2:
+        again = torch.cat([parts[2, site] for site in phase2], dim=1).sum(0)   # (sites with a phase 2, d)
+        grad = grad.index_add(0, _index(tuple(phase2), grad.device), again)   # each row once
+    return grad
+
+
+@memoized
+def _index(values, device):
+    """values as an int64 tensor on `device`, made once (from pinned memory on a GPU: no sync)."""
+    return _address_table(values, device)
+
+
 class RouteSites(torch.autograd.Function):
-    """One launch in eager code: RouteSites.apply(carrier, qg, spec, sources, addresses, init,
-    partials, *sources[spec.own_lo:]) -> (the output of each site it completes, carrier).
-    `addresses` are those of the list `sources`; init: the Partial a phase 2 continues (None in
-    phase 1); partials: per site the Partial its state goes to, None for a site it completes.
-    A list argument is not an input: the cost of a call does not grow with the sources it reads."""
+    """One launch in eager code: RouteSites.apply(carrier, qg_all, call, *sources[spec.own_lo:])
+    -> (the output of each site it completes, carrier), call = (its Launch, Spec, sources,
+    their addresses, init, partials, its q ⊙ g (G, d), qg_parts). init: the Partial a phase 2
+    continues (None in phase 1); partials: per site the Partial its state goes to, None for a
+    site it completes. A list argument is not an input: the cost of a call does not grow with
+    the sources it reads. Nor is q ⊙ g, but for the forward's first launch (qg_all, (S, d)):
+    each backward leaves its per-program partial in qg_parts, and the first launch's, which
+    runs last, sums them all at once (not a sum per launch)."""
 
     @staticmethod
-    def forward(ctx, carrier, qg, spec, sources, addresses, init, partials, *completed):
-        outs, rests, lses, carrier = _launch_forward(
-            sources, qg, [init.out, init.rest, init.lse] if init else [], spec, addresses)
+    def forward(ctx, carrier, qg_all, call, *completed):
+        launch, spec, sources, addresses, init, partials, qg, qg_parts = call
+        outs, rests, lses = _route_forward(sources, qg, [init.out, init.rest, init.lse] if init else [],
+                                           spec.heads, spec.eps, addresses)
         if init:
             init.out = init.rest = None                  # free: only the lse is read again
         finals = []
@@ -551,34 +584,38 @@ class RouteSites(torch.autograd.Function):
             else:
                 finals.append(out)
         # Saved: the outputs (the next sublayers' inputs, alive anyway), their remainders and lse
-        # (the only new activations), and the sources the launch completes, which it read first:
-        # the others an earlier launch keeps alive, and its backward runs later.
-        ctx.save_for_backward(qg, *finals)
+        # (the only new activations), and the sources: held alive by the first launch that read
+        # them, which completes them, and whose backward runs after this one's.
+        ctx.save_for_backward(*finals)
         ctx.rests = [None if partial else rest for rest, partial in zip(rests, partials)]
-        ctx.lses, ctx.partials, ctx.init = lses, partials, init
-        ctx.spec, ctx.sources, ctx.addresses = spec, sources, addresses
+        ctx.lses, ctx.call = lses, call
         ctx.set_materialize_grads(False)
         return (*finals, carrier)
 
     @staticmethod
     def backward(ctx, *grads):
-        qg, *finals = ctx.saved_tensors
-        finals, final_grads = iter(finals), iter(grads[:-1])
+        launch, spec, sources, addresses, init, partials, qg, qg_parts = ctx.call
+        finals, final_grads = iter(ctx.saved_tensors), iter(grads[:-1])
         outs, douts, couplings = [], [], []
-        for partial, lse in zip(ctx.partials, ctx.lses):
+        for partial, lse in zip(partials, ctx.lses):
             if partial:     # its gradients, from its phase 2's backward (which ran: the carrier)
                 dout, coupling = partial.grads or (None, torch.zeros_like(lse))
                 partial.grads = None
                 outs.append(None), douts.append(dout), couplings.append(coupling)
             else:
                 outs.append(next(finals)), douts.append(next(final_grads)), couplings.append(None)
-        buffer, source_grads, qg_grad, init_grads = _launch_backward(
-            _route_backward, ctx.spec, ctx.sources, qg, (outs, ctx.rests, ctx.lses),
-            ctx.init.lse if ctx.init else None, douts, couplings, grads[-1], ctx.addresses)
-        if ctx.init:
-            ctx.init.grads = init_grads
+        buffer, source_grads, qg_grads, init_grads = _launch_backward(
+            _route_backward, spec, sources, qg, (outs, ctx.rests, ctx.lses),
+            init.lse if init else None, douts, couplings, grads[-1], addresses)
+        if init:
+            init.grads = init_grads
+        qg_parts[launch.phase, launch.site] = qg_grads
+        qg_grad = None
+        if launch.site == 0 and launch.phase == 1:      # the forward's first launch: the last backward
+            qg_grad = _qg_gradient(qg_parts) if ctx.needs_input_grad[1] else None
+            qg_parts.clear()
         carrier_grad = buffer if ctx.needs_input_grad[0] else None
-        return carrier_grad, qg_grad, None, None, None, None, None, *source_grads
+        return carrier_grad, qg_grad, None, *source_grads
 
 
 @torch.library.custom_op("mhar::route_sites", mutates_args=())
@@ -639,12 +676,14 @@ def _route_sites_backward(ctx, grads):
     sources, init, states = saved[:n_sources], saved[n_sources:n_sources + n_init], saved[n_sources + n_init:]
     G = qg.shape[0]
     # the gradient of a continued site's lse is its coupling, handed back by its phase 2
-    couplings = [d.contiguous() if spec.continued >> i & 1 else None for i, d in enumerate(grads[2 * G:3 * G])]
-    buffer, owned_grads, qg_grad, init_grads = _launch_backward(
+    couplings = [d.contiguous() if spec.continued >> i & 1 else None
+                 for i, d in enumerate(grads[2 * G:3 * G])]
+    buffer, owned_grads, qg_grads, init_grads = _launch_backward(
         route_sites_backward, spec, sources, qg, (states[:G], states[G:2 * G], states[2 * G:]),
         init[2] if init else None, grads[:G], couplings, grads[3 * G])
     carrier_grad = buffer if ctx.needs_input_grad[0] else None
     init_grads = [init_grads[0], None, init_grads[1]] if init else []      # (out, remainder, lse)
+    qg_grad = qg_grads.sum(0)                           # over programs, in a fixed order: deterministic
     return carrier_grad, [None] * spec.own_lo + owned_grads, qg_grad, init_grads, *[None] * len(Spec._fields)
 
 
@@ -758,12 +797,14 @@ def schedule(n_sites, group, block=1, delta=False):
 
 @memoized
 def _launches_by_site(n_sites, group, block, delta, heads, eps):
-    """site -> the (launch, Spec) pairs its read makes."""
+    """site -> the (launch, Spec, continued) its read makes; continued: per site of the launch,
+    whether its state goes on to a phase 2."""
     launches, rows = {}, committed_rows(n_sites - 1, block, delta)
     for launch in schedule(n_sites, group, block, delta):
         spec = Spec(heads, eps, rows, launch.lo, launch.own_lo, launch.fresh_lo, launch.last,
                     launch.continued)
-        launches.setdefault(launch.site, []).append((launch, spec))
+        continued = tuple(bool(launch.continued >> i & 1) for i in range(launch.sites))
+        launches.setdefault(launch.site, []).append((launch, spec, continued))
     return launches
 
 
@@ -797,6 +838,7 @@ class FusedHistory:
         self.addresses = []         # of the committed sources, checked and aligned as they came
         self.qg = None              # q ⊙ g (fp32) by group and by site: made at the first append
         self.carrier = None         # hands the source-gradient buffer backward from launch to launch
+        self.qg_parts = {}          # eager: (phase, site) -> the per-program partial gradients of q ⊙ g
         self.partials = {}          # site -> its phase-1 state, until its phase 2 (eager: a Partial)
         self.outputs = {}           # site -> its routed output, once complete
 
@@ -809,10 +851,15 @@ class FusedHistory:
         if self.appended == 0:
             check_available(source.device)
             check_sources([source], self.heads, 1)
-            # g folded into the query once per forward and split by group and by site (a launch's
-            # own slice of the whole (S, d) would give it a gradient of the whole: S·d zeros each)
+            # g folded into the query once per forward and split by group and by site. Traced, each
+            # launch takes its split (its own slice of the whole (S, d) would give it a gradient of
+            # the whole: S·d zeros each); eager, the splits are values, and the first launch takes
+            # the whole, whose gradient it sums from every launch's partials.
             qg = torch.stack(list(self.queries)).float() * torch.stack(list(self.norms)).float()
-            self.qg = qg.split(self.group), qg.split(1)           # (G, d) per group, (1, d) per site
+            self.qg_all = qg                                         # (S, d)
+            values = qg if self.traced else qg.detach()
+            by_site = values.split(1)                                # (1, d) per site
+            self.qg = values.split(self.group) if self.group > 1 else by_site, by_site   # (G, d) per group
             if self.null is not None:
                 self._commit(self.null.to(source.dtype).expand_as(source))
             self._commit(source)                                     # b_0 = s_0
@@ -840,11 +887,11 @@ class FusedHistory:
         if site != self.appended - 1:
             raise ValueError(f"FusedHistory.read({site}): site j is read right after the (j+1)-th "
                              f"append, and the history holds {self.appended} sources")
-        for launch, spec in self.launches.get(site, []):
-            self._launch(launch, spec)
+        for launch in self.launches.get(site, ()):
+            self._launch(*launch)
         return self.outputs[site]
 
-    def _launch(self, launch, spec):
+    def _launch(self, launch, spec, continued):
         sources = self.rows[launch.lo:launch.hi]
         addresses = None if self.traced else self.addresses[launch.lo:launch.hi]
         if launch.partial:
@@ -855,7 +902,6 @@ class FusedHistory:
             self.carrier = _carrier(sources[0], self.rows_total)
         by_group, by_site = self.qg
         qg = by_group[launch.site // self.group] if launch.phase == 1 else by_site[launch.site]  # (G, d)
-        continued = [spec.continued >> i & 1 for i in range(launch.sites)]
         if self.traced:                          # every state an output of the operator
             init = list(self.partials.pop(launch.site)) if launch.phase == 2 else []
             *results, self.carrier = route_sites(self.carrier, sources, qg, init, *spec)
@@ -865,8 +911,10 @@ class FusedHistory:
         else:                                    # partial states beside autograd, as Partials
             init = self.partials.pop(launch.site) if launch.phase == 2 else None
             partials = [Partial() if cont else None for cont in continued]
-            *finals, self.carrier = RouteSites.apply(self.carrier, qg, spec, sources, addresses, init,
-                                                     partials, *sources[spec.own_lo:])
+            first = launch.site == 0 and launch.phase == 1
+            call = launch, spec, sources, addresses, init, partials, qg, self.qg_parts
+            *finals, self.carrier = RouteSites.apply(self.carrier, self.qg_all if first else None, call,
+                                                     *sources[spec.own_lo:])
         finals = iter(finals)
         for site, partial in zip(range(launch.site, launch.site + launch.sites), partials):
             if partial:
@@ -909,25 +957,20 @@ def launch_bytes(launch, positions, width, heads, source_bytes, target=None):
 
 
 def torch_bytes(launch, positions, width, heads, source_bytes, target=None):
-    """A model of the bytes the torch ops around one launch move: (forward, backward). The address
-    tables and the sum of the per-program partials of q ⊙ g's gradient. (q ⊙ g itself is made
-    once per forward: see traffic.)"""
-    M, d, G = positions, width, launch.sites
-    N = launch.hi - launch.lo + launch.partial
+    """A model of the bytes the torch ops around one launch move: (forward, backward), its address
+    tables. (q ⊙ g is made once per forward, and its gradient summed once: see traffic.)"""
+    N, G = launch.hi - launch.lo + launch.partial, launch.sites
     init = launch.phase == 2
-    forward = 8 * (N + G * (6 if init else 3))                        # the table
-    programs = _programs(M, target)[1]
-    backward = 8 * (N + G * (8 if init else 5)) + 4 * G * d * (programs + 1)
-    return forward, backward
+    return 8 * (N + G * (6 if init else 3)), 8 * (N + G * (8 if init else 5))
 
 
 def traffic(n_layer, width, heads, positions, group=0, block=1, delta=False, source_bytes=2,
             target=PROGRAMS):
     """Bytes a fused forward and backward through all 2L+1 sites move, for `group` (0: auto_group;
     1: one pass per site): {"forward"|"backward": {"kernels": bytes, "torch": bytes}, "saved":
-    bytes}, where "saved" is what the routing keeps for backward besides the sources (partial
-    states, lse). The kernels launched as `target` programs: a GPU's by default, None: this
-    process's."""
+    bytes}, where "saved" is what the routing keeps for backward besides the sources (bf16
+    remainders, lse), in eager code (traced, the partial states are kept whole). The kernels
+    launched as `target` programs: a GPU's by default, None: this process's."""
     n_sites = 2 * n_layer + 1
     group = group or auto_group(n_sites, width, heads, block, delta)
     layout(width, heads, group)                                      # raises if the group cannot be fused
@@ -941,13 +984,20 @@ def traffic(n_layer, width, heads, positions, group=0, block=1, delta=False, sou
     sums_forward = 3 * E * len(extends)
     sums_backward = 3 * E * sum(reads_partial(site - 1, block, delta) for site in extends)
     null = (E + 4 * width) if delta else 0                           # delta's null: expanded, summed back
-    # q ⊙ g of all S sites: two stacks and a product forward; backward the two splits' gradients
-    # gathered and summed, the product's gradient, the stacks' (views)
+    # q ⊙ g of all S sites: two stacks and a product forward; backward the product's gradient and
+    # the stacks' (views), from the launches' per-program partials (programs, G, d), gathered by
+    # phase and summed, phase 2's rows added to phase 1's
     qg = 4 * n_sites * width
-    qg_forward, qg_backward = 7 * qg, 10 * qg
+    programs = _programs(positions, target)[1]
+    again = any(launch.phase == 2 for launch in launches)
+    phase2 = 4 * width * sum(launch.phase == 2 for launch in launches)    # rows of q ⊙ g with a phase 2
+    gathered = 3 * programs * (qg + phase2) + qg + phase2 + again * (2 * qg + 2 * phase2)
+    qg_forward, qg_backward = 7 * qg, 6 * qg + gathered
     rest = E if source_bytes == 2 else 0                             # a bf16 output's remainder
-    saved = (sum(launch.phase == 2 for launch in launches) * E      # the partial states phase 2 continues
-             + sum(launch.sites for launch in launches) * (rest + positions * heads * 4))  # every lse
+    # kept for backward (eager): each site's remainder and lse, and the lse of each partial state
+    # phase 2 continued (its output and remainder it frees)
+    lse = positions * heads * 4
+    saved = n_sites * (rest + lse) + sum(launch.phase == 2 for launch in launches) * lse
     return {"forward": {"kernels": sum(f for f, _ in kernels),
                         "torch": sum(f for f, _ in around) + sums_forward + null + qg_forward},
             "backward": {"kernels": sum(b for _, b in kernels),
@@ -1115,8 +1165,8 @@ def print_traffic():
                   f"{total / 1e9 / PREVIOUS_GB[preset]:7.2f}x {total / HBM['H100'] * 1e3:7.2f} "
                   f"{total / HBM['H200'] * 1e3:7.2f} {moved['saved'] / 1e6:8.0f}")
     print("vs first: total bytes over those of the first version of these kernels (11.4 / 19.9 / "
-          "53.1 GB). saved: the routing's activations kept for backward besides the sources (lse; "
-          "grouped: also the partial states phase 2 continues).")
+          "53.1 GB). saved: the routing's activations kept for backward besides the sources (each "
+          "output's bf16 remainder and lse; grouped: also the lse of each partial state).")
 
 
 def _benchmark(device="cuda", shapes=KERNEL_TABLE, timer=None, compile_backend="inductor",
@@ -1215,8 +1265,9 @@ def _step_benchmark(routing, device="cuda", steps=None, timer=None, vocab_size=5
 def host_cost(shapes=KERNEL_TABLE, positions=4, repeats=3, heads=HEADS):
     """Python's share of the fused path: every interpreted launch a no-op, a chain of 2L+1 sites
     (each source the previous site's output times 1.0) forward then backward, against the same
-    chain with each site one plain op h * q_j; best of `repeats` × 3 runs, one thread. Prints µs
-    per site and the ratio; returns {(preset, group): ratio}. Needs the interpreter (CPU)."""
+    chain with each site one plain op h * q_j; best of `repeats` × 3 runs of each, alternating,
+    one thread, its CPU time. Prints µs per site and the ratio; returns {(preset, group): ratio}.
+    Needs the interpreter (CPU)."""
     import time
     from triton.runtime import interpreter
 
@@ -1225,17 +1276,17 @@ def host_cost(shapes=KERNEL_TABLE, positions=4, repeats=3, heads=HEADS):
                            "before triton is imported (python kernel.py --host does, without a GPU)")
 
     def best(*runs):
-        """The best of `repeats` × 3 runs of each, alternating: a load that comes and goes
-        weighs on both alike."""
+        """The best of `repeats` × 3 runs of each, alternating, in this thread's CPU time: other
+        processes on the machine weigh on both alike, and hardly at all."""
         for run in runs:
             run()                                                   # warm: caches, schedules
         times = [[] for _ in runs]
         for _ in range(repeats):
             for run, kept in zip(runs, times):
-                start = time.perf_counter()
+                start = time.thread_time()
                 for _ in range(3):
                     run()
-                kept.append((time.perf_counter() - start) / 3)
+                kept.append((time.thread_time() - start) / 3)
         return [min(kept) for kept in times]
 
     def fused_chain(s0, qs, gs, group):
