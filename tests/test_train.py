@@ -229,6 +229,40 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(data, tmp_path):
     assert_same_state(a, b)
 
 
+def test_resume_drops_a_half_written_last_log_line(data, tmp_path, capsys):
+    """A run that died in the middle of a log line (a crash, a full disk) resumes: the torn line
+    goes like the lines after the checkpoint's step, and the log is the uninterrupted run's. A
+    broken line elsewhere is no torn write: one line that names it."""
+    run(data, tmp_path / "straight")
+    out = tmp_path / "resumed"
+    run(data, out, "--stop_step", "3")
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"step": 4, "loss": 3.1')
+    train.main(["--resume", "--out_dir", str(out)])
+    assert losses(out) == losses(tmp_path / "straight")
+    lines = (out / "log.jsonl").read_text().splitlines()
+    (out / "log.jsonl").write_text("\n".join([lines[0], "{torn", *lines[1:]]) + "\n")
+    err = error_of(capsys, ["--resume", "--out_dir", str(out)])
+    assert f"{out / 'log.jsonl'}, line 2, is not a line train.py wrote" in err
+    assert (out / "log.jsonl").read_text().splitlines()[1] == "{torn"  # left as it was
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_a_resumed_run_does_not_keep_the_old_checkpoint_mapped(data, tmp_path, monkeypatch):
+    """ckpt.pt is read memory-mapped; once the resumed run's next save has replaced it, no page
+    of the old file may stay mapped (its disk space would stay in use for the whole run)."""
+    run(data, tmp_path, "--stop_step", "3")
+    real_save, mapped = train.save_checkpoint, []
+
+    def save_and_look(path, ckpt):
+        real_save(path, ckpt)
+        mapped.append([line.split()[-2:] for line in open("/proc/self/maps")
+                       if str(tmp_path / "ckpt.pt") in line])
+    monkeypatch.setattr(train, "save_checkpoint", save_and_look)
+    train.main(["--resume", "--out_dir", str(tmp_path)])
+    assert mapped == [[], []]  # after the saves of steps 4 and 8: no "ckpt.pt (deleted)"
+
+
 def test_resume_refuses_flags_that_contradict_the_checkpoint(data, tmp_path, capsys):
     run(data, tmp_path, "--max_steps", "2")
     resume = ["--resume", "--out_dir", str(tmp_path)]
@@ -445,6 +479,17 @@ BAD_FLAGS = [
     (["--device", "gpu"], "unknown device 'gpu'"),
     (["--route_heads", "3"], "route_heads"),
     (["--vocab_size", "32"], "smaller than the data's vocabulary of 64"),
+    (["--vocab_size", "0"], "Config.vocab_size: must be >= 1, not 0"),
+    (["--seq_len", "0"], "Config.seq_len: must be >= 1, not 0"),
+    (["--seq_len", "-5"], "Config.seq_len: must be >= 1, not -5"),
+    (["--n_embd", "1000000"], "the model on cpu does not fit in memory (could not allocate "
+                              "3,725.3 GiB): lower --n_embd"),
+    (["--grad_accum", str(10**12)], "a step's batch of token ids does not fit in memory (could "
+                                    "not allocate 29,802.3 GiB): lower --grad_accum"),
+    (["--min_lr_ratio", "1.5"], "--min_lr_ratio: must be <= 1"),
+    (["--warmup_steps", "9"], "a warmup of 9 steps (--warmup_steps) is longer than the run's "
+                              "--max_steps 8"),
+    (["--stop_step", "9"], "--stop_step 9 is past the run's end, --max_steps 8"),
 ]
 
 
@@ -452,6 +497,20 @@ BAD_FLAGS = [
 def test_bad_flags_give_one_line_and_write_nothing(data, tmp_path, capsys, extra, message):
     assert message in error_of(capsys, flags(data, tmp_path / "out", *extra))
     assert not (tmp_path / "out").exists()
+
+
+def test_the_schedule_flags_say_their_bounds_and_a_short_run_warms_up_within_it():
+    """--help gives each schedule flag's bounds; the preset's warmup (tiny: 20 steps) is cut to a
+    shorter --max_steps, not refused (a warmup given on the command line is refused above)."""
+    usage = " ".join(train.build_parser().format_help().split())
+    assert "the cosine's floor, a fraction of the peak, in [0, 1]" in usage
+    assert "linear warmup steps, at most max_steps (default: the preset's, cut to max_steps" in usage
+    assert "at most max_steps (default: max_steps)" in usage
+    args, given = train.parse_args(["--preset", "tiny", "--max_steps", "5"])
+    args, _, _ = train.resolve_flags(args, given, world=1)
+    assert (args.warmup_steps, args.stop_step) == (5, 5)
+    args, given = train.parse_args(["--preset", "tiny", "--max_steps", "50"])
+    assert train.resolve_flags(args, given, world=1)[0].warmup_steps == 20
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
@@ -475,6 +534,11 @@ def corrupt(folder, kind):
         (folder / "meta.json").write_text('{"vocab_size": 64,')
     elif kind == "meta.json a list":
         (folder / "meta.json").write_text("[64]")
+    elif kind == "train.bin shorter than meta.json says":  # still a whole number of tokens
+        (folder / "meta.json").write_text(json.dumps({"tokenizer": "none", "vocab_size": VOCAB,
+                                                      "tokens": {"train": 40_000, "val": 4_000}}))
+        with open(folder / "train.bin", "r+b") as f:
+            f.truncate(2 * 30_000)
     elif kind == "ids beyond the vocabulary":  # no meta.json: the files are read for the largest id
         (folder / "meta.json").unlink()
         np.full(100, 200, dtype=np.uint16).tofile(folder / "val.bin")
@@ -483,14 +547,17 @@ def corrupt(folder, kind):
 BAD_DATA = [("odd-length train.bin", "not a whole number of uint16"),
             ("empty val.bin", "is empty"), ("missing val.bin", "no val.bin in"),
             ("malformed meta.json", "is not valid JSON"), ("meta.json a list", "JSON list"),
-            ("ids beyond the vocabulary", "largest token id in the data, plus one, which is 201")]
+            ("ids beyond the vocabulary", "largest token id in the data, plus one, which is 201"),
+            ("train.bin shorter than meta.json says",
+             "train.bin has 30000 tokens, but {corpus}/meta.json records 40000: it is truncated")]
 
 
 @pytest.mark.parametrize("kind, message", BAD_DATA, ids=[k for k, _ in BAD_DATA])
 def test_bad_data_gives_one_line_and_writes_nothing(data, tmp_path, capsys, kind, message):
     corrupt(copy_data(data, tmp_path / "corpus"), kind)
     extra = ["--vocab_size", "64"] if kind == "ids beyond the vocabulary" else []
-    assert message in error_of(capsys, flags(tmp_path / "corpus", tmp_path / "out", *extra))
+    err = error_of(capsys, flags(tmp_path / "corpus", tmp_path / "out", *extra))
+    assert message.format(corpus=tmp_path / "corpus") in err
     assert not (tmp_path / "out").exists()
 
 
