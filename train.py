@@ -251,8 +251,8 @@ def build_parser(defaults=True):
     p.flag("min_lr_ratio", RUN, type=fraction, default=0.1,
            help="the cosine's floor, a fraction of the peak, in [0, 1] (default 0.1)")
     p.flag("warmup_steps", RUN, type=STEPS, default=None,
-           help="linear warmup steps, at most max_steps (default: the preset's, cut to "
-                f"max_steps: {per_preset('warmup_steps')})")
+           help="linear warmup steps; more than max_steps: the run ends inside the warmup, at "
+                f"max_steps / warmup_steps of the peak ({per_preset('warmup_steps')})")
     p.flag("weight_decay", RUN, type=AMOUNT, default=0.1,
            help="AdamW weight decay (default 0.1; --init_from DIR: 0.05)")
     p.flag("decay_on", RUN, choices=["all", "matrices"], default="all",
@@ -350,11 +350,9 @@ def fill_run_sizes(args, world, saved_global_batch=None, sizes=None):
     keeps the global batch (theirs, or the checkpoint's) over however many ranks this session
     has."""
     sizes = sizes or RUNS[args.preset]
-    for key in ("batch_size", "max_steps", "eval_interval", "eval_batches", "lr"):
+    for key in ("batch_size", "max_steps", "warmup_steps", "eval_interval", "eval_batches", "lr"):
         if getattr(args, key) is None:
             setattr(args, key, sizes[key])
-    if args.warmup_steps is None:  # a run shorter than the preset's warmup warms up to its end
-        args.warmup_steps = min(sizes["warmup_steps"], args.max_steps)
     global_batch = saved_global_batch or sizes["global_batch"]
     if args.grad_accum is None:
         if global_batch % (args.batch_size * world):
@@ -366,11 +364,6 @@ def fill_run_sizes(args, world, saved_global_batch=None, sizes=None):
         die(f"global batch {args.global_batch} (batch_size x grad_accum x ranks) differs from the "
             f"checkpoint's {saved_global_batch}: choose --batch_size and --grad_accum that "
             f"multiply to it")
-    # a schedule that cannot be what was meant: refused, not silently cut short
-    if args.warmup_steps > args.max_steps:
-        die(f"a warmup of {args.warmup_steps} steps (--warmup_steps) is longer than the run's "
-            f"--max_steps {args.max_steps}: the lr would never reach its peak; lower the one or "
-            f"raise the other")
     if args.stop_step is not None and args.stop_step > args.max_steps:
         die(f"--stop_step {args.stop_step} is past the run's end, --max_steps {args.max_steps}: "
             f"leave it out to train to the end")
@@ -1219,7 +1212,9 @@ def start_outputs(run):
         f"batch {args.batch_size} x {args.grad_accum} accum x {s.world} ranks x {args.seq_len} "
         f"tokens = {args.global_batch * args.seq_len:,} tokens/step | steps "
         f"{run.progress.step}->{args.max_steps} | lr {args.lr:g}, warmup {args.warmup_steps}, "
-        f"cosine to {args.min_lr_ratio:g}x | weight decay {args.weight_decay:g} on "
+        + (f"past the run's end: the lr ends at {args.max_steps / args.warmup_steps:.3g}x the "
+           f"peak" if args.warmup_steps > args.max_steps else f"cosine to {args.min_lr_ratio:g}x")
+        + f" | weight decay {args.weight_decay:g} on "
         f"{args.decay_on}" + (f" | z-loss {args.z_loss:g}" if args.z_loss else "")
         + (f" | EMA {args.ema:g}" if args.ema else "") + f" | out {run.out}")
 

@@ -1,7 +1,9 @@
 """train.py: schedule, batches, training of every mode against a reference loop, conversion,
 resume, signals, the output folder's lock, failed saves, logs, bad input, DDP (tiny preset, the
 64-token corpus of the `data` fixture, a few steps each)."""
+import builtins
 import errno
+import io
 import json
 import math
 import os
@@ -385,6 +387,109 @@ def test_a_failed_save_says_why_in_one_line_and_keeps_the_last_checkpoint(data, 
     assert load(tmp_path)["step"] == 4
 
 
+class FullDisk:
+    """A file that the disk fills up under: its first write stores a few bytes, then fails as a
+    full disk does (ENOSPC)."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        self.f.write(data[:7])
+        self.f.flush()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def fill_the_disk(monkeypatch, name, after=0):
+    """The disk is full from the (after + 1)-th time that a file whose name starts with `name` is
+    opened (by open or pathlib) in this process."""
+    real_open, opened = open, []
+
+    def full_open(path, *args, **kwargs):
+        f = real_open(path, *args, **kwargs)
+        if isinstance(path, (str, Path)) and Path(path).name.startswith(name):
+            opened.append(path)
+            if len(opened) > after:
+                return FullDisk(f)
+        return f
+    monkeypatch.setattr(builtins, "open", full_open)
+    monkeypatch.setattr(io, "open", full_open)
+
+
+def test_a_full_disk_at_the_summary_leaves_no_half_file(data, tmp_path, capsys, monkeypatch):
+    """The last checkpoint is saved, then summary.json meets a full disk: one line that names it,
+    status 1, no summary.json (whole or none) and no temporary file; --resume then writes it."""
+    fill_the_disk(monkeypatch, "summary.json")
+    err = error_of(capsys, flags(data, tmp_path), status=1)
+    assert f"could not write {tmp_path / 'summary.json'} (No space left on device)" in err
+    assert f"--out_dir {tmp_path} --resume writes it" in err
+    assert not (tmp_path / "summary.json").exists() and not list(tmp_path.glob("*.tmp"))
+    assert load(tmp_path)["step"] == 8
+    monkeypatch.undo()
+    summary = train.main(["--resume", "--out_dir", str(tmp_path)])
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["finished"] and saved["final_val_loss"] == summary["final_val_loss"]
+
+
+def test_a_full_disk_in_a_log_line_is_one_line_and_resume_drops_the_torn_line(data, tmp_path,
+                                                                                capsys,
+                                                                                monkeypatch):
+    """log.jsonl's line of step 6 is cut short by a full disk: one line that names the file,
+    status 1; --resume (from step 4) then gives the uninterrupted run's log."""
+    fill_the_disk(monkeypatch, "log.jsonl", after=6)  # steps 1-4, the eval, step 5
+    err = error_of(capsys, flags(data, tmp_path / "out"), status=1)
+    assert f"could not write {tmp_path / 'out' / 'log.jsonl'} (No space left on device)" in err
+    assert (tmp_path / "out" / "log.jsonl").read_text().endswith('\n{"step"')
+    monkeypatch.undo()
+    train.main(["--resume", "--out_dir", str(tmp_path / "out")])
+    run(data, tmp_path / "straight")
+    assert losses(tmp_path / "out") == losses(tmp_path / "straight")
+
+
+def test_compile_says_that_the_first_step_compiles(data, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)  # the note, not the wait
+    run(data, tmp_path, "--max_steps", "1", "--compile")
+    assert train.COMPILE_NOTE in capsys.readouterr().out
+    assert "first step compiles the model" in train.COMPILE_NOTE
+
+
+def test_ctrl_c_while_train_py_imports_exits_130_with_one_line(tmp_path):
+    """SIGINT while torch is being imported: the line and status of an interrupted start, no
+    traceback. A sitecustomize.py makes the import of torch wait (after a marker file) until the
+    signal comes."""
+    marker = tmp_path / "importing"
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys, time\n"
+        "class SlowTorch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        f"            open({str(marker)!r}, 'w').close()\n"
+        "            time.sleep(120)\n"
+        "sys.meta_path.insert(0, SlowTorch())\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    p = subprocess.Popen([sys.executable, "train.py", "--out_dir", str(tmp_path / "out")],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    deadline = time.time() + 60
+    while not marker.exists():
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.02)
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 130, stderr
+    assert stderr == "train.py: error: interrupted before training started\n" and not stdout
+    assert not (tmp_path / "out").exists()
+
+
 def gpt2_data(data, folder):
     """The fixture's tokens (ids 0-63 are GPT-2 tokens too) labelled as GPT-2 text."""
     copy_data(data, folder)
@@ -487,8 +592,6 @@ BAD_FLAGS = [
     (["--grad_accum", str(10**12)], "a step's batch of token ids does not fit in memory (could "
                                     "not allocate 29,802.3 GiB): lower --grad_accum"),
     (["--min_lr_ratio", "1.5"], "--min_lr_ratio: must be <= 1"),
-    (["--warmup_steps", "9"], "a warmup of 9 steps (--warmup_steps) is longer than the run's "
-                              "--max_steps 8"),
     (["--stop_step", "9"], "--stop_step 9 is past the run's end, --max_steps 8"),
 ]
 
@@ -499,18 +602,19 @@ def test_bad_flags_give_one_line_and_write_nothing(data, tmp_path, capsys, extra
     assert not (tmp_path / "out").exists()
 
 
-def test_the_schedule_flags_say_their_bounds_and_a_short_run_warms_up_within_it():
-    """--help gives each schedule flag's bounds; the preset's warmup (tiny: 20 steps) is cut to a
-    shorter --max_steps, not refused (a warmup given on the command line is refused above)."""
+def test_a_warmup_past_the_runs_end_is_said_in_help_and_in_the_header(data, tmp_path, capsys):
+    """--help gives each schedule flag's bounds, and what a warmup longer than the run means:
+    the run ends inside it (here after 4 of 10 warmup steps: at 0.4x the peak), as its header
+    line says; the lr logged follows the warmup to its last step."""
     usage = " ".join(train.build_parser().format_help().split())
     assert "the cosine's floor, a fraction of the peak, in [0, 1]" in usage
-    assert "linear warmup steps, at most max_steps (default: the preset's, cut to max_steps" in usage
+    assert ("linear warmup steps; more than max_steps: the run ends inside the warmup, at "
+            "max_steps / warmup_steps of the peak") in usage
     assert "at most max_steps (default: max_steps)" in usage
-    args, given = train.parse_args(["--preset", "tiny", "--max_steps", "5"])
-    args, _, _ = train.resolve_flags(args, given, world=1)
-    assert (args.warmup_steps, args.stop_step) == (5, 5)
-    args, given = train.parse_args(["--preset", "tiny", "--max_steps", "50"])
-    assert train.resolve_flags(args, given, world=1)[0].warmup_steps == 20
+    run(data, tmp_path, "--max_steps", "4", "--warmup_steps", "10")
+    assert "warmup 10, past the run's end: the lr ends at 0.4x the peak |" in capsys.readouterr().out
+    assert [e["lr"] for e in read_log(tmp_path) if "lr" in e] == pytest.approx(
+        [1e-3, 2e-3, 3e-3, 4e-3])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
