@@ -279,10 +279,9 @@ def tensor_files(directory, stem):
 def open_tensors(file):
     """safetensors' safe_open of a file; CheckpointError when it is truncated or not one (its
     header must cover the whole file: checked at opening)."""
+    safe_open = safetensors_api().safe_open
     try:
-        return safetensors_api().safe_open(file, framework="pt")
-    except CheckpointError:
-        raise
+        return safe_open(file, framework="pt")
     except Exception as e:  # SafetensorError
         raise CheckpointError(f"cannot read {file}: it is truncated or not a safetensors file "
                               f"({one_line(e)[:120]}); download it again") from None

@@ -14,8 +14,8 @@ The global batch is batch_size x grad_accum x world size; by default grad_accum 
 preset's (the paper's 64 x 2048 tokens at 100M). The data order is a pure function of
 (seed, step): every method trained with one seed sees the same batches, a resumed run continues
 exactly, and 8 GPUs see the same samples as 1 GPU. --out_dir gets config.json, log.jsonl (a line
-per log step and per evaluation), ckpt.pt (written atomically at every evaluation) and
-summary.json.
+per log step and per evaluation), ckpt.pt (at every evaluation) and summary.json, both written
+atomically.
 
 The file reads top to bottom: the recipe and run sizes, the flags, resuming and converting,
 data, the optimizer schedule and evaluation, checkpoints, the parallel setup, and train().
@@ -1480,7 +1480,7 @@ def main(argv=None):
     try:
         args, given = parse_args(argv)
         summary = train(args, given)
-    except OSError as e:  # writing a log line or summary.json: a full disk, lost permissions
+    except OSError as e:  # making the output folder or its lock: a read-only folder
         fail(f"could not write {e.filename or 'the outputs'}: {e.strerror or one_line(e)}")
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
         exit_error("train.py", "interrupted before training started", status=130)
