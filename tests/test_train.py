@@ -587,6 +587,9 @@ BAD_FLAGS = [
     (["--vocab_size", "0"], "Config.vocab_size: must be >= 1, not 0"),
     (["--seq_len", "0"], "Config.seq_len: must be >= 1, not 0"),
     (["--seq_len", "-5"], "Config.seq_len: must be >= 1, not -5"),
+    (["--n_layer", "0"], "Config.n_layer: must be >= 1, not 0"),
+    (["--n_head", "0"], "Config.n_head: must be >= 1, not 0"),
+    (["--head_dim", "-2"], "Config.head_dim: must be >= 0"),
     (["--n_embd", "1000000"], "the model on cpu does not fit in memory (could not allocate "
                               "3,725.3 GiB): lower --n_embd"),
     (["--grad_accum", str(10**12)], "a step's batch of token ids does not fit in memory (could "
