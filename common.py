@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import sys
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,24 @@ def exit_error(prog, message, status=2):
     bad input; 1 for a failure of the machine (a full disk)."""
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
+
+
+def write_atomically(path, write):
+    """Write a file whole or not at all: write(f) fills a temporary file next to it (opened
+    "wb"), which is flushed to disk and then renamed over `path`. A crash never leaves half a
+    file; a failed write (a full disk, no permission) removes the temporary file, keeps the
+    previous `path` and raises (a short write of torch.save: RuntimeError from its OSError)."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 # -----------------------------------------------------------------------------
@@ -116,6 +135,11 @@ def read_tokens(folder, splits=("train", "val")):
         if size % itemsize:
             raise UserError(f"{path} has {size} bytes, not a whole number of {dtype} token ids: it "
                             f"is truncated or not a prepare.py file; run prepare.py again")
+        recorded = (meta.get("tokens") or {}).get(split)  # prepare.py's count of the tokens
+        if recorded is not None and size != recorded * itemsize:
+            raise UserError(f"{path} has {size // itemsize} tokens, but {folder}/meta.json records "
+                            f"{recorded}: it is truncated or not the file prepare.py wrote; run "
+                            f"prepare.py again")
         arrays[split] = np.memmap(path, dtype=dtype, mode="r")
     return Tokens(folder, arrays["train"], arrays["val"], meta)
 

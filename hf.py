@@ -270,10 +270,21 @@ def tensor_files(directory, stem):
             raise CheckpointError(f"{index} has no weight_map: download the model again")
         return {name: directory / file for name, file in weight_map.items()}
     if single.is_file():
-        with safetensors_api().safe_open(single, framework="pt") as f:
+        with open_tensors(single) as f:
             return {name: single for name in f.keys()}
     raise CheckpointError(f"no {single.name} or {index.name} in {directory}: download the model's "
                           f"safetensors files (pytorch_model.bin: resave it with transformers)")
+
+
+def open_tensors(file):
+    """safetensors' safe_open of a file; CheckpointError when it is truncated or not one (its
+    header must cover the whole file: checked at opening)."""
+    safe_open = safetensors_api().safe_open
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as e:  # SafetensorError
+        raise CheckpointError(f"cannot read {file}: it is truncated or not a safetensors file "
+                              f"({one_line(e)[:120]}); download it again") from None
 
 
 def load(path, dtype=None, **overrides):
@@ -286,7 +297,7 @@ def load(path, dtype=None, **overrides):
     tensor at a time). seq_len and fused are free; config.json fixes the shape. dtype: float32
     (default), bfloat16 or float16, the parameters' dtype; the files' tensors are cast to it.
     """
-    safetensors = safetensors_api()
+    safetensors_api()  # its install hint before any work
     dtype = torch_dtype(dtype, torch.float32, "from_pretrained")
     directory = local_dir(path)
     hf_config = read_json(directory / "config.json")
@@ -328,7 +339,7 @@ def load(path, dtype=None, **overrides):
             by_file.setdefault(file, []).append(name)
     with torch.no_grad():
         for file, in_file in by_file.items():
-            with safetensors.safe_open(file, framework="pt") as f:
+            with open_tensors(file) as f:
                 for name in in_file:
                     tensor, target = f.get_tensor(name), state[names[name]]
                     if tensor.shape != target.shape:

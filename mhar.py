@@ -68,6 +68,11 @@ class Config:
         def check(ok, message):
             if not ok:
                 raise ValueError(f"Config.{message}")
+        for size in ("vocab_size", "seq_len", "n_layer", "n_embd", "n_head", "n_kv_head",
+                     "ffn_hidden"):
+            check(getattr(self, size) >= 1, f"{size}: must be >= 1, not {getattr(self, size)}")
+        check(self.head_dim >= 0, f"head_dim: must be >= 0 (0 = n_embd / n_head), not "
+              f"{self.head_dim}")
         modes = ("attnres", "mhar", "baseline", "hyper")
         check(self.residual in modes, f"residual: unknown {self.residual!r}; use one of {modes}")
         d, H, unrouted = self.n_embd, self.depth_heads, f"{self.residual} has no routing sites"

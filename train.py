@@ -14,8 +14,8 @@ The global batch is batch_size x grad_accum x world size; by default grad_accum 
 preset's (the paper's 64 x 2048 tokens at 100M). The data order is a pure function of
 (seed, step): every method trained with one seed sees the same batches, a resumed run continues
 exactly, and 8 GPUs see the same samples as 1 GPU. --out_dir gets config.json, log.jsonl (a line
-per log step and per evaluation), ckpt.pt (written atomically at every evaluation) and
-summary.json.
+per log step and per evaluation), ckpt.pt (at every evaluation) and summary.json, both written
+atomically.
 
 The file reads top to bottom: the recipe and run sizes, the flags, resuming and converting,
 data, the optimizer schedule and evaluation, checkpoints, the parallel setup, and train().
@@ -27,6 +27,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import socket
 import sys
@@ -38,17 +39,22 @@ from pathlib import Path
 # CPU shared with another busy process, spinning threads starve their siblings (the CPU demo
 # measured 4x slower steps).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+try:  # torch takes seconds to import: Ctrl-C meanwhile ends as it does once the run has begun
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
-import hf  # noqa: E402
-import mhar  # noqa: E402
-import parallel  # noqa: E402
-import prepare  # noqa: E402
-from common import (CheckpointError, UserError, exit_error, largest_id, one_line,  # noqa: E402
-                    pick_device, read_checkpoint, read_tokens, sample_rows, unwrapped)
+    import hf
+    import mhar
+    import parallel
+    import prepare
+    from common import (CheckpointError, UserError, exit_error, largest_id, one_line,
+                        pick_device, read_checkpoint, read_tokens, sample_rows, unwrapped,
+                        write_atomically)
+except KeyboardInterrupt:
+    print("train.py: error: interrupted before training started", file=sys.stderr, flush=True)
+    sys.exit(130)
 
 # -----------------------------------------------------------------------------
 # The recipe (Multi-Head Attention Residuals, Luo, Cai, Hu 2026, "Training and reproducibility
@@ -144,6 +150,14 @@ COUNT, STEPS = number(int, 0, strict=True), number(int, 0, strict=False)  # >= 1
 RATE, AMOUNT = number(float, 0, strict=True), number(float, 0, strict=False)  # > 0, >= 0
 
 
+def fraction(text):
+    """An argparse type: a fraction in [0, 1]."""
+    value = AMOUNT(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be <= 1 (a fraction of the peak), not {text}")
+    return value
+
+
 def decay_rate(text):
     """An argparse type: a decay in [0, 1) (1 would never move the average)."""
     value = AMOUNT(text)
@@ -218,8 +232,8 @@ def build_parser(defaults=True):
     p.flag("max_steps", SETTING, type=COUNT, default=None,
            help=f"optimizer steps; the cosine ends here ({per_preset('max_steps')})")
     p.flag("stop_step", MACHINE, type=COUNT, default=None,
-           help="stop after this step as if interrupted (checkpoint saved; --resume goes on); "
-                "default: max_steps")
+           help="stop after this step as if interrupted (checkpoint saved; --resume goes on); at "
+                "most max_steps (default: max_steps)")
     p.flag("eval_interval", SETTING, type=COUNT, default=None,
            help=f"steps between evaluations and checkpoints ({per_preset('eval_interval')})")
     p.flag("eval_batches", SETTING, type=COUNT, default=None,
@@ -234,10 +248,11 @@ def build_parser(defaults=True):
            help=f"peak learning rate ({per_preset('lr')})")
     p.flag("routing_lr", ROUTING, type=RATE, default=None,
            help="peak learning rate of the parameters routing adds (default: --lr)")
-    p.flag("min_lr_ratio", RUN, type=AMOUNT, default=0.1,
-           help="the cosine's floor, a fraction of the peak (default 0.1)")
+    p.flag("min_lr_ratio", RUN, type=fraction, default=0.1,
+           help="the cosine's floor, a fraction of the peak, in [0, 1] (default 0.1)")
     p.flag("warmup_steps", RUN, type=STEPS, default=None,
-           help=f"linear warmup steps ({per_preset('warmup_steps')})")
+           help="linear warmup steps; more than max_steps: the run ends inside the warmup, at "
+                f"max_steps / warmup_steps of the peak ({per_preset('warmup_steps')})")
     p.flag("weight_decay", RUN, type=AMOUNT, default=0.1,
            help="AdamW weight decay (default 0.1; --init_from DIR: 0.05)")
     p.flag("decay_on", RUN, choices=["all", "matrices"], default="all",
@@ -349,7 +364,10 @@ def fill_run_sizes(args, world, saved_global_batch=None, sizes=None):
         die(f"global batch {args.global_batch} (batch_size x grad_accum x ranks) differs from the "
             f"checkpoint's {saved_global_batch}: choose --batch_size and --grad_accum that "
             f"multiply to it")
-    args.stop_step = min(args.stop_step or args.max_steps, args.max_steps)
+    if args.stop_step is not None and args.stop_step > args.max_steps:
+        die(f"--stop_step {args.stop_step} is past the run's end, --max_steps {args.max_steps}: "
+            f"leave it out to train to the end")
+    args.stop_step = args.stop_step or args.max_steps
     args.routing_lr = args.routing_lr or args.lr
 
 
@@ -489,7 +507,19 @@ def carry_optimizer_state(saved, optimizer):
         for i, j in zip(old["params"], new["params"], strict=True):
             if i in saved["state"]:
                 state["state"][j] = saved["state"][i]
+    load_optimizer(optimizer, state)
+
+
+def load_optimizer(optimizer, state):
+    """optimizer.load_state_dict, its tensors copied out of the checkpoint. load_state_dict keeps
+    a tensor already on its parameter's device as it is: on a CPU the Adam moments (and the step
+    counters on any device) would stay views into the memory-mapped ckpt.pt, which would then
+    stay mapped for the whole run, its disk space held after the next save replaces it."""
     optimizer.load_state_dict(state)
+    for values in optimizer.state.values():
+        for key, value in values.items():
+            if torch.is_tensor(value) and value.device.type == "cpu":
+                values[key] = value.clone()
 
 
 # -----------------------------------------------------------------------------
@@ -647,23 +677,14 @@ def set_rng_states(s):
 
 
 def save_checkpoint(path, ckpt):
-    """Write a temporary file, flush it to disk, then rename it: a crash never leaves half a
-    checkpoint. A failed write (a full disk, no permission) removes the temporary file, keeps the
-    previous checkpoint and ends the run with one line."""
-    tmp = f"{path}.tmp"
+    """Write the checkpoint atomically (write_atomically): a crash never leaves half of one. A
+    failed write (a full disk, no permission) keeps the previous checkpoint and ends the run with
+    one line."""
     try:
-        with open(tmp, "wb") as f:
-            torch.save(ckpt, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        with suppress(OSError):
-            os.remove(tmp)
-        if isinstance(e, (OSError, RuntimeError)):  # torch reports a short write as RuntimeError
-            fail(f"could not write the checkpoint {path} ({os_error(e)}); the previous one is "
-                 f"kept: free some space or fix the permissions, then --resume")
-        raise
+        write_atomically(path, lambda f: torch.save(ckpt, f))
+    except (OSError, RuntimeError) as e:  # torch reports a short write as RuntimeError
+        fail(f"could not write the checkpoint {path} ({os_error(e)}); the previous one is "
+             f"kept: free some space or fix the permissions, then --resume")
 
 
 def os_error(e):
@@ -844,6 +865,14 @@ def set_precision(session, args):
         session.autocast = torch.autocast(session.device.type, dtype=dtype)
 
 
+# torch.compile works for a while before the first step, in silence: measured on a shared 2-core
+# CPU, 36 s for the tiny preset's first step and 55 s for the small preset's (their next steps:
+# 10 ms and 0.6 s).
+COMPILE_NOTE = ("--compile: the first step compiles the model, and the first evaluation its "
+                "evaluation graph: on a CPU about a minute for the small preset, longer for "
+                "larger models")
+
+
 def wrap_model(gpt, args, session):
     """The model the loop trains: wrapped for data parallelism and compiled as asked (a sharded
     model is its own wrapper). DDP is compiled, not wrapped around a compiled model: so torch.compile
@@ -878,7 +907,8 @@ def build_model(args, config, ckpt, source, session):
     pretrained = isinstance(source, Path)  # a Hugging Face directory, not a checkpoint of ours
     shape_only = sharded and not session.master  # this rank receives its shards from rank 0
     try:
-        with torch.device("meta") if shape_only else nullcontext():
+        with memory_for(f"the model on {device}", MODEL_SIZE_FLAGS), \
+                torch.device("meta") if shape_only else nullcontext():
             if pretrained and not shape_only:  # its weights, routing added with closed gates
                 gpt = mhar.GPT.from_pretrained(source, **dataclasses.asdict(config))
             elif source and not pretrained:  # the baseline's weights, routing with closed gates
@@ -887,8 +917,9 @@ def build_model(args, config, ckpt, source, session):
                 gpt = mhar.GPT(config)
     except (ValueError, TypeError, RuntimeError, ImportError, CheckpointError) as e:
         die(one_line(e))  # e.g. --fused without a GPU, a broken safetensors file
-    gpt = gpt if sharded else gpt.to(device)
-    optimizer = make_optimizer(gpt, args, "cpu" if sharded else device.type)
+    with memory_for(f"the model and its optimizer on {device}", MODEL_SIZE_FLAGS):
+        gpt = gpt if sharded else gpt.to(device)
+        optimizer = make_optimizer(gpt, args, "cpu" if sharded else device.type)
     progress, baseline = Progress(), None
     if source and not pretrained:  # continue the baseline's run: its step, data, Adam moments
         carry_optimizer_state(source["optimizer"], optimizer)  # (a directory has none: cold)
@@ -914,13 +945,33 @@ def build_model(args, config, ckpt, source, session):
                 parallel.load(ckpt["sharded"], gpt, optimizer)
             else:
                 gpt.load_state_dict(unwrapped(ckpt["model"]))
-                optimizer.load_state_dict(ckpt["optimizer"])
+                load_optimizer(optimizer, ckpt["optimizer"])
             set_rng_states(ckpt["rng"])
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
             die(f"the checkpoint does not fit this model: {one_line(e)}")
         progress = Progress(ckpt["step"], ckpt["evals"], ckpt.get("tokens", 0),
                             ckpt.get("wandb_id"))
     return gpt, optimizer, progress, baseline
+
+
+MODEL_SIZE_FLAGS = "--n_embd, --n_layer, --ffn_hidden or --vocab_size (or a smaller --preset)"
+
+
+@contextmanager
+def memory_for(what, flags):
+    """An allocation that fails inside the block as one line: what did not fit in memory, how
+    much was asked for, and which flags to lower (the allocator's own message names neither)."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        asked = re.search(r"allocate (\d+ bytes|[\d.]+ [KMGTP]i?B)", str(e), re.IGNORECASE)
+        if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or asked):
+            raise
+        size = asked and asked[1]
+        if size and size.endswith(" bytes"):
+            size = f"{int(size.split()[0]) / 2**30:,.1f} GiB"
+        die(f"{what} does not fit in memory" + (f" (could not allocate {size})" if size else "")
+            + f": lower {flags}")
 
 
 def make_optimizer(gpt, args, device_type):
@@ -1037,8 +1088,12 @@ class Report:
         """A line of log.jsonl (and of wandb)."""
         self.peak_mem = max(self.peak_mem, entry.get("peak_mem", 0))
         if self.master:
-            with open(self.log_path, "a") as f:
-                f.write(json.dumps(entry) + "\n")
+            try:  # a line cut short by a full disk is dropped by --resume (logged_until)
+                with open(self.log_path, "a") as f:
+                    f.write(json.dumps(entry) + "\n")
+            except OSError as e:
+                fail(f"could not write {self.log_path} ({os_error(e)}): free some space or "
+                     f"fix the permissions, then --resume")
             if self.wandb is not None:
                 self.wandb.log({k: v for k, v in entry.items() if k != "step"}, step=entry["step"])
 
@@ -1098,6 +1153,36 @@ class Run:
     ema: object = None     # WeightAverage of gpt's weights (--ema), or None
 
 
+def logged_until(path, step):
+    """The lines of log.jsonl up to `step`. Its last line may be half-written (the run crashed, or
+    the disk filled up, in the middle of it): it is dropped, like the lines after `step`."""
+    lines = path.read_bytes().decode(errors="replace").splitlines()
+    kept = []
+    for number, line in enumerate(lines, 1):
+        if not line:
+            continue
+        try:
+            entry = json.loads(line)
+            logged = entry["step"]
+        except (ValueError, TypeError, KeyError):
+            if number == len(lines):
+                break
+            die(f"{path}, line {number}, is not a line train.py wrote ({line[:40]!r}): delete "
+                f"it, then --resume again")
+        if logged <= step:
+            kept.append(line)
+    return kept
+
+
+def write_text(path, text, then="free some space or fix the permissions"):
+    """A whole file at once (write_atomically): a failed write leaves the previous file, or none,
+    and ends the run with one line that names it and says what to do `then`."""
+    try:
+        write_atomically(path, lambda f: f.write(text.encode()))
+    except OSError as e:
+        fail(f"could not write {path} ({os_error(e)}): {then}")
+
+
 def start_outputs(run):
     """The output folder: log.jsonl cut back to the checkpoint's step (a new run: emptied),
     config.json, and the header on the console."""
@@ -1106,10 +1191,9 @@ def start_outputs(run):
         run.out.mkdir(parents=True, exist_ok=True)
         log_path = run.out / "log.jsonl"
         if log_path.exists():  # keep the lines the checkpoint covers (none for a new run)
-            lines = [ln for ln in log_path.read_text().splitlines()
-                     if ln and json.loads(ln)["step"] <= run.progress.step]
-            log_path.write_text("".join(ln + "\n" for ln in lines))
-        (run.out / "config.json").write_text(json.dumps(dict(
+            kept = logged_until(log_path, run.progress.step)
+            write_text(log_path, "".join(line + "\n" for line in kept))
+        write_text(run.out / "config.json", json.dumps(dict(
             config=dataclasses.asdict(config), args=vars(args), world_size=s.world,
             params=gpt.num_params()), indent=2))
     params = (f"{fmt_count(gpt.num_params())} params "
@@ -1128,7 +1212,9 @@ def start_outputs(run):
         f"batch {args.batch_size} x {args.grad_accum} accum x {s.world} ranks x {args.seq_len} "
         f"tokens = {args.global_batch * args.seq_len:,} tokens/step | steps "
         f"{run.progress.step}->{args.max_steps} | lr {args.lr:g}, warmup {args.warmup_steps}, "
-        f"cosine to {args.min_lr_ratio:g}x | weight decay {args.weight_decay:g} on "
+        + (f"past the run's end: the lr ends at {args.max_steps / args.warmup_steps:.3g}x the "
+           f"peak" if args.warmup_steps > args.max_steps else f"cosine to {args.min_lr_ratio:g}x")
+        + f" | weight decay {args.weight_decay:g} on "
         f"{args.decay_on}" + (f" | z-loss {args.z_loss:g}" if args.z_loss else "")
         + (f" | EMA {args.ema:g}" if args.ema else "") + f" | out {run.out}")
 
@@ -1265,6 +1351,9 @@ def train(args, given=frozenset()):
     gpt, optimizer, progress, baseline = build_model(args, config, ckpt, source, s)
     ema = WeightAverage(gpt, args.ema, ckpt) if args.ema else None
     del ckpt, source
+    # the first step's batch, before anything is written: one too large for memory stops here
+    with memory_for("a step's batch of token ids", "--grad_accum or --batch_size"):
+        rows = train_batch(data.train if data else None, args, progress.step, s.rank)
     out = Path(args.out_dir)
     with claim_out_dir(out, s), StopSignals(s.master) as stop:
         run = Run(args, config, s, gpt, wrap_model(gpt, args, s), optimizer, progress, data, out,
@@ -1278,16 +1367,18 @@ def train(args, given=frozenset()):
 
         # the loop: one optimizer step per iteration
         device_name = s.device.type if s.device.type != "cuda" else torch.cuda.get_device_name()
+        if args.compile:
+            run.report.print(COMPILE_NOTE)
         timer, stop_signal = Timer(), 0
         while progress.step < args.stop_step and not stop_signal:
             scale = lr_factor(progress.step, args.warmup_steps, args.max_steps, args.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = group["initial_lr"] * scale
-            rows = train_batch(data.train if data else None, args, progress.step, s.rank)
             loss_sum = train_step(run.model, optimizer, *to_device(rows, s.device), args, s)
             if ema:
                 ema.update()
             progress.step += 1
+            rows = train_batch(data.train if data else None, args, progress.step, s.rank)  # next
             progress.tokens += args.global_batch * args.seq_len
             timer.steps += 1
             if progress.step % args.log_interval == 0 or progress.step == args.stop_step:
@@ -1330,7 +1421,9 @@ def finish(run, timer, t_start, stop_signal):
     if run.ema and p.evals:  # the averaged weights at the last evaluation (the paper's metric)
         summary["final_ema_val_loss"] = p.evals[-1]["ema_val_loss"]
     if s.master and summary["finished"] and not stop_signal:
-        (run.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_text(run.out / "summary.json", json.dumps(summary, indent=2),
+                   then=f"the run is done and its checkpoint saved; free some space, then "
+                        f"python train.py --out_dir {run.out} --resume writes it")
         run.report.print(summary_line(summary))
     if (s.master or s.fsdp) and summary["finished"] and not stop_signal:
         print_sample(run)  # a sharded model samples on every rank: its forwards are collectives
@@ -1384,10 +1477,10 @@ def print_sample(run, prompt_tokens=48, new_tokens=128):
 
 def main(argv=None):
     """Train; the exit status is 0, or 128 + the number of the signal that stopped the run."""
-    args, given = parse_args(argv)
     try:
+        args, given = parse_args(argv)
         summary = train(args, given)
-    except OSError as e:  # writing a log line or summary.json: a full disk, lost permissions
+    except OSError as e:  # making the output folder or its lock: a read-only folder
         fail(f"could not write {e.filename or 'the outputs'}: {e.strerror or one_line(e)}")
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
         exit_error("train.py", "interrupted before training started", status=130)

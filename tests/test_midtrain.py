@@ -162,7 +162,10 @@ def other_data(tokens, folder, **meta):
     ("another-tokenizer", "not with the tokenizer.json of"),
     ("another-models-vocabulary", "(its tokenizer's model: 151936)"),
     ("contradicting-shape", "config.json fixes --n_layer at 2, not 3"),
-], ids=["gpt2-ids", "another-tokenizer", "another-models-vocabulary", "contradicting-shape"])
+    ("truncated-weights", "model.safetensors: it is truncated or not a safetensors file"),
+    ("truncated-shard", ".safetensors: it is truncated or not a safetensors file"),
+], ids=["gpt2-ids", "another-tokenizer", "another-models-vocabulary", "contradicting-shape",
+        "truncated-weights", "truncated-shard"])
 def test_data_of_another_tokenizer_or_a_contradicting_shape_is_one_line(
         qwen3, tokens, tmp_path, capsys, case, message):
     directory, data, extra = qwen3[0], tokens, []
@@ -177,6 +180,16 @@ def test_data_of_another_tokenizer_or_a_contradicting_shape_is_one_line(
     elif case == "another-models-vocabulary":
         data = other_data(tokens, tmp_path / "data", tokenizer="hf:Qwen3-0.6B", vocab_size=100,
                           model_vocab_size=151936)
+    elif case.startswith("truncated"):  # a download cut short
+        directory = tmp_path / "qwen3"
+        if case == "truncated-weights":
+            shutil.copytree(qwen3[0], directory)
+        else:
+            save_tiny_qwen3(directory, tied=False, head_dim=32, max_shard_size="100KB")
+            assert (directory / "model.safetensors.index.json").is_file()  # shards
+            capsys.readouterr()  # transformers' progress bar
+        weights = sorted(directory.glob("*.safetensors"))[-1]
+        weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
     else:
         extra = ["--n_layer", "3"]
     err = error_of(capsys, flags(directory, data, tmp_path / "out", *extra))

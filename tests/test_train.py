@@ -1,7 +1,9 @@
 """train.py: schedule, batches, training of every mode against a reference loop, conversion,
 resume, signals, the output folder's lock, failed saves, logs, bad input, DDP (tiny preset, the
 64-token corpus of the `data` fixture, a few steps each)."""
+import builtins
 import errno
+import io
 import json
 import math
 import os
@@ -229,6 +231,40 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(data, tmp_path):
     assert_same_state(a, b)
 
 
+def test_resume_drops_a_half_written_last_log_line(data, tmp_path, capsys):
+    """A run that died in the middle of a log line (a crash, a full disk) resumes: the torn line
+    goes like the lines after the checkpoint's step, and the log is the uninterrupted run's. A
+    broken line elsewhere is no torn write: one line that names it."""
+    run(data, tmp_path / "straight")
+    out = tmp_path / "resumed"
+    run(data, out, "--stop_step", "3")
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"step": 4, "loss": 3.1')
+    train.main(["--resume", "--out_dir", str(out)])
+    assert losses(out) == losses(tmp_path / "straight")
+    lines = (out / "log.jsonl").read_text().splitlines()
+    (out / "log.jsonl").write_text("\n".join([lines[0], "{torn", *lines[1:]]) + "\n")
+    err = error_of(capsys, ["--resume", "--out_dir", str(out)])
+    assert f"{out / 'log.jsonl'}, line 2, is not a line train.py wrote" in err
+    assert (out / "log.jsonl").read_text().splitlines()[1] == "{torn"  # left as it was
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_a_resumed_run_does_not_keep_the_old_checkpoint_mapped(data, tmp_path, monkeypatch):
+    """ckpt.pt is read memory-mapped; once the resumed run's next save has replaced it, no page
+    of the old file may stay mapped (its disk space would stay in use for the whole run)."""
+    run(data, tmp_path, "--stop_step", "3")
+    real_save, mapped = train.save_checkpoint, []
+
+    def save_and_look(path, ckpt):
+        real_save(path, ckpt)
+        mapped.append([line.split()[-2:] for line in open("/proc/self/maps")
+                       if str(tmp_path / "ckpt.pt") in line])
+    monkeypatch.setattr(train, "save_checkpoint", save_and_look)
+    train.main(["--resume", "--out_dir", str(tmp_path)])
+    assert mapped == [[], []]  # after the saves of steps 4 and 8: no "ckpt.pt (deleted)"
+
+
 def test_resume_refuses_flags_that_contradict_the_checkpoint(data, tmp_path, capsys):
     run(data, tmp_path, "--max_steps", "2")
     resume = ["--resume", "--out_dir", str(tmp_path)]
@@ -351,6 +387,109 @@ def test_a_failed_save_says_why_in_one_line_and_keeps_the_last_checkpoint(data, 
     assert load(tmp_path)["step"] == 4
 
 
+class FullDisk:
+    """A file that the disk fills up under: its first write stores a few bytes, then fails as a
+    full disk does (ENOSPC)."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        self.f.write(data[:7])
+        self.f.flush()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def fill_the_disk(monkeypatch, name, after=0):
+    """The disk is full from the (after + 1)-th time that a file whose name starts with `name` is
+    opened (by open or pathlib) in this process."""
+    real_open, opened = open, []
+
+    def full_open(path, *args, **kwargs):
+        f = real_open(path, *args, **kwargs)
+        if isinstance(path, (str, Path)) and Path(path).name.startswith(name):
+            opened.append(path)
+            if len(opened) > after:
+                return FullDisk(f)
+        return f
+    monkeypatch.setattr(builtins, "open", full_open)
+    monkeypatch.setattr(io, "open", full_open)
+
+
+def test_a_full_disk_at_the_summary_leaves_no_half_file(data, tmp_path, capsys, monkeypatch):
+    """The last checkpoint is saved, then summary.json meets a full disk: one line that names it,
+    status 1, no summary.json (whole or none) and no temporary file; --resume then writes it."""
+    fill_the_disk(monkeypatch, "summary.json")
+    err = error_of(capsys, flags(data, tmp_path), status=1)
+    assert f"could not write {tmp_path / 'summary.json'} (No space left on device)" in err
+    assert f"--out_dir {tmp_path} --resume writes it" in err
+    assert not (tmp_path / "summary.json").exists() and not list(tmp_path.glob("*.tmp"))
+    assert load(tmp_path)["step"] == 8
+    monkeypatch.undo()
+    summary = train.main(["--resume", "--out_dir", str(tmp_path)])
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["finished"] and saved["final_val_loss"] == summary["final_val_loss"]
+
+
+def test_a_full_disk_in_a_log_line_is_one_line_and_resume_drops_the_torn_line(data, tmp_path,
+                                                                                capsys,
+                                                                                monkeypatch):
+    """log.jsonl's line of step 6 is cut short by a full disk: one line that names the file,
+    status 1; --resume (from step 4) then gives the uninterrupted run's log."""
+    fill_the_disk(monkeypatch, "log.jsonl", after=6)  # steps 1-4, the eval, step 5
+    err = error_of(capsys, flags(data, tmp_path / "out"), status=1)
+    assert f"could not write {tmp_path / 'out' / 'log.jsonl'} (No space left on device)" in err
+    assert (tmp_path / "out" / "log.jsonl").read_text().endswith('\n{"step"')
+    monkeypatch.undo()
+    train.main(["--resume", "--out_dir", str(tmp_path / "out")])
+    run(data, tmp_path / "straight")
+    assert losses(tmp_path / "out") == losses(tmp_path / "straight")
+
+
+def test_compile_says_that_the_first_step_compiles(data, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)  # the note, not the wait
+    run(data, tmp_path, "--max_steps", "1", "--compile")
+    assert train.COMPILE_NOTE in capsys.readouterr().out
+    assert "first step compiles the model" in train.COMPILE_NOTE
+
+
+def test_ctrl_c_while_train_py_imports_exits_130_with_one_line(tmp_path):
+    """SIGINT while torch is being imported: the line and status of an interrupted start, no
+    traceback. A sitecustomize.py makes the import of torch wait (after a marker file) until the
+    signal comes."""
+    marker = tmp_path / "importing"
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys, time\n"
+        "class SlowTorch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        f"            open({str(marker)!r}, 'w').close()\n"
+        "            time.sleep(120)\n"
+        "sys.meta_path.insert(0, SlowTorch())\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    p = subprocess.Popen([sys.executable, "train.py", "--out_dir", str(tmp_path / "out")],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    deadline = time.time() + 60
+    while not marker.exists():
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.02)
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 130, stderr
+    assert stderr == "train.py: error: interrupted before training started\n" and not stdout
+    assert not (tmp_path / "out").exists()
+
+
 def gpt2_data(data, folder):
     """The fixture's tokens (ids 0-63 are GPT-2 tokens too) labelled as GPT-2 text."""
     copy_data(data, folder)
@@ -445,6 +584,18 @@ BAD_FLAGS = [
     (["--device", "gpu"], "unknown device 'gpu'"),
     (["--route_heads", "3"], "route_heads"),
     (["--vocab_size", "32"], "smaller than the data's vocabulary of 64"),
+    (["--vocab_size", "0"], "Config.vocab_size: must be >= 1, not 0"),
+    (["--seq_len", "0"], "Config.seq_len: must be >= 1, not 0"),
+    (["--seq_len", "-5"], "Config.seq_len: must be >= 1, not -5"),
+    (["--n_layer", "0"], "Config.n_layer: must be >= 1, not 0"),
+    (["--n_head", "0"], "Config.n_head: must be >= 1, not 0"),
+    (["--head_dim", "-2"], "Config.head_dim: must be >= 0"),
+    (["--n_embd", "1000000"], "the model on cpu does not fit in memory (could not allocate "
+                              "3,725.3 GiB): lower --n_embd"),
+    (["--grad_accum", str(10**12)], "a step's batch of token ids does not fit in memory (could "
+                                    "not allocate 29,802.3 GiB): lower --grad_accum"),
+    (["--min_lr_ratio", "1.5"], "--min_lr_ratio: must be <= 1"),
+    (["--stop_step", "9"], "--stop_step 9 is past the run's end, --max_steps 8"),
 ]
 
 
@@ -452,6 +603,21 @@ BAD_FLAGS = [
 def test_bad_flags_give_one_line_and_write_nothing(data, tmp_path, capsys, extra, message):
     assert message in error_of(capsys, flags(data, tmp_path / "out", *extra))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_warmup_past_the_runs_end_is_said_in_help_and_in_the_header(data, tmp_path, capsys):
+    """--help gives each schedule flag's bounds, and what a warmup longer than the run means:
+    the run ends inside it (here after 4 of 10 warmup steps: at 0.4x the peak), as its header
+    line says; the lr logged follows the warmup to its last step."""
+    usage = " ".join(train.build_parser().format_help().split())
+    assert "the cosine's floor, a fraction of the peak, in [0, 1]" in usage
+    assert ("linear warmup steps; more than max_steps: the run ends inside the warmup, at "
+            "max_steps / warmup_steps of the peak") in usage
+    assert "at most max_steps (default: max_steps)" in usage
+    run(data, tmp_path, "--max_steps", "4", "--warmup_steps", "10")
+    assert "warmup 10, past the run's end: the lr ends at 0.4x the peak |" in capsys.readouterr().out
+    assert [e["lr"] for e in read_log(tmp_path) if "lr" in e] == pytest.approx(
+        [1e-3, 2e-3, 3e-3, 4e-3])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
@@ -475,6 +641,11 @@ def corrupt(folder, kind):
         (folder / "meta.json").write_text('{"vocab_size": 64,')
     elif kind == "meta.json a list":
         (folder / "meta.json").write_text("[64]")
+    elif kind == "train.bin shorter than meta.json says":  # still a whole number of tokens
+        (folder / "meta.json").write_text(json.dumps({"tokenizer": "none", "vocab_size": VOCAB,
+                                                      "tokens": {"train": 40_000, "val": 4_000}}))
+        with open(folder / "train.bin", "r+b") as f:
+            f.truncate(2 * 30_000)
     elif kind == "ids beyond the vocabulary":  # no meta.json: the files are read for the largest id
         (folder / "meta.json").unlink()
         np.full(100, 200, dtype=np.uint16).tofile(folder / "val.bin")
@@ -483,14 +654,17 @@ def corrupt(folder, kind):
 BAD_DATA = [("odd-length train.bin", "not a whole number of uint16"),
             ("empty val.bin", "is empty"), ("missing val.bin", "no val.bin in"),
             ("malformed meta.json", "is not valid JSON"), ("meta.json a list", "JSON list"),
-            ("ids beyond the vocabulary", "largest token id in the data, plus one, which is 201")]
+            ("ids beyond the vocabulary", "largest token id in the data, plus one, which is 201"),
+            ("train.bin shorter than meta.json says",
+             "train.bin has 30000 tokens, but {corpus}/meta.json records 40000: it is truncated")]
 
 
 @pytest.mark.parametrize("kind, message", BAD_DATA, ids=[k for k, _ in BAD_DATA])
 def test_bad_data_gives_one_line_and_writes_nothing(data, tmp_path, capsys, kind, message):
     corrupt(copy_data(data, tmp_path / "corpus"), kind)
     extra = ["--vocab_size", "64"] if kind == "ids beyond the vocabulary" else []
-    assert message in error_of(capsys, flags(tmp_path / "corpus", tmp_path / "out", *extra))
+    err = error_of(capsys, flags(tmp_path / "corpus", tmp_path / "out", *extra))
+    assert message.format(corpus=tmp_path / "corpus") in err
     assert not (tmp_path / "out").exists()
 
 
