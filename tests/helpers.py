@@ -184,6 +184,21 @@ def save_tiny_qwen3(directory, tied=True, head_dim=16, n_kv_head=2, rope_theta=1
     return model
 
 
+def foreign_model(folder, kind):
+    """A directory GPT.from_pretrained refuses, folder/kind: "llama", a Llama model that transformers saves;
+    "broken", a Qwen3 config.json cut short. Returns (directory, a fragment of the refusal)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
+    directory = folder / kind
+    if kind == "llama":
+        LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2)).save_pretrained(directory)
+        return directory, 'model_type = "llama" cannot be mapped'
+    directory.mkdir()
+    text = Qwen3Config(vocab_size=100, hidden_size=64, num_hidden_layers=2).to_json_string()
+    (directory / "config.json").write_text(text[:len(text) // 2])
+    return directory, "config.json ("
+
+
 def write_task(folder, name, rows, **config):
     """An lm-eval task that needs no network: a YAML file over a JSON-lines file of rows."""
     import yaml  # a dependency of datasets, which lm-eval needs

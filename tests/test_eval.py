@@ -21,7 +21,7 @@ import eval
 import mhar
 import prepare
 from common import UserError
-from helpers import ROOT, save_tiny_qwen3, write_task
+from helpers import ROOT, foreign_model, one_error_line, run_script, save_tiny_qwen3, write_task
 
 SEQ_LEN = 64
 GPT2_VOCAB = 50257      # ids 0..50256 are text; 50257..50303 pad the vocabulary to 50304
@@ -303,6 +303,20 @@ def test_generation_settings_follow_lm_evals_conventions():
     assert settings({"do_sample": False, "temperature": 0.7, "top_p": 0.9}).temperature == 0
     with pytest.raises(UserError, match="num_beams"):
         settings({"num_beams": 4})
+
+
+@pytest.mark.parametrize("case", ["limit_inf", "llama", "broken"])
+def test_eval_py_bad_input_is_one_line_in_a_subprocess(run, tmp_path, case):
+    """--limit inf (a count too large to be one), a Llama directory, a config.json cut short: one line,
+    status 2, no results file."""
+    if case == "limit_inf":
+        checkpoint, message = run.folder, "--limit must be a positive number"
+    else:
+        checkpoint, message = foreign_model(tmp_path, case)
+    p = run_script("eval.py", "--ckpt", checkpoint, "--tasks", "tiny_choice", "--include_path", run.folder,
+                   "--limit", "inf" if case == "limit_inf" else "1", "--output", tmp_path / "eval.json")
+    assert message in one_error_line(p, "eval.py", status=2)
+    assert not (tmp_path / "eval.json").exists()
 
 
 def test_bad_input_is_one_line_and_status_2(run, tmp_path, capsys, monkeypatch):
