@@ -106,6 +106,18 @@ def test_a_transformers_4_config_reads_the_same(qwen3, tmp_path):
     assert rel_err(logits_of(model, tokens()), logits_of(reference, tokens())) < 1e-5
 
 
+def test_a_config_without_tie_word_embeddings_reads_as_transformers_reads_it(qwen3, tmp_path):
+    """No tie_word_embeddings in config.json: transformers' Qwen3 default (untied), with the checkpoint's own
+    lm_head, gives the logits transformers computes from the same directory."""
+    directory, _ = qwen3["untied-hd32"]
+    copy = edited(directory, tmp_path, drop=["tie_word_embeddings"])
+    assert "tie_word_embeddings" not in json.loads((copy / "config.json").read_text())
+    theirs = transformers.Qwen3ForCausalLM.from_pretrained(copy, dtype=torch.float32).eval()
+    ours = GPT.from_pretrained(copy)
+    assert ours.config.tie_embeddings == theirs.config.tie_word_embeddings
+    assert rel_err(logits_of(ours, tokens()), logits_of(theirs, tokens())) < 1e-5
+
+
 def test_a_tied_checkpoint_that_stores_its_lm_head_too_loads(qwen3, tmp_path):
     """Qwen3-0.6B is tied yet stores lm_head.weight too; transformers ties it, and so do we."""
     from safetensors.torch import load_file, save_file

@@ -769,6 +769,45 @@ def test_delta_history_reads_null_and_completed_block_deltas():
         assert torch.equal(V, torch.stack(sources))
 
 
+@pytest.mark.parametrize("S", [1, 2, 3], ids=["S1", "S2", "S3"])
+def test_delta_routing_with_open_gates_matches_a_reference_loop(S):
+    """Gates away from zero, a nonzero null and queries: the model's forward against a float64 loop written
+    from the method, h = x + a * route(null, D_0, D_1, ...) and x = x + f(h), and the gates' gradients too (the
+    model routes in float32 inside, as its contract says: hence 1e-5)."""
+    torch.manual_seed(0)
+    model = GPT(tiny("mhar", n_layer=3, delta=True, route_block=S, route_heads=2)).double()
+    with torch.no_grad():
+        model.null.normal_()
+        for site in model.sites:
+            site.query.normal_(0, 0.5)
+            site.norm_weight.uniform_(0.5, 1.5)
+            site.gate.uniform_(0.5, 1.5)
+    idx = torch.randint(0, 128, (2, 9))
+    weight = torch.randn(2, 9, model.config.n_embd, dtype=torch.float64)
+    (model.hidden(idx) * weight).sum().backward()
+    gate_grads = [site.gate.grad.clone() for site in model.sites]
+    model.zero_grad()
+
+    rope = (model.rope_cos[:9], model.rope_sin[:9])
+    x = model.embed(idx)
+    deltas, block, in_block = [x], 0, 0  # D_0 = the embedding; the current block's sum and its count
+
+    def routed(site):
+        V = torch.stack([model.null.expand_as(x), *deltas])
+        return site.gate * route_loop(V, site.query, site.norm_weight, 2, model.config.norm_eps)
+    for j, layer in enumerate(model.layers):
+        y = layer(x + routed(model.sites[j]), rope, None)
+        x, block, in_block = x + y, block + y, in_block + 1
+        if in_block == S:  # a completed block: D_i = the sum of its sublayer outputs
+            deltas.append(block)
+            block, in_block = 0, 0
+    expected = model.norm(x + routed(model.sites[-1]))
+    assert rel_err(model.hidden(idx), expected) < 1e-5
+    (expected * weight).sum().backward()
+    for site, grad in zip(model.sites, gate_grads):
+        assert site.gate.grad.abs() > 0 and abs(grad - site.gate.grad) <= 1e-4 * abs(site.gate.grad)
+
+
 def test_checkpoint_of_the_old_layout_loads():
     """Checkpoints written before the sites' g was renamed (sites.j.norm.weight) load unchanged."""
     torch.manual_seed(0)

@@ -112,6 +112,23 @@ def test_null_queries_have_the_trained_query_norm():
     assert probe.null_queries(torch.zeros(8), 3, torch.Generator()).eq(0).all()
 
 
+@pytest.mark.parametrize("residual,null", [("mhar", "null_depth_map"), ("attnres", "null_kl")])
+def test_the_null_is_one_fixed_set_of_random_queries(residual, null):
+    """The null's D random queries per site are drawn once and used on every batch: its statistics over two
+    batches are then the mean of those over each batch alone (with queries drawn again per batch, the second
+    batch would meet other queries)."""
+    torch.manual_seed(0)
+    model = GPT(mhar.preset("tiny", residual=residual, vocab_size=VOCAB, seq_len=16)).eval()
+    with torch.no_grad():
+        for site in model.sites:
+            site.query.normal_(0, 1.0)  # the null's queries have the trained queries' norm: zero would hide them
+    first, second = torch.randint(0, VOCAB, (2, 2, 16))
+    both = probe.probe_routing(model, [first, second], null_draws=4, seed=3)[null]
+    alone = [probe.probe_routing(model, [batch], null_draws=4, seed=3)[null] for batch in (first, second)]
+    torch.testing.assert_close(both, (alone[0] + alone[1]) / 2, equal_nan=True, rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(alone[0], alone[1], equal_nan=True)  # the batches differ, so the test can see it
+
+
 def test_collinearity_of_constructed_sources():
     v = torch.randn(1, 2, 3, 8)
     assert probe.collinearity(torch.cat([v, 2 * v, v])).item() == pytest.approx(1.0)
