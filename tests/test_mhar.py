@@ -597,6 +597,52 @@ def test_readme_python_examples_run():
         exec(compile(block, "README.md", "exec"), namespace)
 
 
+# Imported by the code, not installed by the test command: its one test runs only without it.
+NOT_INSTALLED = {"wandb": "train.py --wandb"}
+
+
+def test_ci_runs_the_readme_test_command_which_installs_what_the_code_imports():
+    """.ci/run ends with the README's test command as written, and the requirement files that command installs
+    hold (or pull in, as installed here) every package that a test or a script imports, anywhere in it."""
+    import ast
+    import importlib.metadata
+    import sys
+    quick_start = re.search(r"## Quick start.*?```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    command = quick_start.group(1).splitlines()[1].split("  #")[0].strip()
+    assert (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1] == command
+
+    def name(requirement):
+        return re.sub(r"[-_.]+", "-", re.match(r"\s*([A-Za-z0-9._-]+)", requirement).group(1)).lower()
+
+    def listed(file):
+        for line in (ROOT / file).read_text().splitlines():
+            line = line.split("#")[0].strip()
+            if line.startswith("-r "):
+                yield from listed(line[3:].strip())
+            elif line:
+                yield name(line)
+    installed, todo = set(), [n for file in re.findall(r"-r (\S+)", command) for n in listed(file)]
+    while todo:  # the listed packages and their dependencies
+        package = todo.pop()
+        if package in installed:
+            continue
+        installed.add(package)
+        try:
+            todo += [name(r) for r in importlib.metadata.requires(package) or [] if "extra ==" not in r]
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    files = [*ROOT.glob("*.py"), *(ROOT / "tests").glob("*.py")]
+    local = {f.stem for f in files}
+    modules = {alias.name.split(".")[0] if isinstance(node, ast.Import) else node.module.split(".")[0]
+               for f in files for node in ast.walk(ast.parse(f.read_text()))
+               if isinstance(node, ast.Import) or isinstance(node, ast.ImportFrom) and node.level == 0
+               for alias in node.names}
+    distributions = importlib.metadata.packages_distributions()
+    missing = sorted(m for m in modules - local - set(sys.stdlib_module_names) - set(NOT_INSTALLED)
+                     if not any(name(d) in installed for d in distributions.get(m, [])))
+    assert not missing, f"imported, but not installed by {command!r}: {missing}"
+
+
 # ----------------------------------------------------------------------------------------------
 # Hyper-connections and block routing.
 
