@@ -20,6 +20,12 @@ interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reas
     "kernels are tested in test_gpu.py"))
 
 
+def needs(module):
+    """The module, or the test is skipped with the reason: an optional package that the README's test command
+    installs (requirements-test.txt), absent here."""
+    return pytest.importorskip(module, reason=f"needs {module}: pip install -r requirements-test.txt")
+
+
 def rel_err(a, b):
     """Norm-wise ||a - b|| / ||b|| in float64; exact zeros on both sides count as a match."""
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
@@ -187,6 +193,7 @@ def save_tiny_qwen3(directory, tied=True, head_dim=16, n_kv_head=2, rope_theta=1
 def foreign_model(folder, kind):
     """A directory GPT.from_pretrained refuses, folder/kind: "llama", a Llama model that transformers saves;
     "broken", a Qwen3 config.json cut short. Returns (directory, a fragment of the refusal)."""
+    needs("transformers")
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
     directory = folder / kind
     if kind == "llama":
@@ -201,7 +208,7 @@ def foreign_model(folder, kind):
 
 def write_task(folder, name, rows, **config):
     """An lm-eval task that needs no network: a YAML file over a JSON-lines file of rows."""
-    import yaml  # a dependency of datasets, which lm-eval needs
+    yaml = needs("yaml")  # a dependency of datasets, which lm-eval needs
     data = folder / f"{name}.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     config = dict(task=name, dataset_path="json", test_split="test",

