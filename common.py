@@ -6,8 +6,10 @@ Importing this file has no side effects.
 import hashlib
 import json
 import os
+import shutil
 import sys
-from contextlib import suppress
+import tempfile
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,11 @@ class UserError(Exception):
 
 class CheckpointError(UserError):
     """A missing, unreadable or foreign checkpoint."""
+
+
+class MachineError(Exception):
+    """A failure of the machine rather than of the input (a full disk, a read-only folder): one
+    line, exit status 1."""
 
 
 def one_line(e):
@@ -52,6 +59,49 @@ def write_atomically(path, write):
     except BaseException:
         with suppress(OSError):
             os.remove(tmp)
+        raise
+
+
+# -----------------------------------------------------------------------------
+# Output folders: a file is written whole or not at all.
+
+def output_folder(path, flag):
+    """`path` as a Path, or UserError when it, or the folder it would be created in, is a file."""
+    path = Path(path)
+    existing = next(d for d in (path, *path.parents) if d.exists())
+    if not existing.is_dir():
+        raise UserError(f"{flag} {path}: {existing} is a file, not a folder: give a folder (it is "
+                        f"created if it does not exist)")
+    return path
+
+
+@contextmanager
+def staged(folder):
+    """A hidden temporary folder inside `folder` to write into; once the block ends, its files move
+    into `folder` (os.replace: each appears whole). On any failure they and the folders this made
+    are removed, so a full disk or a read-only folder leaves nothing half-written behind: an
+    OSError becomes a MachineError that names the folder and the reason."""
+    folder = Path(folder)
+    created = [d for d in (folder, *folder.parents) if not d.exists()]  # deepest first
+    tmp = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder))
+        yield tmp
+        for file in sorted(tmp.iterdir()):
+            os.replace(file, folder / file.name)
+        tmp.rmdir()
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for d in created:
+            try:
+                d.rmdir()
+            except OSError:  # not empty: something else lives there now
+                break
+        if isinstance(e, OSError):
+            raise MachineError(f"cannot write into {folder} ({e.strerror or one_line(e)}): nothing "
+                               f"written; free some space or write elsewhere") from None
         raise
 
 

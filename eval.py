@@ -402,8 +402,9 @@ def parse_args(argv=None):
         value = getattr(args, flag)
         if value is not None and value < smallest:
             exit_error("eval.py", f"--{flag} must be at least {smallest}, got {value}")
-    if args.limit is not None and not args.limit > 0:
-        exit_error("eval.py", f"--limit must be positive, got {args.limit}")
+    if args.limit is not None and not 0 < args.limit < float("inf"):
+        exit_error("eval.py", f"--limit must be a positive number (below 1: a fraction of each "
+                              f"task), got {args.limit}")
     if args.limit is not None and args.limit >= 1:
         args.limit = int(args.limit)  # a count; below 1, a fraction (lm-eval's convention)
     return args

@@ -14,9 +14,10 @@ kept a weight average (train.py --ema) is exported with the averaged weights, wh
 evaluates and releases; --raw writes the trained weights instead.
 """
 import argparse
+import shutil
 from pathlib import Path
 
-from common import UserError, exit_error, load_model, one_line
+from common import UserError, exit_error, load_model, one_line, output_folder
 
 
 def parse_args(argv=None):
@@ -35,6 +36,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    created = []
     try:
         if args.tokenizer and not Path(args.tokenizer).is_dir():
             raise UserError(f"--tokenizer {args.tokenizer} is not a directory: give a Hugging Face "
@@ -44,9 +46,19 @@ def main(argv=None):
         init_from = (ckpt.get("args") or {}).get("init_from")
         from_dir = init_from and Path(init_from, "config.json").is_file()
         source = args.tokenizer or (init_from if from_dir else None)
-        out = model.save_pretrained(args.out_dir, source=source, dtype=args.dtype)
-    except (UserError, ValueError, OSError) as e:
-        exit_error("export.py", one_line(e))
+        out = output_folder(args.out_dir, "out_dir")
+        created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
+        model.save_pretrained(out, source=source, dtype=args.dtype)
+    except Exception as e:
+        if created:  # the folders this export made hold nothing worth keeping
+            shutil.rmtree(created[-1], ignore_errors=True)
+        if isinstance(e, (UserError, ValueError)):
+            exit_error("export.py", one_line(e))
+        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":  # which wraps the OSError
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else one_line(e)
+            exit_error("export.py", f"cannot write {out} ({reason}): free some space or export "
+                                    f"elsewhere", status=1)
+        raise
     if model.config.residual == "baseline":
         how = "a Qwen3 checkpoint: transformers.AutoModelForCausalLM.from_pretrained"
     else:

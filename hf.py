@@ -454,7 +454,22 @@ def z_loss(logits):
 # The CPU demonstration: python hf.py [DIR]. transformers saves a tiny random Qwen3 into DIR (no
 # download); it is read, converted, trained five steps with the recipe's groups, written back.
 
+DEMO_SHAPE = dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64,  # 4 x 64 > d, as Qwen3
+                  tie_word_embeddings=False, max_position_embeddings=512,
+                  rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+
+
 def demo(directory, steps=5):
+    # it writes its models over `directory`, DIR-mhar and DIR-baseline: never over another model
+    for folder in (Path(directory), Path(f"{directory}-mhar"), Path(f"{directory}-baseline")):
+        if folder.is_dir() and any(folder.iterdir()):
+            config = read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
+            if any(config.get(k) != DEMO_SHAPE[k] for k in DEMO_SHAPE if k.endswith(("_size", "_heads",
+                                                                                      "_layers", "_dim"))):
+                raise CheckpointError(f"{folder} holds something else (model_type "
+                                      f"{config.get('model_type')!r}), which the demonstration would "
+                                      f"overwrite: give it a new directory, python hf.py DIR")
     import time
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -462,11 +477,7 @@ def demo(directory, steps=5):
         return (a.float() - b.float()).abs().max().item()
 
     torch.manual_seed(0)
-    shape = dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=64,  # 4 x 64 > d, as Qwen3
-                 tie_word_embeddings=False, max_position_embeddings=512,
-                 rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
-    Qwen3ForCausalLM(Qwen3Config(**shape)).save_pretrained(directory)
+    Qwen3ForCausalLM(Qwen3Config(**DEMO_SHAPE)).save_pretrained(directory)
     theirs = {dtype: Qwen3ForCausalLM.from_pretrained(directory, dtype=dtype).eval()
               for dtype in (torch.float32, torch.bfloat16)}
     rows = torch.randint(0, 1024, (steps, 4, 257), generator=torch.Generator().manual_seed(0))
@@ -517,4 +528,9 @@ def demo(directory, steps=5):
 
 if __name__ == "__main__":
     import sys
-    demo(sys.argv[1] if len(sys.argv) > 1 else "models/tiny-qwen3")
+
+    from common import exit_error
+    try:
+        demo(sys.argv[1] if len(sys.argv) > 1 else "models/tiny-qwen3")
+    except CheckpointError as e:
+        exit_error("hf.py", str(e))

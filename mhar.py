@@ -495,7 +495,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, vocab_limit=None,
-                 cache=True):
+                 cache=True, on_token=None):
         """Append max_new_tokens sampled tokens to idx (B, T); temperature 0 picks the argmax.
 
         top_k keeps the k most likely tokens; vocab_limit = n never picks an id >= n (the
@@ -504,7 +504,8 @@ class GPT(nn.Module):
         routing is per position, so its sites read only its own sources. Without, the whole window
         runs again for every token. Both give the same tokens: the window is the last seq_len
         tokens (rotary positions from 0), so once the sequence outgrows it every step runs the
-        cropped window again with a fresh cache, as the uncached path does.
+        cropped window again with a fresh cache, as the uncached path does. on_token(ids (B, 1)) is
+        called with each new token as it is drawn (sample.py prints it at once).
         """
         kv = None                                                      # one KVCache per sublayer
         for _ in range(max_new_tokens):
@@ -528,6 +529,8 @@ class GPT(nn.Module):
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, next_id), dim=1)
+            if on_token is not None:
+                on_token(next_id)
         return idx
 
     # ------------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ run first removes the temporary folders of runs on this host whose process no lo
 """
 
 import argparse
+import errno
 import glob
 import hashlib
 import json
@@ -73,7 +74,7 @@ from typing import Callable
 import numpy as np
 import tiktoken
 
-from common import UserError, exit_error, one_line
+from common import MachineError, UserError, exit_error, one_line, output_folder
 
 DEFAULT_NAME = "pystdlib"  # data/pystdlib/: the built-in corpus, the standard library's sources
 VOCAB_SIZE = 50257  # GPT-2's vocabulary; under 2**16, so every id fits in uint16
@@ -483,7 +484,7 @@ def write_splits(tokenized, folder, val_fraction, seed, progress):
             pick = rng.integers(len(block))
             for i, ids in enumerate(block):
                 split = "val" if i == pick else "train"
-                ids.tofile(files[split])
+                files[split].write(ids.tobytes())  # (ndarray.tofile's error on a full disk has no errno)
                 counts[split]["documents"] += 1
                 counts[split]["tokens"] += len(ids)
 
@@ -537,6 +538,8 @@ class Progress:
         sys.stderr.flush()
 
 
+# what writing the output meets on a full disk, over quota, in a read-only folder
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
 TMP_NAME = re.compile(r"\.(?P<name>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)-[a-z0-9_]+")  # .NAME.tmp-HOST-PID-XXXX
 
 
@@ -605,14 +608,15 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
 
     # write into a hidden temporary folder beside the result, move the files in at the end:
     # a failure, Ctrl-C or SIGTERM leaves neither half-written files nor folders we created
-    out = Path(out)
+    out = output_folder(out, "--out")
     created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in remove_stale_tmp(out):
-        if not quiet:
-            print(f"removed {stale}: the temporary folder of a prepare.py run that was killed")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-{socket.gethostname()}-{os.getpid()}-", dir=out))
+    tmp = None
     try:
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in remove_stale_tmp(out):
+            if not quiet:
+                print(f"removed {stale}: the temporary folder of a prepare.py run that was killed")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-{socket.gethostname()}-{os.getpid()}-", dir=out))
         progress = Progress(total_bytes, max_tokens, quiet)
         counts, nbytes = write_splits(tokenize(documents, tok, max_tokens), tmp, val_fraction, seed, progress)
         if counts["val"]["documents"] == 0:
@@ -643,13 +647,17 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
         for filename in ("train.bin", "val.bin", "meta.json"):  # meta.json last: it marks a finished folder
             os.replace(tmp / filename, final / filename)
         tmp.rmdir()
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         for d in created:
             try:
                 d.rmdir()
             except OSError:  # not empty: something else lives there now
                 break
+        if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:  # not, e.g., a dataset's network
+            raise MachineError(f"cannot write into {out} ({e.strerror}): nothing written; free some "
+                               f"space or choose another --out") from None
         raise
 
     if not quiet:  # what was made, nanoGPT style
@@ -700,6 +708,8 @@ def main(argv=None):
                        quiet=args.quiet)
     except UserError as e:
         exit_error("prepare.py", str(e))
+    except MachineError as e:
+        exit_error("prepare.py", str(e), status=1)
     except KeyboardInterrupt as e:
         signum = signal.Signals[str(e) or "SIGINT"]
         print(f"prepare.py: interrupted ({signum.name}); nothing written", file=sys.stderr)

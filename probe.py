@@ -91,7 +91,8 @@ import numpy as np
 import torch
 
 import mhar
-from common import UserError, exit_error, load_model, pick_device, read_tokens, sample_rows, training_data
+from common import (MachineError, UserError, exit_error, load_model, output_folder, pick_device, read_tokens,
+                    sample_rows, staged, training_data)
 
 FIGURE_DPI = 110  # README-sized PNGs (tens of KB)
 
@@ -514,7 +515,7 @@ def probe(args):
     """Run the probe for parsed arguments; returns the summary (as written to probe.json)."""
     if args.ckpt is None and not args.logs:
         raise ValueError("nothing to probe: pass --ckpt PATH and/or --logs DIR...")
-    out_dir = Path(args.out or (Path(args.ckpt).parent / "probe" if args.ckpt else "probe"))
+    out_dir = output_folder(args.out or (Path(args.ckpt).parent / "probe" if args.ckpt else "probe"), "--out")
     summary, figures, plt, title = dict(notes=[], figures=[]), [], pyplot(), ""
     if args.ckpt is not None:
         model, ckpt = load_model(args.ckpt, pick_device(args.device))
@@ -544,18 +545,18 @@ def probe(args):
     runs = [(path, run_label(path), read_log(path)) for path in logs or []]
     if runs:
         summary["runs"] = summarize_runs(runs)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if plt is not None:
-        for name, plot in figures:
-            plot(plt, summary, out_dir / name, title)
-            summary["figures"].append(name)
-        if runs:
-            plot_loss_curves(plt, runs, out_dir / "loss_curves.png")
-            summary["figures"].append("loss_curves.png")
-    elif figures or runs:
+    if plt is None and (figures or runs):
         summary["notes"].append("matplotlib is not installed: no figures; pip install matplotlib, then run again")
-    summary = jsonable(summary)
-    (out_dir / "probe.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
+    with staged(out_dir) as tmp:  # every file whole, or none
+        if plt is not None:
+            for name, plot in figures:
+                plot(plt, summary, tmp / name, title)
+                summary["figures"].append(name)
+            if runs:
+                plot_loss_curves(plt, runs, tmp / "loss_curves.png")
+                summary["figures"].append("loss_curves.png")
+        summary = jsonable(summary)
+        (tmp / "probe.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
     return summary, out_dir
 
 
@@ -612,6 +613,8 @@ def main(argv=None):
         summary, out_dir = probe(parse_args(argv))
     except (UserError, ValueError) as e:
         exit_error("probe.py", str(e))
+    except MachineError as e:  # writing the outputs: a full disk, a read-only folder
+        exit_error("probe.py", str(e), status=1)
     print(report(summary, out_dir))
 
 

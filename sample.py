@@ -10,8 +10,9 @@ meta.json (written by prepare.py) says GPT-2's BPE (prepare.get_encoding(), offl
 own tokenizer.json (prepare.py --tokenizer DIR; it needs `pip install tokenizers`). --tokenizer DIR
 overrides it, e.g. when the data folder has moved. The empty prompt starts a new document
 (end-of-text); the text <|endoftext|> (the tokenizer's end-of-text) in a prompt is that token. Each
-sample prints the prompt and its continuation. Sampling is a pure function of (checkpoint, prompt,
-flags, --seed): the same command prints the same text on the same device.
+sample prints the prompt and its continuation, each token as soon as it is drawn (the samples one
+after another). Sampling is a pure function of (checkpoint, prompt, flags, --seed): the same command
+prints the same text on the same device.
 
 Only ids the tokenizer can decode are sampled: the model's vocabulary is padded (GPT-2's 50,257 ids
 to 50,304), and a padding id has no text. A model trained on token files without a tokenizer has no
@@ -19,7 +20,7 @@ text: its prompt is a list of token ids ("--prompt '3 1 4'", empty = token 0) an
 model trained on --data synthetic (random tokens) is decoded with GPT-2's BPE: its text is noise.
 
 Bad input (a flag out of range, a missing or foreign checkpoint, an absent device) ends with one
-line on stderr and exit status 2.
+line on stderr and exit status 2; Ctrl-C with one line and exit status 130.
 """
 import argparse
 import math
@@ -84,16 +85,35 @@ def codec_for(model, ckpt, tokenizer_dir=None):
     return codec
 
 
-def sample(model, codec, prompt="", num_samples=1, max_new_tokens=200, temperature=0.8, top_k=200, seed=0):
-    """The prompt and its continuation, as text (or ids), for each sample; deterministic for a seed on a device."""
+def sample(model, codec, prompt="", num_samples=1, max_new_tokens=200, temperature=0.8, top_k=200, seed=0,
+           show=None):
+    """The prompt and its continuation, as text (or ids), for each sample; deterministic for a seed on a device.
+    The samples are drawn one after another, so that show(i, text), when given, can be handed sample i's text
+    piece by piece as its tokens come: first the prompt, then what each new token adds."""
     device = next(model.parameters()).device
     ids = codec.encode(prompt)
     shown = 1 if codec.tokenizer is not None and not prompt else 0  # a new document: not its end-of-text
     torch.manual_seed(seed)
-    idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
-    idx = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                         vocab_limit=codec.vocab_limit, cache=True)                 # (samples, prompt + new)
-    return [codec.decode(row[shown:].tolist()) for row in idx]
+    texts = []
+    for i in range(num_samples):
+        row, printed = list(ids[shown:]), codec.decode(ids[shown:])
+        if show is not None:
+            show(i, printed)
+
+        def add(next_id):  # (1, 1)
+            nonlocal printed
+            row.append(int(next_id))
+            text = codec.decode(row)
+            if not text.endswith("\ufffd"):  # not in the middle of a character's bytes
+                show(i, text[len(printed):])
+                printed = text
+        idx = model.generate(torch.tensor([ids], dtype=torch.long, device=device), max_new_tokens,
+                             temperature=temperature, top_k=top_k, vocab_limit=codec.vocab_limit, cache=True,
+                             on_token=add if show is not None else None)                # (1, prompt + new)
+        texts.append(codec.decode(idx[0, shown:].tolist()))
+        if show is not None and texts[-1] != printed:
+            show(i, texts[-1][len(printed):])  # a character left incomplete at the end
+    return texts
 
 
 def parse_args(argv=None):
@@ -124,16 +144,25 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    current = -1  # the sample being printed
+
+    def show(i, text):  # each piece as its tokens come; a line of dashes between two samples
+        nonlocal current
+        if i != current:
+            print("\n" + "-" * 40 + "\n" if i else "", end="")
+            current = i
+        print(text, end="", flush=True)
     try:
         model, ckpt = load_model(args.ckpt, pick_device(args.device))
         samples = sample(model, codec_for(model, ckpt, args.tokenizer), args.prompt, args.num_samples,
-                         args.max_new_tokens, args.temperature, args.top_k or None, args.seed)
+                         args.max_new_tokens, args.temperature, args.top_k or None, args.seed, show)
     except UserError as e:
         exit_error("sample.py", str(e))
-    for i, text in enumerate(samples):
-        if i:
-            print("-" * 40)
-        print(text, flush=True)
+    except KeyboardInterrupt:
+        print("" if current < 0 else "\n", end="", flush=True)  # the interrupted sample's line ends
+        exit_error("sample.py", "interrupted (Ctrl-C)", status=130)
+    print(flush=True)
+    return samples
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Helpers every test file shares: one relative error, one builder of route inputs, the tiny models, an
-lm-eval task over local files."""
+lm-eval task over local files, a script run in a subprocess on a full disk or in a read-only folder."""
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,12 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason=(
     "runs the fused kernels on CPU tensors, in the Triton interpreter: on a GPU machine the compiled "
     "kernels are tested in test_gpu.py"))
+
+
+def needs(module):
+    """The module, or the test is skipped with the reason: an optional package that the README's test command
+    installs (requirements-test.txt), absent here."""
+    return pytest.importorskip(module, reason=f"needs {module}: pip install -r requirements-test.txt")
 
 
 def rel_err(a, b):
@@ -34,6 +42,89 @@ def error_line(capsys, main, argv, status=2):
     assert err.startswith(f"{script}.py: error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err, err
     return err.strip()
+
+
+# The child of run_script: every file it opens for writing under a folder meets a full disk (the file is created,
+# its bytes go to /dev/full, whose writes fail with ENOSPC) or a read-only file system (EROFS on creating
+# anything). Tests may run as root, whom chmod 555 does not stop, and mounting a small or read-only file system
+# needs privileges: the fault is made at Python's file functions instead, and at safetensors' writer, which
+# opens its files in Rust and reports the OSError inside its own error.
+FAULTS = r"""
+import builtins, errno, io, os, runpy, sys
+fault, under, script = sys.argv[1], os.path.realpath(sys.argv[2]), sys.argv[3]
+sys.argv = sys.argv[3:]
+code = errno.ENOSPC if fault == "full" else errno.EROFS
+open_, os_open, mkdir = io.open, os.open, os.mkdir
+
+def inside(path):
+    if isinstance(path, int):
+        return False
+    path = os.path.realpath(os.fsdecode(path))
+    return path == under or path.startswith(under + os.sep)
+
+def refused(path):
+    return OSError(code, os.strerror(code), os.fsdecode(path))
+
+def guarded_open(file, mode="r", *args, **kwargs):
+    if inside(file) and set(mode) & set("wax+"):
+        if fault == "read-only":
+            raise refused(file)
+        open_(file, mode, *args, **kwargs).close()
+        return open_("/dev/full", "wb" if "b" in mode else "w", *args, **kwargs)
+    return open_(file, mode, *args, **kwargs)
+
+def guarded_os_open(path, flags, *args, **kwargs):
+    if fault == "read-only" and inside(path) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+        raise refused(path)
+    return os_open(path, flags, *args, **kwargs)
+
+def guarded_mkdir(path, *args, **kwargs):
+    if fault == "read-only" and inside(path) and not os.path.lexists(path):
+        raise refused(path)
+    return mkdir(path, *args, **kwargs)
+
+builtins.open = io.open = guarded_open
+os.open, os.mkdir = guarded_os_open, guarded_mkdir
+try:
+    import safetensors, safetensors.torch
+    serialize_file = safetensors.torch.serialize_file
+
+    def guarded_serialize_file(tensors, filename, metadata=None):
+        if inside(filename):
+            raise safetensors.SafetensorError(f"Error while serializing: I/O error: {os.strerror(code)} "
+                                              f"(os error {code})")
+        return serialize_file(tensors, filename, metadata=metadata)
+    safetensors.torch.serialize_file = guarded_serialize_file
+except ImportError:
+    pass
+sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def run_script(script, *argv, fault=None, under=None, timeout=300):
+    """`python <script> argv` from the repository root in a subprocess -> CompletedProcess (text). fault "full"
+    or "read-only" makes the files it writes under the folder `under` fail as on a full disk or in a read-only
+    folder (FAULTS)."""
+    argv = [str(a) for a in argv]
+    command = [sys.executable, "-c", FAULTS, fault, str(under), script, *argv] if fault else \
+        [sys.executable, script, *argv]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def one_error_line(p, script, status):
+    """The one line "<script>: error: ..." a finished run_script wrote on stderr, having exited with `status`."""
+    assert p.returncode == status, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{script}: error: "), p.stderr
+    return lines[0]
+
+
+def files_in(folder):
+    """Every file and folder under `folder`, hidden ones included, relative to it (none: the folder is absent)."""
+    folder = Path(folder)
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) if folder.exists() else []
 
 
 def tiny(residual="mhar", **overrides):
@@ -99,9 +190,25 @@ def save_tiny_qwen3(directory, tied=True, head_dim=16, n_kv_head=2, rope_theta=1
     return model
 
 
+def foreign_model(folder, kind):
+    """A directory GPT.from_pretrained refuses, folder/kind: "llama", a Llama model that transformers saves;
+    "broken", a Qwen3 config.json cut short. Returns (directory, a fragment of the refusal)."""
+    needs("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
+    directory = folder / kind
+    if kind == "llama":
+        LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2)).save_pretrained(directory)
+        return directory, 'model_type = "llama" cannot be mapped'
+    directory.mkdir()
+    text = Qwen3Config(vocab_size=100, hidden_size=64, num_hidden_layers=2).to_json_string()
+    (directory / "config.json").write_text(text[:len(text) // 2])
+    return directory, "config.json ("
+
+
 def write_task(folder, name, rows, **config):
     """An lm-eval task that needs no network: a YAML file over a JSON-lines file of rows."""
-    import yaml  # a dependency of datasets, which lm-eval needs
+    yaml = needs("yaml")  # a dependency of datasets, which lm-eval needs
     data = folder / f"{name}.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     config = dict(task=name, dataset_path="json", test_split="test",

@@ -8,7 +8,7 @@ import pytest
 import compare
 import mhar
 import prepare
-from helpers import PNG_SIGNATURE, VOCAB, error_line, write_task
+from helpers import PNG_SIGNATURE, VOCAB, error_line, needs, write_task
 
 
 def runs(*argv):
@@ -117,6 +117,7 @@ METRICS = ["words_choice/acc", "words_next/exact_match", "words_text/word_perple
 def words(tmp_path_factory):
     """(a prepare.py corpus of random sentences, written by a BPE tokenizer of 64 ids; a folder of three
     offline lm-eval tasks over the same words: multiple choice, generation, perplexity)."""
+    needs("tokenizers"), needs("lm_eval")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     folder = tmp_path_factory.mktemp("words")
     rng = random.Random(0)

