@@ -270,7 +270,7 @@ def test_a_model_trained_here_exports_to_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["converted-mhar", "mhar-S2", "attnres", "hyper"])
-def test_a_routed_model_round_trips_and_transformers_refuses_it(qwen3, kind, tmp_path):
+def test_a_routed_model_round_trips_and_transformers_asks_to_trust_its_code(qwen3, kind, tmp_path):
     torch.manual_seed(0)
     if kind == "converted-mhar":
         model = GPT.from_pretrained(qwen3["untied-hd32"][0], residual="mhar", route_heads=8,
@@ -282,24 +282,82 @@ def test_a_routed_model_round_trips_and_transformers_refuses_it(qwen3, kind, tmp
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == "mhar" and config["mhar"]["residual"] == model.config.residual
+    assert config["auto_map"] == hf.AUTO_MAP and config["architectures"] == ["MHARForCausalLM"]
+    for name in hf.REMOTE_CODE:  # the adapter and the model, as in the repository
+        assert (tmp_path / name).read_bytes() == (ROOT / name).read_bytes()
     loaded = GPT.from_pretrained(tmp_path)
     assert loaded.config == model.config
     pairs = zip(loaded.state_dict().values(), model.state_dict().values())
     assert all(torch.equal(a, b) for a, b in pairs)
     assert torch.equal(logits_of(loaded, tokens()), logits_of(model, tokens()))
-    with pytest.raises(ValueError, match="model type `mhar`"):
-        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
-    with pytest.raises(OSError, match="model.safetensors"):
-        transformers.Qwen3ForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=False)
+    # Qwen3's class finds neither the embedding nor a layer: never a Qwen3 without the routing
+    _, info = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    decoder = {name for name in hf.tensor_names(model.config).values()
+               if name.startswith(("model.layers.", "model.embed_tokens."))}
+    assert decoder <= set(info["missing_keys"])
 
 
-def test_an_export_replaces_the_weights_of_an_earlier_one(qwen3, tmp_path):
+def write_earlier_export(model, directory):
+    """A routed model as save_pretrained wrote it before it wrote remote code: config.json with
+    the routing alone in its "mhar" section, Qwen3's names and "mhar.<name>" in
+    mhar.safetensors."""
+    from safetensors.torch import save_file
+    model.save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    del config["auto_map"], config["use_cache"]
+    config["mhar"] = {k: config["mhar"][k] for k in hf.ROUTING}
+    (directory / "config.json").write_text(json.dumps(config))
+    for file in [*directory.glob("model*.safetensors*"), *(directory / n for n in hf.REMOTE_CODE)]:
+        file.unlink()
+    state = model.state_dict()
+    save_file({name: state[ours].contiguous()
+               for name, ours in hf.file_names(model.config, state, "mhar").items()},
+              directory / "mhar.safetensors")
+
+
+def test_an_earlier_export_still_loads(qwen3, tmp_path):
+    model = open_routing(GPT.from_pretrained(qwen3["untied-hd32"][0], residual="mhar",
+                                             route_heads=8, route_block=4))
+    write_earlier_export(model, tmp_path)
+    assert hf.layout(json.loads((tmp_path / "config.json").read_text())) == "mhar"
+    loaded = GPT.from_pretrained(tmp_path)
+    assert loaded.config == model.config
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(),
+                                                 model.state_dict().values()))
+
+
+def test_shards_past_the_size_limit_as_transformers_writes_them(qwen3, tmp_path):
+    from safetensors.torch import load_file
+    model = open_routing(GPT.from_pretrained(qwen3["tied"][0], residual="attnres"))
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    n = len(files)
+    assert n > 3 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    stored = {name: file for file in files for name in load_file(tmp_path / file)}
+    assert index["weight_map"] == stored
+    sizes = [(tmp_path / file).stat().st_size for file in files]
+    assert index["metadata"]["total_size"] < sum(sizes)  # the tensors, without the headers
+    assert torch.equal(logits_of(GPT.from_pretrained(tmp_path), tokens()),
+                       logits_of(model, tokens()))
+    model.save_pretrained(tmp_path)  # under the limit again: one file, no stale shard or index
+    assert sorted(p.name for p in tmp_path.glob("model*.safetensors*")) == ["model.safetensors"]
+    with pytest.raises(ValueError, match="max_shard_size '5 apples' is not a size"):
+        model.save_pretrained(tmp_path, max_shard_size="5 apples")
+
+
+def test_an_export_replaces_the_weights_and_code_of_an_earlier_one(qwen3, tmp_path):
     directory = qwen3["tied"][0]
-    GPT.from_pretrained(directory).save_pretrained(tmp_path)
-    open_routing(GPT.from_pretrained(directory, residual="mhar")).save_pretrained(tmp_path)
-    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["mhar.safetensors"]
+    write_earlier_export(open_routing(GPT.from_pretrained(directory, residual="mhar")), tmp_path)
     GPT.from_pretrained(directory).save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
+    open_routing(GPT.from_pretrained(directory, residual="mhar")).save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.py")) == sorted(hf.REMOTE_CODE)
+    GPT.from_pretrained(directory).save_pretrained(tmp_path)  # a plain Qwen3 again, no code
+    assert not list(tmp_path.glob("*.py"))
+    assert "auto_map" not in json.loads((tmp_path / "config.json").read_text())
 
 
 def test_tokenizer_files_and_token_ids_travel_with_the_model(qwen3, tmp_path):
