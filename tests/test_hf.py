@@ -453,3 +453,214 @@ def test_export_errors_are_one_line(tmp_path, capsys):
                  [str(ckpt), str(tmp_path / "hf"), "--tokenizer", str(tmp_path / "nowhere")]):
         error_line(capsys, export.main, argv)
     assert not (tmp_path / "hf").exists()  # nothing half-written
+
+
+# ----------------------------------------------------------------------------------------------
+# A routed directory in transformers and lm-eval, in a process that never imported this project
+
+# name: how the model is made. Full, block and delta routing; attnres and mhar; tied and untied;
+# a converted Qwen3 (head width 32 over d 64, rope theta 1e6) in shards; hyper-connections.
+ROUTED = {
+    "mhar-full-tied": dict(residual="mhar"),
+    "attnres-block-untied": dict(residual="attnres", route_block=2, tie_embeddings=False),
+    "mhar-delta-untied-sharded": dict(qwen3="untied-hd32", residual="mhar", route_heads=8,
+                                      route_block=4),
+    "attnres-delta-tied": dict(qwen3="tied", residual="attnres", route_block=2),
+    "hyper": dict(residual="hyper"),
+}
+PROMPT, NEW = 5, 10  # greedy generation: prompt length, new tokens
+SENTENCE = ("Once upon a time, in a village between the mountains and the sea, there lived an "
+            "old clockmaker who repaired every clock in the valley.")
+
+# Run as a script from a folder of its own, without the repository on sys.path: the checks a
+# user of transformers and lm-eval makes, their answers saved for the test to compare.
+FRESH_PROCESS = r"""
+import json, sys
+sys.modules["triton"] = None  # the directory's code runs without triton (and without kernel.py)
+args = json.loads(sys.argv[1])
+from pathlib import Path
+import torch, transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+out = {"hf": {}}
+idx = torch.tensor(args["tokens"])
+for name, directory in args["dirs"].items():
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
+    model.generation_config.eos_token_id = None  # NEW tokens, as GPT.generate writes them
+    lengths = []  # the inputs' lengths: a cached step runs the newest token alone
+    model.get_input_embeddings().register_forward_hook(lambda m, i, o: lengths.append(i[0].shape[1]))
+    result = {"class": type(model).__name__}
+    with torch.no_grad():
+        result["logits"] = model(idx).logits
+    for use_cache in (True, False):
+        lengths.clear()
+        generated = model.generate(
+            idx[:, :args["prompt"]], max_new_tokens=args["new"], do_sample=False,
+            use_cache=use_cache, output_logits=True, return_dict_in_generate=True)
+        result[f"generate-{use_cache}"] = generated.sequences
+        result[f"generate-logits-{use_cache}"] = torch.stack(generated.logits, 1)  # (B, new, V)
+        result[f"lengths-{use_cache}"] = list(lengths)
+    output = model(idx, labels=idx)
+    output.loss.backward()
+    result["loss"] = output.loss.detach()
+    result["grads"] = {n: p.grad for n, p in model.named_parameters()}
+    bf16 = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True,
+                                                dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        result["logits-bf16"] = bf16(idx).logits
+    out["hf"][name] = result
+tokenizer = AutoTokenizer.from_pretrained(args["lm_eval_dir"], trust_remote_code=True)
+out["token_ids"] = tokenizer(args["text"], add_special_tokens=False)["input_ids"]
+import lm_eval
+from lm_eval.tasks import TaskManager
+results = lm_eval.simple_evaluate(
+    model="hf", model_args=f"pretrained={args['lm_eval_dir']},trust_remote_code=True,dtype=float32",
+    tasks=args["tasks"], task_manager=TaskManager(include_path=args["tasks_dir"],
+                                                  include_defaults=False),
+    batch_size=2, device="cpu", log_samples=True)
+out["samples"] = {task: [(s["doc_id"], s["arguments"], s["resps"]) for s in samples]
+                  for task, samples in results["samples"].items()}
+root = Path(args["root"]).resolve()
+out["project_imported"] = ("mhar" in sys.modules or "hf" in sys.modules
+                           or any(Path(p or ".").resolve() == root for p in sys.path))
+torch.save(out, args["out"])
+"""
+
+
+def save_tiny_tokenizer(folder):
+    """A BPE tokenizer of 100 ids trained on SENTENCE, as transformers saves one (tokenizer.json,
+    tokenizer_config.json), end-of-text named in config.json as a Qwen3 directory does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tok.train_from_iterator([SENTENCE], trainers.BpeTrainer(vocab_size=100,
+                                                            special_tokens=["<|endoftext|>"]))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": tok.token_to_id("<|endoftext|>")}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fresh(qwen3, tmp_path_factory):
+    """Every ROUTED model exported, then loaded by transformers (and the first by lm-eval's hf
+    model) in one fresh Python process: {models, dirs, answers of that process}."""
+    from helpers import write_task
+    root = tmp_path_factory.mktemp("fresh")
+    source = save_tiny_tokenizer(root / "tokenizer")
+    models, dirs = {}, {}
+    for i, (name, recipe) in enumerate(ROUTED.items()):
+        recipe = dict(recipe)
+        torch.manual_seed(i)
+        if "qwen3" in recipe:
+            model = GPT.from_pretrained(qwen3[recipe.pop("qwen3")][0], **recipe)
+        else:
+            model = GPT(tiny(**recipe))
+        models[name], dirs[name] = open_routing(model.eval(), seed=i), root / name
+        shards = {"max_shard_size": "20KB"} if "sharded" in name else {}
+        model.save_pretrained(dirs[name], source=source if i == 0 else None, **shards)
+    docs = [dict(context=c, choices=[" there lived", " every clock", " the sea"], label=0)
+            for c in ("Once upon a time,", "in a village between the mountains and", "old")]
+    write_task(root, "tiny_choice", docs, output_type="multiple_choice", doc_to_text="{{context}}",
+               doc_to_choice="{{choices}}", doc_to_target="{{label}}", target_delimiter="",
+               metric_list=[{"metric": "acc"}])
+    write_task(root, "tiny_text", [dict(text=" ".join([SENTENCE] * 3))],  # three windows of 32
+               output_type="loglikelihood_rolling", doc_to_text="", doc_to_target="{{text}}",
+               metric_list=[{"metric": "word_perplexity"}])
+    args = dict(dirs={k: str(v) for k, v in dirs.items()}, tokens=tokens(T=12).tolist(),
+                prompt=PROMPT, new=NEW, lm_eval_dir=str(dirs["mhar-full-tied"]), text=SENTENCE,
+                tasks=["tiny_choice", "tiny_text"], tasks_dir=str(root), root=str(ROOT),
+                out=str(root / "answers.pt"))
+    (root / "run" / "check.py").parent.mkdir()
+    (root / "run" / "check.py").write_text(FRESH_PROCESS)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HOME=str(root / "hf-home"), HF_MODULES_CACHE=str(root / "hf-modules"),
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "check.py", json.dumps(args)], cwd=root / "run",
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    answers = torch.load(root / "answers.pt")
+    return types.SimpleNamespace(models=models, dirs=dirs, root=root, source=source, **answers)
+
+
+def test_the_fresh_process_never_imported_this_project(fresh):
+    assert not fresh.project_imported
+    assert {answers["class"] for answers in fresh.hf.values()} == {"MHARForCausalLM"}
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_transformers_gives_the_projects_logits_exactly(fresh, name):
+    theirs, model = fresh.hf[name], fresh.models[name]
+    assert theirs["logits"].dtype == torch.float32
+    assert (theirs["logits"] - logits_of(model, tokens(T=12))).abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_transformers_in_bf16_is_the_projects_bf16(fresh, name):
+    truth = logits_of(fresh.models[name], tokens(T=12))
+    ours = logits_of(GPT.from_pretrained(fresh.dirs[name], dtype=torch.bfloat16), tokens(T=12))
+    theirs = fresh.hf[name]["logits-bf16"]
+    assert rel_err(ours, truth) > 0                       # bf16 did round
+    assert rel_err(theirs, truth) <= rel_err(ours, truth)
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_transformers_generate_is_gpt_generate(fresh, name):
+    prompt = tokens(T=12)[:, :PROMPT]
+    expected = fresh.models[name].generate(prompt, NEW, temperature=0)
+    theirs = fresh.hf[name]
+    assert torch.equal(theirs["generate-True"], expected)
+    assert torch.equal(theirs["generate-False"], expected)
+    assert theirs["lengths-True"] == [PROMPT] + [1] * (NEW - 1)             # the KV cache
+    assert theirs["lengths-False"] == list(range(PROMPT, PROMPT + NEW))     # the whole window
+    # and each step's logits are those of the whole sequence so far (up to the rounding of
+    # other shapes): a cached step sits at its own position
+    full = logits_of(fresh.models[name], expected[:, :-1])[:, PROMPT - 1:]  # (B, NEW, vocab)
+    for use_cache in (True, False):
+        assert rel_err(theirs[f"generate-logits-{use_cache}"], full) < 1e-6
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_gradients_flow_through_the_transformers_class(fresh, name):
+    """loss.backward() through MHARForCausalLM: transformers' causal loss and every parameter's
+    gradient are GPT's, routing included."""
+    import torch.nn.functional as F
+    model, idx = fresh.models[name], tokens(T=12)
+    model.zero_grad(set_to_none=True)
+    logits, _ = model(idx)
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), idx[:, 1:].reshape(-1))
+    loss.backward()
+    theirs = fresh.hf[name]
+    assert theirs["loss"].item() == pytest.approx(loss.item(), rel=1e-6)
+    ours = {f"model.{n}": p.grad for n, p in model.named_parameters()}
+    assert ours.keys() == theirs["grads"].keys()
+    for n, grad in ours.items():
+        assert rel_err(theirs["grads"][n], grad) < 1e-5, n
+    if model.config.routed:  # the routing learns: the final site mixes all its sources
+        assert theirs["grads"][f"model.sites.{len(model.sites) - 1}.query"].abs().sum() > 0
+
+
+def test_autotokenizer_reads_the_directorys_tokenizer(fresh):
+    import prepare
+    assert fresh.token_ids == prepare.hf_tokenizer(fresh.source).encode_batch([SENTENCE])[0]
+
+
+def test_lm_evals_hf_model_gives_eval_pys_loglikelihoods(fresh):
+    """lm-eval's own hf model (transformers, the directory's code) and eval.py (GPT.from_pretrained)
+    on the same directory and offline tasks: request by request, the same log-likelihoods."""
+    import eval
+    ours = eval.evaluate(fresh.dirs["mhar-full-tied"], ["tiny_choice", "tiny_text"],
+                         include_path=fresh.root, batch_size=2, device="cpu", log_samples=True,
+                         output=fresh.root / "eval.json")["samples"]
+    assert fresh.samples.keys() == ours.keys() == {"tiny_choice", "tiny_text"}
+    compared = 0
+    for task, samples in fresh.samples.items():
+        mine = {s["doc_id"]: s for s in ours[task]}
+        for doc_id, arguments, resps in samples:
+            assert [list(a) for a in mine[doc_id]["arguments"]] == [list(a) for a in arguments]
+            for [theirs], [expected] in zip(resps, mine[doc_id]["resps"]):
+                if task == "tiny_choice":  # (log p, is_greedy); rolling: log p alone
+                    theirs, expected = theirs[0], expected[0]
+                assert theirs == pytest.approx(expected, rel=1e-5, abs=1e-5), (task, doc_id)
+                compared += 1
+    assert compared == 3 * 3 + 1
