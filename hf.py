@@ -378,9 +378,10 @@ def byte_count(size):
     units = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B)?\s*", str(size), flags=re.I)
-    if not match or int(float(match[1]) * units[(match[2] or "").upper()]) < 1:
+    count = int(float(match[1]) * units[(match[2] or "").upper()]) if match else 0
+    if count < 1:
         raise ValueError(f"max_shard_size {size!r} is not a size: give bytes or e.g. 5GB, 500MB")
-    return int(float(match[1]) * units[(match[2] or "").upper()])
+    return count
 
 
 def shards(tensors, stem, max_shard_size):

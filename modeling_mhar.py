@@ -43,7 +43,7 @@ class LayerCache:
 class MHARPreTrainedModel(PreTrainedModel):
     config_class = MHARConfig
     base_model_prefix = "model"
-    _no_split_modules = ["Attention", "MLP"]  # a device map keeps each sublayer whole
+    _no_split_modules = ["GPT"]  # a device map keeps it whole: each site reads every sublayer
 
     def _init_weights(self, module):
         # transformers builds the model on the meta device and loads every stored tensor; the

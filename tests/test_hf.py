@@ -340,8 +340,16 @@ def test_shards_past_the_size_limit_as_transformers_writes_them(qwen3, tmp_path)
     assert index["weight_map"] == stored
     sizes = [(tmp_path / file).stat().st_size for file in files]
     assert index["metadata"]["total_size"] < sum(sizes)  # the tensors, without the headers
+    for file in files:  # each under the limit, or a tensor larger than it alone
+        tensors = load_file(tmp_path / file).values()
+        assert len(tensors) == 1 or sum(t.numel() * t.element_size() for t in tensors) <= 20_000
     assert torch.equal(logits_of(GPT.from_pretrained(tmp_path), tokens()),
                        logits_of(model, tokens()))
+    baseline = GPT.from_pretrained(qwen3["tied"][0])  # a Qwen3 in shards, as transformers reads
+    baseline.save_pretrained(tmp_path / "qwen3", max_shard_size="20KB")
+    assert (tmp_path / "qwen3" / "model.safetensors.index.json").is_file()
+    theirs = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "qwen3").eval()
+    assert torch.equal(logits_of(theirs, tokens()), logits_of(qwen3["tied"][1], tokens()))
     model.save_pretrained(tmp_path)  # under the limit again: one file, no stale shard or index
     assert sorted(p.name for p in tmp_path.glob("model*.safetensors*")) == ["model.safetensors"]
     with pytest.raises(ValueError, match="max_shard_size '5 apples' is not a size"):
@@ -495,7 +503,8 @@ for name, directory in args["dirs"].items():
     model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
     model.generation_config.eos_token_id = None  # NEW tokens, as GPT.generate writes them
     lengths = []  # the inputs' lengths: a cached step runs the newest token alone
-    model.get_input_embeddings().register_forward_hook(lambda m, i, o: lengths.append(i[0].shape[1]))
+    model.get_input_embeddings().register_forward_hook(
+        lambda module, inputs, output: lengths.append(inputs[0].shape[1]))
     result = {"class": type(model).__name__}
     with torch.no_grad():
         result["logits"] = model(idx).logits
@@ -515,6 +524,7 @@ for name, directory in args["dirs"].items():
                                                 dtype=torch.bfloat16).eval()
     with torch.no_grad():
         result["logits-bf16"] = bf16(idx).logits
+    model.save_pretrained(f"{directory}-resaved")  # as after fine-tuning with transformers
     out["hf"][name] = result
 tokenizer = AutoTokenizer.from_pretrained(args["lm_eval_dir"], trust_remote_code=True)
 out["token_ids"] = tokenizer(args["text"], add_special_tokens=False)["input_ids"]
@@ -549,7 +559,8 @@ def save_tiny_tokenizer(folder):
                                                             special_tokens=["<|endoftext|>"]))
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
     fast.save_pretrained(folder)
-    (folder / "config.json").write_text(json.dumps({"eos_token_id": tok.token_to_id("<|endoftext|>")}))
+    eot = tok.token_to_id("<|endoftext|>")
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": eot}))
     return folder
 
 
@@ -652,6 +663,19 @@ def test_gradients_flow_through_the_transformers_class(fresh, name):
         assert theirs["grads"][f"model.sites.{len(model.sites) - 1}.query"].abs().sum() > 0
 
 
+@pytest.mark.parametrize("name", ROUTED)
+def test_what_transformers_saves_loads_here(fresh, name):
+    """transformers' own save_pretrained of the model (after fine-tuning with it, say) writes a
+    directory GPT.from_pretrained reads: the same tensors and logits."""
+    resaved = GPT.from_pretrained(fresh.dirs[name].with_name(f"{name}-resaved"))
+    model = fresh.models[name]
+    assert resaved.config == model.config.__class__(**{**dataclasses.asdict(model.config),
+                                                       "seq_len": resaved.config.seq_len})
+    assert all(torch.equal(a, b) for a, b in zip(resaved.state_dict().values(),
+                                                 model.state_dict().values()))
+    assert torch.equal(logits_of(resaved, tokens(T=12)), logits_of(model, tokens(T=12)))
+
+
 def test_autotokenizer_reads_the_directorys_tokenizer(fresh):
     import prepare
     assert fresh.token_ids == prepare.hf_tokenizer(fresh.source).encode_batch([SENTENCE])[0]
@@ -661,7 +685,8 @@ def test_lm_evals_hf_model_gives_eval_pys_loglikelihoods(fresh):
     """lm-eval's own hf model (transformers, the directory's code) and eval.py (GPT.from_pretrained)
     on the same directory and offline tasks: request by request, the same log-likelihoods."""
     if fresh.samples is None:
-        pytest.skip("lm-eval's hf model needs lm-eval and accelerate (pip install lm-eval accelerate)")
+        pytest.skip("lm-eval's hf model needs lm-eval and accelerate: pip install lm-eval "
+                    "accelerate")
     import eval
     ours = eval.evaluate(fresh.dirs["mhar-full-tied"], ["tiny_choice", "tiny_text"],
                          include_path=fresh.root, batch_size=2, device="cpu", log_samples=True,
