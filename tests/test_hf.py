@@ -525,6 +525,18 @@ for name, directory in args["dirs"].items():
     with torch.no_grad():
         result["logits-bf16"] = bf16(idx).logits
     model.save_pretrained(f"{directory}-resaved")  # as after fine-tuning with transformers
+    refused = []  # what the model cannot honour is an error, not ignored
+    padded = torch.ones_like(idx)
+    padded[0, 0] = 0
+    for call in (lambda: model(idx, attention_mask=padded),
+                 lambda: model(inputs_embeds=model.get_input_embeddings()(idx)),
+                 lambda: model(torch.zeros(1, model.config.max_position_embeddings + 1,
+                                           dtype=torch.long))):
+        try:
+            call()
+        except ValueError as e:
+            refused.append(str(e))
+    result["refused"] = refused
     out["hf"][name] = result
 tokenizer = AutoTokenizer.from_pretrained(args["lm_eval_dir"], trust_remote_code=True)
 out["token_ids"] = tokenizer(args["text"], add_special_tokens=False)["input_ids"]
@@ -661,6 +673,13 @@ def test_gradients_flow_through_the_transformers_class(fresh, name):
         assert rel_err(theirs["grads"][n], grad) < 1e-5, n
     if model.config.routed:  # the routing learns: the final site mixes all its sources
         assert theirs["grads"][f"model.sites.{len(model.sites) - 1}.query"].abs().sum() > 0
+
+
+def test_the_model_refuses_what_it_cannot_honour(fresh):
+    for answers in fresh.hf.values():
+        padding, embeddings, length = answers["refused"]
+        assert "takes no padding mask" in padding and "not inputs_embeds" in embeddings
+        assert "longer than Config.seq_len" in length
 
 
 @pytest.mark.parametrize("name", ROUTED)
