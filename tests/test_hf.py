@@ -1,7 +1,9 @@
 """hf.py and export.py: Qwen3 checkpoints in and out, checked against transformers (tiny random
-models that transformers saves offline)."""
+models that transformers saves offline); routed checkpoints run by transformers and lm-eval from
+their own directory (modeling_mhar.py), in a process that never imported this project."""
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import types
@@ -606,9 +608,9 @@ def fresh(qwen3, tmp_path_factory):
                 prompt=PROMPT, new=NEW, lm_eval_dir=str(dirs["mhar-full-tied"]), text=SENTENCE,
                 tasks=["tiny_choice", "tiny_text"], tasks_dir=str(root), root=str(ROOT),
                 out=str(root / "answers.pt"))
-    (root / "run" / "check.py").parent.mkdir()
+    (root / "run").mkdir()
     (root / "run" / "check.py").write_text(FRESH_PROCESS)
-    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the repository stays off
     env.update(HF_HOME=str(root / "hf-home"), HF_MODULES_CACHE=str(root / "hf-modules"),
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS="1")
