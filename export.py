@@ -6,8 +6,10 @@ Export a train.py checkpoint as a Hugging Face directory.
         --tokenizer models/Qwen3-0.6B
 
 A baseline becomes a Qwen3 checkpoint (config.json, model.safetensors) that transformers loads
-with the same logits; a routed model (attnres, mhar, hyper) is written in this project's format,
-which mhar.GPT.from_pretrained reads back exactly and transformers refuses (hf.py says how).
+with the same logits; a routed model (attnres, mhar, hyper) becomes a checkpoint with its code,
+which transformers runs with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
+and mhar.GPT.from_pretrained reads back, both exactly (hf.py says how). Tensors past
+--max_shard_size (default 5GB) are split into shards and an index, as transformers writes them.
 --tokenizer copies the tokenizer files and special token ids of a Hugging Face model directory;
 by default those of the directory the run was initialized from, when there is one. A run that
 kept a weight average (train.py --ema) is exported with the averaged weights, which the paper
@@ -28,6 +30,8 @@ def parse_args(argv=None):
                    help="the tensors' dtype in the files (default: as trained)")
     p.add_argument("--tokenizer", help="a Hugging Face model directory whose tokenizer files to copy "
                                        "(default: the run's --init_from directory, if any)")
+    p.add_argument("--max_shard_size", default="5GB",
+                   help="the largest weights file; past it, shards and an index (default 5GB)")
     p.add_argument("--raw", action="store_true",
                    help="the trained weights, not their average (default: the average when the "
                         "run kept one, train.py --ema)")
@@ -36,7 +40,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    created = []
+    created, out = [], Path(args.out_dir)
     try:
         if args.tokenizer and not Path(args.tokenizer).is_dir():
             raise UserError(f"--tokenizer {args.tokenizer} is not a directory: give a Hugging Face "
@@ -48,7 +52,7 @@ def main(argv=None):
         source = args.tokenizer or (init_from if from_dir else None)
         out = output_folder(args.out_dir, "out_dir")
         created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
-        model.save_pretrained(out, source=source, dtype=args.dtype)
+        model.save_pretrained(out, source=source, dtype=args.dtype, max_shard_size=args.max_shard_size)
     except Exception as e:
         if created:  # the folders this export made hold nothing worth keeping
             shutil.rmtree(created[-1], ignore_errors=True)
@@ -62,7 +66,8 @@ def main(argv=None):
     if model.config.residual == "baseline":
         how = "a Qwen3 checkpoint: transformers.AutoModelForCausalLM.from_pretrained"
     else:
-        how = f"{model.config.residual} routing, transformers cannot run it: mhar.GPT.from_pretrained"
+        how = (f"{model.config.residual} routing with its code: transformers.AutoModelForCausalLM"
+               f".from_pretrained(..., trust_remote_code=True), or mhar.GPT.from_pretrained")
     tokenizer = f"tokenizer from {source}" if source else "no tokenizer files (pass --tokenizer DIR)"
     weights = "the weight average (--raw: the trained weights)" if averaged else "the weights"
     print(f"wrote {out}: {how}({str(out)!r}); {model.num_params():,} parameters, {weights}; "

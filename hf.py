@@ -34,17 +34,24 @@ A field that asks for something this decoder does not compute (another model_typ
 biases, sliding windows, scaled rotary embeddings, another activation, ...) is one error naming
 the field.
 
-A routed model (attnres, mhar, hyper; delta or not) has no transformers class. It is written as
-a config.json with model_type "mhar" and an "mhar" section, and its tensors in mhar.safetensors:
-the Qwen3 names above plus "mhar.<name>" for what routing adds. transformers refuses such a
-directory (AutoModelForCausalLM: unknown model type; Qwen3ForCausalLM: no model.safetensors)
-instead of loading a Qwen3 without its routing; GPT.from_pretrained reads it back exactly.
+A routed model (attnres, mhar, hyper; delta or not) has no class in transformers. It is written
+as a directory transformers runs with trust_remote_code: config.json with model_type "mhar",
+an "auto_map" to configuration_mhar.py and modeling_mhar.py, both written into the directory
+beside a copy of mhar.py (the modeling file adapts mhar.GPT to PreTrainedModel, it does not
+restate it), and an "mhar" section with mhar.Config's fields; the tensors under GPT's own names
+("model." + name) in model.safetensors, or in shards past max_shard_size; the tokenizer files.
+
+    model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)  # GPT's logits
+
+GPT.from_pretrained reads it too, and the layout written before it: mhar.safetensors with the
+Qwen3 names above plus "mhar.<name>" for what routing adds, no code (transformers refuses it).
 
 Only safetensors is needed here (and huggingface_hub to fetch a model by its hub id);
 transformers, the tests' oracle, is imported by the CPU demonstration alone (python hf.py). The
 end of the file holds the paper's 8B mid-training recipe, for train.py --init_from DIR, and that
 demonstration.
 """
+import dataclasses
 import json
 import os
 import re
@@ -77,9 +84,16 @@ REQUIRED = {
     "quantization_config": (None, "weights are plain floating-point tensors"),
 }
 
-MODEL_TYPE = "mhar"                          # a routed model's: transformers knows no such type
-ROUTING = ("residual", "route_heads", "route_block", "delta", "hc_streams")  # its "mhar" section
-WEIGHTS = {"qwen3": "model", MODEL_TYPE: "mhar"}                             # <stem>.safetensors
+MODEL_TYPE = "mhar"                          # a routed model's: its class is in the directory
+ROUTING = ("residual", "route_heads", "route_block", "delta", "hc_streams")  # read from "mhar"
+RUNTIME = ("fused", "fused_group", "checkpointing")  # how a model runs here, not what it computes
+# The layouts of a directory (layout()) and the stem of their weights, <stem>.safetensors
+WEIGHTS = {"qwen3": "model", "remote": "model", "mhar": "mhar"}
+# what transformers runs a routed model with (trust_remote_code): the adapter and the model itself
+REMOTE_CODE = ("configuration_mhar.py", "modeling_mhar.py", "mhar.py")
+AUTO_MAP = {"AutoConfig": "configuration_mhar.MHARConfig",
+            "AutoModelForCausalLM": "modeling_mhar.MHARForCausalLM"}
+MAX_SHARD_SIZE = "5GB"  # the hub's habit (Qwen3-8B: five files of <= 4 GB): each downloads alone
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
 CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id")  # the model ignores them, its users not
@@ -181,11 +195,15 @@ def config_to_hf(config, dtype):
         tie_word_embeddings=config.tie_embeddings, attention_bias=False, attention_dropout=0.0,
         use_sliding_window=False, sliding_window=None, dtype=str(dtype).removeprefix("torch."))
     if config.residual != "baseline":
-        hf_config.update(architectures=["MHARForCausalLM"], model_type=MODEL_TYPE)
+        hf_config.update(architectures=["MHARForCausalLM"], model_type=MODEL_TYPE,
+                         auto_map=AUTO_MAP, use_cache=True)
+        fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in RUNTIME}
         hf_config[MODEL_TYPE] = {
-            **{k: getattr(config, k) for k in ROUTING},
-            "note": "Multi-Head Attention Residuals (Luo, Cai, Hu, 2026) on a Qwen3 decoder: "
-                    "transformers cannot run it; load it with mhar.GPT.from_pretrained"}
+            **fields,
+            "note": "Multi-Head Attention Residuals (Luo, Cai, Hu, 2026) on a Qwen3 decoder, "
+                    "mhar.Config's fields: AutoModelForCausalLM.from_pretrained(DIR, "
+                    "trust_remote_code=True) runs it (modeling_mhar.py), as does "
+                    "mhar.GPT.from_pretrained"}
     return hf_config
 
 
@@ -208,14 +226,26 @@ def tensor_names(config):
     return names
 
 
-def file_names(config, state, routed_file):
-    """{name in the file: name in the model}: the Qwen3 names, and in a routed model's export
-    "mhar.<name>" for the parameters routing adds (a converted model starts them at their init)."""
+def layout(hf_config):
+    """How a directory stores its model: "qwen3" (a baseline), "remote" (a routed model that
+    transformers runs with the code beside it) or "mhar" (a routed model as written before it)."""
+    if hf_config.get("model_type") != MODEL_TYPE:
+        return "qwen3"
+    return "remote" if "auto_map" in hf_config else "mhar"
+
+
+def file_names(config, state, layout):
+    """{name in the file: name in the model}. "remote": GPT's own names under "model." (those of
+    modeling_mhar's MHARForCausalLM), a tied LM head left out; otherwise the Qwen3 names, and in
+    the "mhar" layout "mhar.<name>" for the parameters routing adds (a converted model starts
+    them at their init)."""
+    shared = {"lm_head.weight"} if config.tie_embeddings else set()  # the embedding's second name
+    if layout == "remote":
+        return {f"model.{name}": name for name in state if name not in shared}
     names = {hf_name: name for name, hf_name in tensor_names(config).items()}
     added = [name for name in state if name.startswith(ADDED_BY_RESIDUAL)]
-    if routed_file:
+    if layout == MODEL_TYPE:
         names.update({f"{MODEL_TYPE}.{name}": name for name in added})
-    shared = {"lm_head.weight"} if config.tie_embeddings else set()  # the embedding's second name
     assert set(state) == set(names.values()) | set(added) | shared, "a tensor without a file name"
     return names
 
@@ -324,8 +354,8 @@ def load(path, dtype=None, **overrides):
     finally:
         torch.set_default_dtype(default)
     state = model.state_dict()  # shares the parameters' storage: copying into it loads the model
-    names = file_names(config, state, routed_file=exported)
-    files = tensor_files(directory, WEIGHTS[hf_config.get("model_type")])
+    names = file_names(config, state, layout(hf_config))
+    files = tensor_files(directory, WEIGHTS[layout(hf_config)])
     ignored = {"lm_head.weight"} if config.tie_embeddings else set()  # tied, yet stored (0.6B)
     missing = [k for k in names if k not in files]
     unexpected = [k for k in files if k not in names and k not in ignored]
@@ -353,11 +383,43 @@ def load(path, dtype=None, **overrides):
 # ----------------------------------------------------------------------------------------------
 # Writing
 
-def save(model, directory, source=None, dtype=None):
-    """Write `model` as a Hugging Face directory: a baseline as a Qwen3 checkpoint transformers
-    loads, a routed model as this project's export (see the top of the file). The tokenizer files
-    and special token ids of `source` (default: the directory from_pretrained read) come along.
-    dtype: the tensors' dtype in the file (default: the model's)."""
+def byte_count(size):
+    """max_shard_size in bytes: an int, or a string as transformers takes it ("5GB", "20KB",
+    "2GiB": powers of 1000, or of 1024 with the i)."""
+    units = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B)?\s*", str(size), flags=re.I)
+    count = int(float(match[1]) * units[(match[2] or "").upper()]) if match else 0
+    if count < 1:
+        raise ValueError(f"max_shard_size {size!r} is not a size: give bytes or e.g. 5GB, 500MB")
+    return count
+
+
+def shards(tensors, stem, max_shard_size):
+    """{file name: {tensor name: tensor}}: <stem>.safetensors, or, past max_shard_size,
+    <stem>-00001-of-0000N.safetensors filled in order as transformers fills them (a new file when
+    the next tensor would not fit; a larger tensor alone in its file)."""
+    limit, groups, size = byte_count(max_shard_size), [{}], 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > limit:
+            groups.append({})
+            size = 0
+        groups[-1][name] = tensor
+        size += nbytes
+    if len(groups) == 1:
+        return {f"{stem}.safetensors": groups[0]}
+    n = len(groups)
+    return {f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors": group for i, group in enumerate(groups)}
+
+
+def save(model, directory, source=None, dtype=None, max_shard_size=MAX_SHARD_SIZE):
+    """Write `model` as a Hugging Face directory: a baseline as a Qwen3 checkpoint, a routed model
+    as a checkpoint transformers runs with the code written beside it (trust_remote_code; see the
+    top of the file). The tokenizer files and special token ids of `source` (default: the
+    directory from_pretrained read) come along. dtype: the tensors' dtype in the files (default:
+    the model's); past max_shard_size they are split into shards and an index, as transformers
+    writes them."""
     safetensors = safetensors_api()
     config, directory, state = model.config, Path(directory), model.state_dict()
     dtype = torch_dtype(dtype, state["embed.weight"].dtype, "save_pretrained")
@@ -370,20 +432,38 @@ def save(model, directory, source=None, dtype=None):
     # a model trained on shorter sequences keeps the positions its source was made for
     hf_config["max_position_embeddings"] = max(config.seq_len,
                                                source_config.get("max_position_embeddings", 0))
-    names = file_names(config, state, routed_file=hf_config["model_type"] == MODEL_TYPE)
+    kind = layout(hf_config)
+    if kind == "remote":  # the window of the model transformers builds, as GPT.from_pretrained's
+        hf_config[MODEL_TYPE]["seq_len"] = hf_config["max_position_embeddings"]
+    names = file_names(config, state, kind)
     tensors = {file_name: state[name].detach().to("cpu", dtype).contiguous()
                for file_name, name in names.items()}
+    files = shards(tensors, WEIGHTS[kind], max_shard_size)
     directory.mkdir(parents=True, exist_ok=True)
-    weights = directory / f"{WEIGHTS[hf_config['model_type']]}.safetensors"
-    for stale in WEIGHTS.values():  # an earlier export's weights of the other kind would be read
-        for file in [directory / f"{stale}.safetensors.index.json",
-                     *directory.glob(f"{stale}*.safetensors")]:
-            if file != weights:
+    for file, group in files.items():
+        temporary = directory / f"{file}.tmp"
+        # metadata format "pt": transformers 4 checks it
+        safetensors.torch.save_file(group, temporary, metadata={"format": "pt"})
+        os.replace(temporary, directory / file)
+    index = directory / f"{WEIGHTS[kind]}.safetensors.index.json"
+    if len(files) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map = {name: file for file, group in files.items() for name in group}
+        index.write_text(json.dumps({"metadata": {"total_size": total},
+                                     "weight_map": weight_map}, indent=2) + "\n")
+    # an earlier export's weights, index or code would be read in place of these
+    written = set(files) | ({index.name} if len(files) > 1 else set())
+    for stem in set(WEIGHTS.values()):
+        for file in [directory / f"{stem}.safetensors.index.json",
+                     *directory.glob(f"{stem}*.safetensors")]:
+            if file.name not in written:
                 file.unlink(missing_ok=True)
-    temporary = weights.with_suffix(".tmp")
-    # metadata format "pt": transformers 4 checks it
-    safetensors.torch.save_file(tensors, temporary, metadata={"format": "pt"})
-    os.replace(temporary, weights)
+    here = Path(__file__).resolve().parent
+    for name in REMOTE_CODE:
+        if kind == "remote":
+            shutil.copyfile(here / name, directory / name)
+        else:
+            (directory / name).unlink(missing_ok=True)
     for name in TOKENIZER_FILES:
         if source and (source / name).is_file() and source.resolve() != directory.resolve():
             shutil.copyfile(source / name, directory / name)
@@ -452,7 +532,8 @@ def z_loss(logits):
 
 # ----------------------------------------------------------------------------------------------
 # The CPU demonstration: python hf.py [DIR]. transformers saves a tiny random Qwen3 into DIR (no
-# download); it is read, converted, trained five steps with the recipe's groups, written back.
+# download); it is read, converted, trained five steps with the recipe's groups, written back and
+# run by transformers.
 
 DEMO_SHAPE = dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,  # 4 x 64 > d, as Qwen3
@@ -514,10 +595,12 @@ def demo(directory, steps=5):
         back = GPT.from_pretrained(f"{directory}-mhar")
         print(f"{directory}-mhar: the trained model written and read back, max |logit difference| "
               f"{max_diff(back(x)[0], model(x)[0]):g}")
-    try:
-        AutoModelForCausalLM.from_pretrained(f"{directory}-mhar")
-    except ValueError as e:
-        print(f"  transformers refuses it: {one_line(e)[:90]}...")
+    theirs_mhar = AutoModelForCausalLM.from_pretrained(f"{directory}-mhar",
+                                                       trust_remote_code=True).eval()
+    with torch.no_grad():
+        print(f"  transformers runs it with the code beside it ({type(theirs_mhar).__name__}, "
+              f"trust_remote_code): max |logit difference| "
+              f"{max_diff(theirs_mhar(x).logits, model(x)[0]):g}")
     baseline.save_pretrained(f"{directory}-baseline")
     with torch.no_grad():
         exported = AutoModelForCausalLM.from_pretrained(f"{directory}-baseline",

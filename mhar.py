@@ -621,7 +621,8 @@ class GPT(nn.Module):
 
     def save_pretrained(self, directory, **options):
         """Write a Hugging Face directory: a baseline as a Qwen3 checkpoint transformers loads, a
-        routed model as this project's export (from_pretrained reads both). See hf.save."""
+        routed model with its code (this file and an adapter), which transformers runs with
+        trust_remote_code=True; from_pretrained reads both. See hf.save."""
         import hf
         return hf.save(self, directory, **options)
 

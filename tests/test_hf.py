@@ -1,7 +1,9 @@
 """hf.py and export.py: Qwen3 checkpoints in and out, checked against transformers (tiny random
-models that transformers saves offline)."""
+models that transformers saves offline); routed checkpoints run by transformers and lm-eval from
+their own directory (modeling_mhar.py), in a process that never imported this project."""
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import types
@@ -282,7 +284,7 @@ def test_a_model_trained_here_exports_to_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["converted-mhar", "mhar-S2", "attnres", "hyper"])
-def test_a_routed_model_round_trips_and_transformers_refuses_it(qwen3, kind, tmp_path):
+def test_a_routed_model_round_trips_and_transformers_asks_to_trust_its_code(qwen3, kind, tmp_path):
     torch.manual_seed(0)
     if kind == "converted-mhar":
         model = GPT.from_pretrained(qwen3["untied-hd32"][0], residual="mhar", route_heads=8,
@@ -294,24 +296,90 @@ def test_a_routed_model_round_trips_and_transformers_refuses_it(qwen3, kind, tmp
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == "mhar" and config["mhar"]["residual"] == model.config.residual
+    assert config["auto_map"] == hf.AUTO_MAP and config["architectures"] == ["MHARForCausalLM"]
+    for name in hf.REMOTE_CODE:  # the adapter and the model, as in the repository
+        assert (tmp_path / name).read_bytes() == (ROOT / name).read_bytes()
     loaded = GPT.from_pretrained(tmp_path)
     assert loaded.config == model.config
     pairs = zip(loaded.state_dict().values(), model.state_dict().values())
     assert all(torch.equal(a, b) for a, b in pairs)
     assert torch.equal(logits_of(loaded, tokens()), logits_of(model, tokens()))
-    with pytest.raises(ValueError, match="model type `mhar`"):
-        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
-    with pytest.raises(OSError, match="model.safetensors"):
-        transformers.Qwen3ForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=False)
+    # Qwen3's class finds neither the embedding nor a layer: never a Qwen3 without the routing
+    _, info = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    decoder = {name for name in hf.tensor_names(model.config).values()
+               if name.startswith(("model.layers.", "model.embed_tokens."))}
+    assert decoder <= set(info["missing_keys"])
 
 
-def test_an_export_replaces_the_weights_of_an_earlier_one(qwen3, tmp_path):
+def write_earlier_export(model, directory):
+    """A routed model as save_pretrained wrote it before it wrote remote code: config.json with
+    the routing alone in its "mhar" section, Qwen3's names and "mhar.<name>" in
+    mhar.safetensors."""
+    from safetensors.torch import save_file
+    model.save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    del config["auto_map"], config["use_cache"]
+    config["mhar"] = {k: config["mhar"][k] for k in hf.ROUTING}
+    (directory / "config.json").write_text(json.dumps(config))
+    for file in [*directory.glob("model*.safetensors*"), *(directory / n for n in hf.REMOTE_CODE)]:
+        file.unlink()
+    state = model.state_dict()
+    save_file({name: state[ours].contiguous()
+               for name, ours in hf.file_names(model.config, state, "mhar").items()},
+              directory / "mhar.safetensors")
+
+
+def test_an_earlier_export_still_loads(qwen3, tmp_path):
+    model = open_routing(GPT.from_pretrained(qwen3["untied-hd32"][0], residual="mhar",
+                                             route_heads=8, route_block=4))
+    write_earlier_export(model, tmp_path)
+    assert hf.layout(json.loads((tmp_path / "config.json").read_text())) == "mhar"
+    loaded = GPT.from_pretrained(tmp_path)
+    assert loaded.config == model.config
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(),
+                                                 model.state_dict().values()))
+
+
+def test_shards_past_the_size_limit_as_transformers_writes_them(qwen3, tmp_path):
+    from safetensors.torch import load_file
+    model = open_routing(GPT.from_pretrained(qwen3["tied"][0], residual="attnres"))
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    n = len(files)
+    assert n > 3 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    stored = {name: file for file in files for name in load_file(tmp_path / file)}
+    assert index["weight_map"] == stored
+    sizes = [(tmp_path / file).stat().st_size for file in files]
+    assert index["metadata"]["total_size"] < sum(sizes)  # the tensors, without the headers
+    for file in files:  # each under the limit, or a tensor larger than it alone
+        tensors = load_file(tmp_path / file).values()
+        assert len(tensors) == 1 or sum(t.numel() * t.element_size() for t in tensors) <= 20_000
+    assert torch.equal(logits_of(GPT.from_pretrained(tmp_path), tokens()),
+                       logits_of(model, tokens()))
+    baseline = GPT.from_pretrained(qwen3["tied"][0])  # a Qwen3 in shards, as transformers reads
+    baseline.save_pretrained(tmp_path / "qwen3", max_shard_size="20KB")
+    assert (tmp_path / "qwen3" / "model.safetensors.index.json").is_file()
+    theirs = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "qwen3").eval()
+    assert torch.equal(logits_of(theirs, tokens()), logits_of(qwen3["tied"][1], tokens()))
+    model.save_pretrained(tmp_path)  # under the limit again: one file, no stale shard or index
+    assert sorted(p.name for p in tmp_path.glob("model*.safetensors*")) == ["model.safetensors"]
+    with pytest.raises(ValueError, match="max_shard_size '5 apples' is not a size"):
+        model.save_pretrained(tmp_path, max_shard_size="5 apples")
+
+
+def test_an_export_replaces_the_weights_and_code_of_an_earlier_one(qwen3, tmp_path):
     directory = qwen3["tied"][0]
-    GPT.from_pretrained(directory).save_pretrained(tmp_path)
-    open_routing(GPT.from_pretrained(directory, residual="mhar")).save_pretrained(tmp_path)
-    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["mhar.safetensors"]
+    write_earlier_export(open_routing(GPT.from_pretrained(directory, residual="mhar")), tmp_path)
     GPT.from_pretrained(directory).save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
+    open_routing(GPT.from_pretrained(directory, residual="mhar")).save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.py")) == sorted(hf.REMOTE_CODE)
+    GPT.from_pretrained(directory).save_pretrained(tmp_path)  # a plain Qwen3 again, no code
+    assert not list(tmp_path.glob("*.py"))
+    assert "auto_map" not in json.loads((tmp_path / "config.json").read_text())
 
 
 def test_tokenizer_files_and_token_ids_travel_with_the_model(qwen3, tmp_path):
@@ -390,8 +458,14 @@ def test_export_writes_a_checkpoint_as_a_hugging_face_directory(qwen3, tmp_path,
     if residual == "mhar":
         open_routing(model)
     ckpt = write_checkpoint(tmp_path / "ckpt.pt", model, init_from=str(source))
-    export.main([str(ckpt), str(tmp_path / "hf"), "--dtype", "bfloat16"])
-    assert "tokenizer from" in capsys.readouterr().out
+    shards = ["--max_shard_size", "20KB"] if residual == "mhar" else []
+    export.main([str(ckpt), str(tmp_path / "hf"), "--dtype", "bfloat16", *shards])
+    printed = capsys.readouterr().out
+    assert "tokenizer from" in printed
+    if residual == "mhar":  # with its code, in shards
+        assert "trust_remote_code=True" in printed
+        assert "auto_map" in json.loads((tmp_path / "hf" / "config.json").read_text())
+        assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     loaded = GPT.from_pretrained(tmp_path / "hf")
     assert loaded.config == model.config
     assert torch.equal(loaded.embed.weight, model.embed.weight.bfloat16().float())  # bf16 in the file
@@ -404,7 +478,8 @@ def test_export_errors_are_one_line(tmp_path, capsys):
     import export
     ckpt = write_checkpoint(tmp_path / "ckpt.pt", GPT(tiny("baseline")))
     for argv in ([str(tmp_path / "missing.pt"), str(tmp_path / "hf")],
-                 [str(ckpt), str(tmp_path / "hf"), "--tokenizer", str(tmp_path / "nowhere")]):
+                 [str(ckpt), str(tmp_path / "hf"), "--tokenizer", str(tmp_path / "nowhere")],
+                 [str(ckpt), str(tmp_path / "hf"), "--max_shard_size", "5 apples"]):
         error_line(capsys, export.main, argv)
     assert not (tmp_path / "hf").exists()  # nothing half-written
 
@@ -456,3 +531,257 @@ def test_train_init_from_a_foreign_directory_is_one_line(tmp_path, kind):
                    "--out_dir", tmp_path / "run")
     assert message in one_error_line(p, "train.py", status=2)
     assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# A routed directory in transformers and lm-eval, in a process that never imported this project
+
+# name: how the model is made. Full, block and delta routing; attnres and mhar; tied and untied;
+# a converted Qwen3 (head width 32 over d 64, rope theta 1e6) in shards; hyper-connections.
+ROUTED = {
+    "mhar-full-tied": dict(residual="mhar"),
+    "attnres-block-untied": dict(residual="attnres", route_block=2, tie_embeddings=False),
+    "mhar-delta-untied-sharded": dict(qwen3="untied-hd32", residual="mhar", route_heads=8,
+                                      route_block=4),
+    "attnres-delta-tied": dict(qwen3="tied", residual="attnres", route_block=2),
+    "hyper": dict(residual="hyper"),
+}
+PROMPT, NEW = 5, 10  # greedy generation: prompt length, new tokens
+SENTENCE = ("Once upon a time, in a village between the mountains and the sea, there lived an "
+            "old clockmaker who repaired every clock in the valley.")
+
+# Run as a script from a folder of its own, without the repository on sys.path: the checks a
+# user of transformers and lm-eval makes, their answers saved for the test to compare.
+FRESH_PROCESS = r"""
+import json, sys
+sys.modules["triton"] = None  # the directory's code runs without triton (and without kernel.py)
+args = json.loads(sys.argv[1])
+from pathlib import Path
+import torch, transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+torch.set_num_threads(1)  # as the tests run: the same sums in the same order, exact logits
+out = {"hf": {}}
+idx = torch.tensor(args["tokens"])
+for name, directory in args["dirs"].items():
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
+    model.generation_config.eos_token_id = None  # NEW tokens, as GPT.generate writes them
+    lengths = []  # the inputs' lengths: a cached step runs the newest token alone
+    model.get_input_embeddings().register_forward_hook(
+        lambda module, inputs, output: lengths.append(inputs[0].shape[1]))
+    result = {"class": type(model).__name__}
+    with torch.no_grad():
+        result["logits"] = model(idx).logits
+    for use_cache in (True, False):
+        lengths.clear()
+        generated = model.generate(
+            idx[:, :args["prompt"]], max_new_tokens=args["new"], do_sample=False,
+            use_cache=use_cache, output_logits=True, return_dict_in_generate=True)
+        result[f"generate-{use_cache}"] = generated.sequences
+        result[f"generate-logits-{use_cache}"] = torch.stack(generated.logits, 1)  # (B, new, V)
+        result[f"lengths-{use_cache}"] = list(lengths)
+    output = model(idx, labels=idx)
+    output.loss.backward()
+    result["loss"] = output.loss.detach()
+    result["grads"] = {n: p.grad for n, p in model.named_parameters()}
+    bf16 = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True,
+                                                dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        result["logits-bf16"] = bf16(idx).logits
+    model.save_pretrained(f"{directory}-resaved")  # as after fine-tuning with transformers
+    refused = []  # what the model cannot honour is an error, not ignored
+    padded = torch.ones_like(idx)
+    padded[0, 0] = 0
+    for call in (lambda: model(idx, attention_mask=padded),
+                 lambda: model(inputs_embeds=model.get_input_embeddings()(idx)),
+                 lambda: model(torch.zeros(1, model.config.max_position_embeddings + 1,
+                                           dtype=torch.long))):
+        try:
+            call()
+        except ValueError as e:
+            refused.append(str(e))
+    result["refused"] = refused
+    out["hf"][name] = result
+tokenizer = AutoTokenizer.from_pretrained(args["lm_eval_dir"], trust_remote_code=True)
+out["token_ids"] = tokenizer(args["text"], add_special_tokens=False)["input_ids"]
+import importlib.util
+out["samples"] = None  # lm-eval's hf model needs lm-eval and accelerate, optional for users
+if not (importlib.util.find_spec("lm_eval") and importlib.util.find_spec("accelerate")):
+    torch.save(out, args["out"])
+    sys.exit(0)
+import lm_eval
+from lm_eval.tasks import TaskManager
+results = lm_eval.simple_evaluate(
+    model="hf", model_args=f"pretrained={args['lm_eval_dir']},trust_remote_code=True,dtype=float32",
+    tasks=args["tasks"], task_manager=TaskManager(include_path=args["tasks_dir"],
+                                                  include_defaults=False),
+    batch_size=2, device="cpu", log_samples=True)
+out["samples"] = {task: [(s["doc_id"], s["arguments"], s["resps"]) for s in samples]
+                  for task, samples in results["samples"].items()}
+root = Path(args["root"]).resolve()
+out["project_imported"] = ("mhar" in sys.modules or "hf" in sys.modules
+                           or any(Path(p or ".").resolve() == root for p in sys.path))
+torch.save(out, args["out"])
+"""
+
+
+def save_tiny_tokenizer(folder):
+    """A BPE tokenizer of 100 ids trained on SENTENCE, as transformers saves one (tokenizer.json,
+    tokenizer_config.json), end-of-text named in config.json as a Qwen3 directory does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tok.train_from_iterator([SENTENCE], trainers.BpeTrainer(vocab_size=100,
+                                                            special_tokens=["<|endoftext|>"]))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(folder)
+    eot = tok.token_to_id("<|endoftext|>")
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": eot}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fresh(qwen3, tmp_path_factory):
+    """Every ROUTED model exported, then loaded by transformers (and the first by lm-eval's hf
+    model) in one fresh Python process: {models, dirs, answers of that process}."""
+    from helpers import write_task
+    root = tmp_path_factory.mktemp("fresh")
+    source = save_tiny_tokenizer(root / "tokenizer")
+    models, dirs = {}, {}
+    for i, (name, recipe) in enumerate(ROUTED.items()):
+        recipe = dict(recipe)
+        torch.manual_seed(i)
+        if "qwen3" in recipe:
+            model = GPT.from_pretrained(qwen3[recipe.pop("qwen3")][0], **recipe)
+        else:
+            model = GPT(tiny(**recipe))
+        models[name], dirs[name] = open_routing(model.eval(), seed=i), root / name
+        shards = {"max_shard_size": "20KB"} if "sharded" in name else {}
+        model.save_pretrained(dirs[name], source=source if i == 0 else None, **shards)
+    docs = [dict(context=c, choices=[" there lived", " every clock", " the sea"], label=0)
+            for c in ("Once upon a time,", "in a village between the mountains and", "old")]
+    write_task(root, "tiny_choice", docs, output_type="multiple_choice", doc_to_text="{{context}}",
+               doc_to_choice="{{choices}}", doc_to_target="{{label}}", target_delimiter="",
+               metric_list=[{"metric": "acc"}])
+    write_task(root, "tiny_text", [dict(text=" ".join([SENTENCE] * 3))],  # three windows of 32
+               output_type="loglikelihood_rolling", doc_to_text="", doc_to_target="{{text}}",
+               metric_list=[{"metric": "word_perplexity"}])
+    args = dict(dirs={k: str(v) for k, v in dirs.items()}, tokens=tokens(T=12).tolist(),
+                prompt=PROMPT, new=NEW, lm_eval_dir=str(dirs["mhar-full-tied"]), text=SENTENCE,
+                tasks=["tiny_choice", "tiny_text"], tasks_dir=str(root), root=str(ROOT),
+                out=str(root / "answers.pt"))
+    (root / "run").mkdir()
+    (root / "run" / "check.py").write_text(FRESH_PROCESS)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the repository stays off
+    env.update(HF_HOME=str(root / "hf-home"), HF_MODULES_CACHE=str(root / "hf-modules"),
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "check.py", json.dumps(args)], cwd=root / "run",
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    answers = torch.load(root / "answers.pt")
+    return types.SimpleNamespace(models=models, dirs=dirs, root=root, source=source, **answers)
+
+
+def test_the_fresh_process_never_imported_this_project(fresh):
+    assert not fresh.project_imported
+    assert {answers["class"] for answers in fresh.hf.values()} == {"MHARForCausalLM"}
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_transformers_gives_the_projects_logits_exactly(fresh, name):
+    theirs, model = fresh.hf[name], fresh.models[name]
+    assert theirs["logits"].dtype == torch.float32
+    assert (theirs["logits"] - logits_of(model, tokens(T=12))).abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_transformers_in_bf16_is_the_projects_bf16(fresh, name):
+    truth = logits_of(fresh.models[name], tokens(T=12))
+    ours = logits_of(GPT.from_pretrained(fresh.dirs[name], dtype=torch.bfloat16), tokens(T=12))
+    assert rel_err(ours, truth) > 0                       # bf16 did round
+    assert torch.equal(fresh.hf[name]["logits-bf16"], ours)  # the same computation, to the bit
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_transformers_generate_is_gpt_generate(fresh, name):
+    prompt = tokens(T=12)[:, :PROMPT]
+    expected = fresh.models[name].generate(prompt, NEW, temperature=0)
+    theirs = fresh.hf[name]
+    assert torch.equal(theirs["generate-True"], expected)
+    assert torch.equal(theirs["generate-False"], expected)
+    assert theirs["lengths-True"] == [PROMPT] + [1] * (NEW - 1)             # the KV cache
+    assert theirs["lengths-False"] == list(range(PROMPT, PROMPT + NEW))     # the whole window
+    # and each step's logits are those of the whole sequence so far (up to the rounding of
+    # other shapes): a cached step sits at its own position
+    full = logits_of(fresh.models[name], expected[:, :-1])[:, PROMPT - 1:]  # (B, NEW, vocab)
+    for use_cache in (True, False):
+        assert rel_err(theirs[f"generate-logits-{use_cache}"], full) < 1e-6
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_gradients_flow_through_the_transformers_class(fresh, name):
+    """loss.backward() through MHARForCausalLM: transformers' causal loss and every parameter's
+    gradient are GPT's, routing included."""
+    import torch.nn.functional as F
+    model, idx = fresh.models[name], tokens(T=12)
+    model.zero_grad(set_to_none=True)
+    logits, _ = model(idx)
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), idx[:, 1:].reshape(-1))
+    loss.backward()
+    theirs = fresh.hf[name]
+    assert theirs["loss"].item() == pytest.approx(loss.item(), rel=1e-6)
+    ours = {f"model.{n}": p.grad for n, p in model.named_parameters()}
+    assert ours.keys() == theirs["grads"].keys()
+    for n, grad in ours.items():
+        assert rel_err(theirs["grads"][n], grad) < 1e-5, n
+    if model.config.routed:  # the routing learns: the final site mixes all its sources
+        assert theirs["grads"][f"model.sites.{len(model.sites) - 1}.query"].abs().sum() > 0
+
+
+def test_the_model_refuses_what_it_cannot_honour(fresh):
+    for answers in fresh.hf.values():
+        padding, embeddings, length = answers["refused"]
+        assert "takes no padding mask" in padding and "not inputs_embeds" in embeddings
+        assert "longer than Config.seq_len" in length
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_what_transformers_saves_loads_here(fresh, name):
+    """transformers' own save_pretrained of the model (after fine-tuning with it, say) writes a
+    directory GPT.from_pretrained reads: the same tensors and logits."""
+    resaved = GPT.from_pretrained(fresh.dirs[name].with_name(f"{name}-resaved"))
+    model = fresh.models[name]
+    assert resaved.config == model.config.__class__(**{**dataclasses.asdict(model.config),
+                                                       "seq_len": resaved.config.seq_len})
+    assert all(torch.equal(a, b) for a, b in zip(resaved.state_dict().values(),
+                                                 model.state_dict().values()))
+    assert torch.equal(logits_of(resaved, tokens(T=12)), logits_of(model, tokens(T=12)))
+
+
+def test_autotokenizer_reads_the_directorys_tokenizer(fresh):
+    import prepare
+    assert fresh.token_ids == prepare.hf_tokenizer(fresh.source).encode_batch([SENTENCE])[0]
+
+
+def test_lm_evals_hf_model_gives_eval_pys_loglikelihoods(fresh):
+    """lm-eval's own hf model (transformers, the directory's code) and eval.py (GPT.from_pretrained)
+    on the same directory and offline tasks: request by request, the same log-likelihoods."""
+    if fresh.samples is None:
+        pytest.skip("lm-eval's hf model needs lm-eval and accelerate: pip install lm-eval "
+                    "accelerate")
+    import eval
+    ours = eval.evaluate(fresh.dirs["mhar-full-tied"], ["tiny_choice", "tiny_text"],
+                         include_path=fresh.root, batch_size=2, device="cpu", log_samples=True,
+                         output=fresh.root / "eval.json")["samples"]
+    assert fresh.samples.keys() == ours.keys() == {"tiny_choice", "tiny_text"}
+    compared = 0
+    for task, samples in fresh.samples.items():
+        mine = {s["doc_id"]: s for s in ours[task]}
+        for doc_id, arguments, resps in samples:
+            assert [list(a) for a in mine[doc_id]["arguments"]] == [list(a) for a in arguments]
+            for [theirs], [expected] in zip(resps, mine[doc_id]["resps"]):
+                if task == "tiny_choice":  # (log p, is_greedy); rolling: log p alone
+                    theirs, expected = theirs[0], expected[0]
+                assert theirs == pytest.approx(expected, rel=1e-5, abs=1e-5), (task, doc_id)
+                compared += 1
+    assert compared == 3 * 3 + 1
