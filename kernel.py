@@ -422,11 +422,12 @@ def _checked(sources, heads, sites):
     return sources, [t.data_ptr() for t in sources]
 
 
-def _route_forward(sources, qg, init, heads, eps, addresses=None):
+def _route_forward(sources, qg, init, heads, eps, addresses=None, lses=None):
     """Route G sites over `sources` (each (B, T, d)); init = [] or, per site, the state (output,
     remainder, lse) of the partial state it continues. Returns the G outputs (sources' dtype),
     their G remainders (bf16: out − bf16(out); fp32 sources need none: empty) and G lse (fp32).
-    addresses: the sources' addresses when the caller has checked and aligned them already."""
+    addresses: the sources' addresses when the caller has checked and aligned them already; lses:
+    where to write the lse (None: new tensors)."""
     source, G = sources[0], qg.shape[0]
     if addresses is None:
         sources, addresses = _checked(sources, heads, G)
@@ -436,8 +437,9 @@ def _route_forward(sources, qg, init, heads, eps, addresses=None):
     outs = [torch.empty_like(source) for _ in range(G)]
     split = source.dtype == torch.bfloat16
     rests = [torch.empty_like(source) if split else source.new_empty(0) for _ in range(G)]
-    lse = source.new_empty((*source.shape[:-1], heads), dtype=torch.float32)
-    lses = [lse, *[torch.empty_like(lse) for _ in range(G - 1)]]
+    if lses is None:
+        lse = source.new_empty((*source.shape[:-1], heads), dtype=torch.float32)
+        lses = [lse, *[torch.empty_like(lse) for _ in range(G - 1)]]
     per_site = [[outs[i], rests[i], lses[i], *init[i::G]] for i in range(G)]
     table = _address_table(addresses + [t.data_ptr() for site in per_site for t in site], source.device)
     per_program, programs = _programs(M)
@@ -508,14 +510,14 @@ def _carrier(like, rows):
 
 
 def _launch_backward(backward, spec, sources, qg, states, init_lse, douts, couplings, dcarrier,
-                     addresses=None):
+                     addresses=None, qg_grads=None):
     """The gradients of one launch's inputs, from those of its outputs: (the gradient buffer the
     carrier hands back, the final gradients of the sources it completes, q ⊙ g's per program
     (programs, G, d), and the output gradient and coupling of the partial state it continues:
     [] without one). states: (outs, remainders, lses) as the forward made them; douts per site
     (None: no gradient); couplings per site (None: a complete site); `backward` runs the kernel
     (_route_backward or its operator). sources: all of them, or (with their addresses) any list
-    led by the first."""
+    led by the first. qg_grads: where the kernel writes q ⊙ g's partials (None: a new tensor)."""
     like = sources[0]                                    # of the sources' shape and dtype
     douts = [torch.zeros_like(like) if d is None else d.contiguous() for d in douts]
     if spec.last:   # the first launch in backward: no gradient yet, and every row it reads is fresh
@@ -525,7 +527,8 @@ def _launch_backward(backward, spec, sources, qg, states, init_lse, douts, coupl
     n_sources = len(sources) if addresses is None else len(addresses)
     n_owned = n_sources - spec.own_lo                  # one, mostly: then no stack to unbind
     owned = torch.empty_like(like) if n_owned == 1 else like.new_empty((n_owned, *like.shape))
-    qg_grads = qg.new_empty((_programs(like.numel() // like.shape[-1])[1], *qg.shape))  # fp32, as qg
+    if qg_grads is None:
+        qg_grads = qg.new_empty((_programs(like.numel() // like.shape[-1])[1], *qg.shape))  # fp32, as qg
     init_lse = [] if init_lse is None else [init_lse]
     init_grads = [torch.empty_like(like), torch.empty_like(init_lse[0])] if init_lse else []
     args = (buffer, owned, qg_grads, init_grads, sources, qg, *states[:2], douts, states[2], couplings,
@@ -541,17 +544,39 @@ class Partial:
     __slots__ = ("out", "rest", "lse", "grads")
 
 
-def _qg_gradient(parts):
-    """The gradient of q ⊙ g (S, d) from the launches' per-program partials {(phase, site):
-    (programs, G, d)}: phase 1 covers every site once, phase 2 some of them again. Summed over
-    programs and phases in one fixed order: deterministic."""
-    keys = sorted(parts)                                   # phase 1 by site, then phase 2 by site
-    phase2 = [site for phase, site in keys if phase == 2]
-    grad = torch.cat([parts[key] for key in keys[:len(keys) - len(phase2)]], dim=1).sum(0)   # (S, d)
-    if phase2:
-        again = torch.cat([parts[2, site] for site in phase2], dim=1).sum(0)   # (sites with a phase 2, d)
-        grad = grad.index_add(0, _index(tuple(phase2), grad.device), again)   # each row once
-    return grad
+class QGGradients:
+    """Where the launches of one forward (eager code) leave their per-program partial gradients of
+    q ⊙ g, (programs, G, d) each: views of three tensors made at the first backward, for phase 1's
+    full groups, its last group when it is shorter, and phase 2's sites. The forward's first
+    launch, whose backward runs last, sums them: a few sums in a fixed order (deterministic), not
+    one per launch."""
+
+    def __init__(self, n_sites, group, continued_sites):
+        self.n_sites, self.group, self.continued_sites = n_sites, group, continued_sites
+        self.buffers = self.slots = None
+
+    def slot(self, launch, qg, positions):
+        """The (programs, G, d) tensor launch `launch` writes into."""
+        if self.slots is None:
+            programs, d = _programs(positions)[1], qg.shape[-1]
+            full, last = divmod(self.n_sites, self.group)
+            self.buffers = (qg.new_empty((full, programs, self.group, d)), qg.new_empty((programs, last, d)),
+                            qg.new_empty((len(self.continued_sites), programs, 1, d)))
+            self.slots = ([*self.buffers[0].unbind(0), self.buffers[1]], self.buffers[2].unbind(0),
+                          {site: i for i, site in enumerate(self.continued_sites)})
+        by_group, by_site, rank = self.slots
+        return by_group[launch.site // self.group] if launch.phase == 1 else by_site[rank[launch.site]]
+
+    def total(self):
+        """The gradient of q ⊙ g (S, d); the buffers go."""
+        full, last, again = self.buffers
+        self.buffers = self.slots = None
+        grad = full.sum(1).flatten(0, 1)                    # (sites of the full groups, d)
+        if last.shape[1]:
+            grad = torch.cat([grad, last.sum(0)])
+        if len(again):      # each row of a site with a phase 2 gets its sum once
+            grad = grad.index_add(0, _index(self.continued_sites, grad.device), again.sum(1).flatten(0, 1))
+        return grad
 
 
 @memoized
@@ -563,18 +588,19 @@ def _index(values, device):
 class RouteSites(torch.autograd.Function):
     """One launch in eager code: RouteSites.apply(carrier, qg_all, call, *sources[spec.own_lo:])
     -> (the output of each site it completes, carrier), call = (its Launch, Spec, sources,
-    their addresses, init, partials, its q ⊙ g (G, d), qg_parts). init: the Partial a phase 2
+    their addresses, init, partials, its q ⊙ g (G, d), the forward's QGGradients, where to
+    write its lse). init: the Partial a phase 2
     continues (None in phase 1); partials: per site the Partial its state goes to, None for a
     site it completes. A list argument is not an input: the cost of a call does not grow with
     the sources it reads. Nor is q ⊙ g, but for the forward's first launch (qg_all, (S, d)):
-    each backward leaves its per-program partial in qg_parts, and the first launch's, which
-    runs last, sums them all at once (not a sum per launch)."""
+    each backward leaves its per-program partials in QGGradients, and the first launch's, which
+    runs last, sums them all at once."""
 
     @staticmethod
     def forward(ctx, carrier, qg_all, call, *completed):
-        launch, spec, sources, addresses, init, partials, qg, qg_parts = call
+        launch, spec, sources, addresses, init, partials, qg, qg_parts, lses = call
         outs, rests, lses = _route_forward(sources, qg, [init.out, init.rest, init.lse] if init else [],
-                                           spec.heads, spec.eps, addresses)
+                                           spec.heads, spec.eps, addresses, lses)
         if init:
             init.out = init.rest = None                  # free: only the lse is read again
         finals = []
@@ -594,7 +620,7 @@ class RouteSites(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        launch, spec, sources, addresses, init, partials, qg, qg_parts = ctx.call
+        launch, spec, sources, addresses, init, partials, qg, qg_parts, _ = ctx.call
         finals, final_grads = iter(ctx.saved_tensors), iter(grads[:-1])
         outs, douts, couplings = [], [], []
         for partial, lse in zip(partials, ctx.lses):
@@ -604,16 +630,16 @@ class RouteSites(torch.autograd.Function):
                 outs.append(None), douts.append(dout), couplings.append(coupling)
             else:
                 outs.append(next(finals)), douts.append(next(final_grads)), couplings.append(None)
-        buffer, source_grads, qg_grads, init_grads = _launch_backward(
+        slot = qg_parts.slot(launch, qg, ctx.lses[0].numel() // spec.heads)
+        buffer, source_grads, _, init_grads = _launch_backward(
             _route_backward, spec, sources, qg, (outs, ctx.rests, ctx.lses),
-            init.lse if init else None, douts, couplings, grads[-1], addresses)
+            init.lse if init else None, douts, couplings, grads[-1], addresses, slot)
         if init:
             init.grads = init_grads
-        qg_parts[launch.phase, launch.site] = qg_grads
         qg_grad = None
         if launch.site == 0 and launch.phase == 1:      # the forward's first launch: the last backward
-            qg_grad = _qg_gradient(qg_parts) if ctx.needs_input_grad[1] else None
-            qg_parts.clear()
+            qg_grad = qg_parts.total()
+            qg_grad = qg_grad if ctx.needs_input_grad[1] else None
         carrier_grad = buffer if ctx.needs_input_grad[0] else None
         return carrier_grad, qg_grad, None, *source_grads
 
@@ -797,14 +823,16 @@ def schedule(n_sites, group, block=1, delta=False):
 
 @memoized
 def _launches_by_site(n_sites, group, block, delta, heads, eps):
-    """site -> the (launch, Spec, continued) its read makes; continued: per site of the launch,
-    whether its state goes on to a phase 2."""
-    launches, rows = {}, committed_rows(n_sites - 1, block, delta)
+    """site -> the (launch, Spec, continued, first) its read makes; continued: per site of the
+    launch, whether its state goes on to a phase 2; first: the index of its first site's lse
+    among all the launches' sites."""
+    launches, rows, first = {}, committed_rows(n_sites - 1, block, delta), 0
     for launch in schedule(n_sites, group, block, delta):
         spec = Spec(heads, eps, rows, launch.lo, launch.own_lo, launch.fresh_lo, launch.last,
                     launch.continued)
         continued = tuple(bool(launch.continued >> i & 1) for i in range(launch.sites))
-        launches.setdefault(launch.site, []).append((launch, spec, continued))
+        launches.setdefault(launch.site, []).append((launch, spec, continued, first))
+        first += launch.sites
     return launches
 
 
@@ -838,7 +866,10 @@ class FusedHistory:
         self.addresses = []         # of the committed sources, checked and aligned as they came
         self.qg = None              # q ⊙ g (fp32) by group and by site: made at the first append
         self.carrier = None         # hands the source-gradient buffer backward from launch to launch
-        self.qg_parts = {}          # eager: (phase, site) -> the per-program partial gradients of q ⊙ g
+        self.qg_parts = None if self.traced else QGGradients(     # eager: where q ⊙ g's gradient gathers
+            n_sites, group, tuple(launch.site for launch in schedule(n_sites, group, block, delta)
+                                  if launch.phase == 2))
+        self.lses = None            # eager: per site of each launch, where it writes its lse
         self.partials = {}          # site -> its phase-1 state, until its phase 2 (eager: a Partial)
         self.outputs = {}           # site -> its routed output, once complete
 
@@ -863,6 +894,11 @@ class FusedHistory:
             if self.null is not None:
                 self._commit(self.null.to(source.dtype).expand_as(source))
             self._commit(source)                                     # b_0 = s_0
+            if not self.traced:     # every launch's lse, in one tensor (they are kept until backward)
+                slots = sum(launch.sites for launch in schedule(len(self.queries), self.group, self.block,
+                                                                self.null is not None))
+                self.lses = source.new_empty((slots, *source.shape[:-1], self.heads),
+                                             dtype=torch.float32).unbind(0)
         else:
             first = self.rows[0]
             if source.shape != first.shape or source.dtype != first.dtype:
@@ -891,7 +927,7 @@ class FusedHistory:
             self._launch(*launch)
         return self.outputs[site]
 
-    def _launch(self, launch, spec, continued):
+    def _launch(self, launch, spec, continued, first_lse):
         sources = self.rows[launch.lo:launch.hi]
         addresses = None if self.traced else self.addresses[launch.lo:launch.hi]
         if launch.partial:
@@ -912,7 +948,8 @@ class FusedHistory:
             init = self.partials.pop(launch.site) if launch.phase == 2 else None
             partials = [Partial() if cont else None for cont in continued]
             first = launch.site == 0 and launch.phase == 1
-            call = launch, spec, sources, addresses, init, partials, qg, self.qg_parts
+            lses = self.lses[first_lse:first_lse + launch.sites]
+            call = launch, spec, sources, addresses, init, partials, qg, self.qg_parts, lses
             *finals, self.carrier = RouteSites.apply(self.carrier, self.qg_all if first else None, call,
                                                      *sources[spec.own_lo:])
         finals = iter(finals)
@@ -985,13 +1022,14 @@ def traffic(n_layer, width, heads, positions, group=0, block=1, delta=False, sou
     sums_backward = 3 * E * sum(reads_partial(site - 1, block, delta) for site in extends)
     null = (E + 4 * width) if delta else 0                           # delta's null: expanded, summed back
     # q ⊙ g of all S sites: two stacks and a product forward; backward the product's gradient and
-    # the stacks' (views), from the launches' per-program partials (programs, G, d), gathered by
-    # phase and summed, phase 2's rows added to phase 1's
+    # the stacks' (views), from the launches' per-program partials: each buffer summed over
+    # programs, phase 2's rows added to a copy of phase 1's sum
     qg = 4 * n_sites * width
     programs = _programs(positions, target)[1]
     again = any(launch.phase == 2 for launch in launches)
     phase2 = 4 * width * sum(launch.phase == 2 for launch in launches)    # rows of q ⊙ g with a phase 2
-    gathered = 3 * programs * (qg + phase2) + qg + phase2 + again * (2 * qg + 2 * phase2)
+    gathered = (programs * (qg + phase2) + qg + phase2 + again * (2 * qg + 3 * phase2)
+                + 2 * qg * (n_sites % group != 0))                   # the last group's, joined
     qg_forward, qg_backward = 7 * qg, 6 * qg + gathered
     rest = E if source_bytes == 2 else 0                             # a bf16 output's remainder
     # kept for backward (eager): each site's remainder and lse, and the lse of each partial state
