@@ -75,6 +75,18 @@ def output_folder(path, flag):
     return path
 
 
+def remove_staging(tmp, created):
+    """Remove a staging folder (None: none was made yet) and then the folders made to hold it,
+    deepest first, as long as they are empty."""
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for d in created:
+        try:
+            d.rmdir()
+        except OSError:  # not empty: something else lives there now
+            break
+
+
 @contextmanager
 def staged(folder):
     """A hidden temporary folder inside `folder` to write into; once the block ends, its files move
@@ -92,13 +104,7 @@ def staged(folder):
             os.replace(file, folder / file.name)
         tmp.rmdir()
     except BaseException as e:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        for d in created:
-            try:
-                d.rmdir()
-            except OSError:  # not empty: something else lives there now
-                break
+        remove_staging(tmp, created)
         if isinstance(e, OSError):
             raise MachineError(f"cannot write into {folder} ({e.strerror or one_line(e)}): nothing "
                                f"written; free some space or write elsewhere") from None

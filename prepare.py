@@ -74,7 +74,7 @@ from typing import Callable
 import numpy as np
 import tiktoken
 
-from common import MachineError, UserError, exit_error, one_line, output_folder
+from common import MachineError, UserError, exit_error, one_line, output_folder, remove_staging
 
 DEFAULT_NAME = "pystdlib"  # data/pystdlib/: the built-in corpus, the standard library's sources
 VOCAB_SIZE = 50257  # GPT-2's vocabulary; under 2**16, so every id fits in uint16
@@ -648,13 +648,7 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
             os.replace(tmp / filename, final / filename)
         tmp.rmdir()
     except BaseException as e:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        for d in created:
-            try:
-                d.rmdir()
-            except OSError:  # not empty: something else lives there now
-                break
+        remove_staging(tmp, created)
         if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:  # not, e.g., a dataset's network
             raise MachineError(f"cannot write into {out} ({e.strerror}): nothing written; free some "
                                f"space or choose another --out") from None
