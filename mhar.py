@@ -295,9 +295,9 @@ ADDED_BY_RESIDUAL = ("sites.", "connections.", "null")  # names a baseline check
 # Bytes of fp32 logits one chunk of positions may hold (its softmax and gradient take two or three
 # times that). Fewer, longer chunks cost less: each chunk reads and writes the whole gradient of
 # the weight (vocab, d), so chunks of a few dozen positions spend more on it than on their logits.
-# On this project's 2-core CPU (loaded, two runs) 128 MiB was as fast as any budget from 4 to
-# 512 MiB at GPT-2's vocabulary, and among the fastest at Qwen3's, where chunks of 7 to 55
-# positions (4 to 32 MiB) were slower. On a GPU, chunks large enough that their matmuls fill the
+# On this project's 2-core CPU (loaded, two runs) 128 MiB was as fast as any budget from 16 to
+# 512 MiB at GPT-2's vocabulary (4 MiB: 2x slower), and among the fastest at Qwen3's, where chunks
+# of 7 to 55 positions (4 to 32 MiB) were slower. On a GPU, chunks large enough that their matmuls fill the
 # device (5.3k positions at GPT-2's vocabulary, 1.8k at Qwen3's).
 HEAD_CHUNK_BYTES = {"cpu": 128 << 20, "cuda": 1 << 30}
 
