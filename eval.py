@@ -156,9 +156,13 @@ class MHARLM(TemplateLM or object):
 
         A pair keeps its last seq_len + 1 ids: a long context loses its start, the continuation
         stays whole. Inputs go longest first, batch_size at a time, right-padded: the model is
-        causal, so the padding after an input changes none of the input's logits.
+        causal, so the padding after an input changes none of the input's logits. Only the
+        positions that predict a continuation go through the LM head, a chunk of them at a time
+        (mhar.head_chunk): a batch never holds its B * T * vocab logits.
         """
         from tqdm import tqdm  # a dependency of lm-eval
+
+        import mhar
         inputs = []
         for context, continuation in pairs:
             if len(continuation) > self.seq_len:
@@ -168,20 +172,33 @@ class MHARLM(TemplateLM or object):
         order = sorted(range(len(pairs)), key=lambda i: -len(inputs[i]))
         answers = [None] * len(pairs)
         batches = range(0, len(order), self.batch_size)
+        chunk = mhar.head_chunk(self.model.config.vocab_size, self._device)
         for start in tqdm(batches, disable=disable_tqdm, desc="loglikelihood"):
             batch = order[start:start + self.batch_size]
             idx = torch.zeros(len(batch), len(inputs[batch[0]]), dtype=torch.long)  # (B, T)
             for row, i in enumerate(batch):
                 idx[row, :len(inputs[i])] = torch.tensor(inputs[i])
-            with self.autocast():
-                logits, _ = self.model(idx.to(self._device))                  # (B, T, vocab) fp32
+            owners, positions, targets = [], [], []  # of every scored position of the batch
             for row, i in enumerate(batch):
-                continuation = torch.tensor(pairs[i][1], device=self._device)           # (n,)
-                end = len(inputs[i])
-                scored = logits[row, end - len(continuation):end]          # (n, vocab) predicts it
-                logprobs = F.log_softmax(scored, dim=-1).gather(1, continuation[:, None])  # (n, 1)
-                greedy = scored[:, :self.tok.vocab_size].argmax(-1)  # what decoding writes
-                answers[i] = (logprobs.double().sum().item(), bool((greedy == continuation).all()))
+                n, end = len(pairs[i][1]), len(inputs[i])
+                owners += [row] * n
+                positions += [row * idx.size(1) + p for p in range(end - n, end)]  # predicts it
+                targets += pairs[i][1]
+            owners, positions, targets = (torch.tensor(v, device=self._device)
+                                          for v in (owners, positions, targets))
+            logprob = torch.zeros(len(batch), dtype=torch.float64, device=self._device)
+            misses = torch.zeros(len(batch), dtype=torch.long, device=self._device)
+            with self.autocast():
+                hidden = self.model.hidden(idx.to(self._device)).flatten(0, 1)       # (B * T, d)
+                for s in range(0, len(positions), chunk):
+                    at, target = positions[s:s + chunk], targets[s:s + chunk, None]  # (n,), (n, 1)
+                    logits = self.model.lm_head(hidden[at]).float()                  # (n, vocab)
+                    scored = F.log_softmax(logits, dim=-1).gather(1, target)[:, 0]
+                    greedy = logits[:, :self.tok.vocab_size].argmax(-1)  # what decoding writes
+                    logprob.index_add_(0, owners[s:s + chunk], scored.double())
+                    misses.index_add_(0, owners[s:s + chunk], (greedy != target[:, 0]).long())
+            for row, i in enumerate(batch):
+                answers[i] = (logprob[row].item(), misses[row].item() == 0)
         return answers
 
     def loglikelihood_rolling(self, requests, disable_tqdm=False):

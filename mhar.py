@@ -295,6 +295,93 @@ ADDED_BY_RESIDUAL = ("sites.", "connections.", "null")  # names a baseline check
 
 
 # ----------------------------------------------------------------------------------------------
+# The LM head's loss without the whole logits: a chunk of positions at a time.
+
+# Bytes of fp32 logits one chunk of positions may hold (its softmax and gradient take two or three
+# times that). Fewer, longer chunks cost less: each chunk reads and writes the whole gradient of
+# the weight (vocab, d), so chunks of a few dozen positions spend more on it than on their logits.
+# On this project's 2-core CPU (loaded, two runs) 128 MiB was as fast as any budget from 16 to
+# 512 MiB at GPT-2's vocabulary (4 MiB: 2x slower), and among the fastest at Qwen3's, where chunks
+# of 7 to 55 positions (4 to 32 MiB) were slower. On a GPU, chunks large enough that their matmuls fill the
+# device (5.3k positions at GPT-2's vocabulary, 1.8k at Qwen3's).
+HEAD_CHUNK_BYTES = {"cpu": 128 << 20, "cuda": 1 << 30}
+
+
+def head_chunk(vocab, device):
+    """Positions per chunk: as many as the device's budget of fp32 logits holds (at least one)."""
+    budget = HEAD_CHUNK_BYTES.get(device.type, HEAD_CHUNK_BYTES["cpu"])
+    return max(1, budget // (4 * vocab))
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """The mean cross-entropy of logits hidden @ weight.T, computed and differentiated a chunk of
+    positions at a time: each chunk's logits (C, vocab), in fp32, give its loss and, at once, its
+    rows of the gradient of hidden and its share of the gradient of weight, and are freed. The
+    matmuls run in the dtype of hidden and weight (the wrapper casts them to autocast's), rounded
+    where autocast's F.linear rounds: the logits and the gradient of hidden in that dtype, the
+    gradient of weight, a sum over all positions, accumulated in fp32 and rounded once, as one
+    matmul over all positions would be. z_loss = w adds the gradient of w * mean (log Z)^2 from
+    the same log-sum-exp; the value returned is the cross-entropy alone.
+
+    Saved for backward: the two gradients (hidden's (N, d), weight's (vocab, d)), which backward
+    only scales by the gradient of the loss; nothing of size N * vocab survives the forward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, z_loss, chunk, needs_grad):
+        N, dtype = hidden.size(0), hidden.dtype
+        with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are already chosen
+            loss = torch.zeros((), device=hidden.device)
+            grad_rows = []
+            grad_weight = torch.zeros(weight.shape, device=weight.device) if needs_grad else None
+            for start in range(0, N, chunk):
+                h, t = hidden[start:start + chunk], targets[start:start + chunk, None]  # (C, d)
+                logits = (h @ weight.t()).float()                            # (C, vocab) fp32
+                logp = torch.log_softmax(logits, dim=-1)                     # (C, vocab)
+                loss = loss - logp.gather(1, t).sum()
+                if not needs_grad:
+                    continue
+                # d/dlogits of CE / N: (softmax - onehot) / N, in the order autograd computes it
+                grad = logp.exp_().mul_(1 / N).scatter_add_(1, t, logp.new_full(t.shape, -1 / N))
+                if z_loss:  # of z_loss * mean lse^2: 2 z_loss lse / N * softmax, from logsumexp
+                    lse = torch.logsumexp(logits, dim=-1, keepdim=True)      # (C, 1): log Z
+                    grad += logits.sub_(lse).exp_().mul_(z_loss / N * (2 * lse))
+                del logits
+                grad = grad.to(dtype)
+                grad_rows.append(grad @ weight)                              # (C, d)
+                grad_weight.addmm_(grad.t().float(), h.float())  # exact products: bf16 fits fp32
+        if needs_grad:
+            ctx.save_for_backward(torch.cat(grad_rows), grad_weight.to(dtype))
+        return loss / N
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None
+
+
+def linear_cross_entropy(hidden, weight, targets, z_loss=0.0):
+    """F.cross_entropy(hidden @ weight.T, targets) of hidden (..., d) and targets (...), without
+    the logits: see LinearCrossEntropy. Under autocast the matmuls run in its dtype, as
+    F.linear's would; z_loss = w puts w * mean (log Z)^2 into the gradient, not the value."""
+    dtype = compute_dtype(hidden)
+    hidden, weight = hidden.reshape(-1, hidden.size(-1)).to(dtype), weight.to(dtype)  # (N, d)
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return LinearCrossEntropy.apply(hidden, weight, targets.reshape(-1), float(z_loss),
+                                    head_chunk(weight.size(0), hidden.device), needs_grad)
+
+
+class LMHead(nn.Linear):
+    """The projection to the vocabulary. Called, the logits; loss(), the cross-entropy alone."""
+
+    def __init__(self, config):
+        super().__init__(config.n_embd, config.vocab_size, bias=False)
+
+    def loss(self, hidden, targets, z_loss=0.0):
+        return linear_cross_entropy(hidden, self.weight, targets, z_loss)
+
+
+# ----------------------------------------------------------------------------------------------
 # The model.
 
 class GPT(nn.Module):
@@ -318,7 +405,7 @@ class GPT(nn.Module):
         # delta routing's null source
         self.null = nn.Parameter(torch.zeros(config.n_embd)) if config.delta else None
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight  # tied input and output embeddings
         cos, sin = rotary_tables(config.seq_len, config.head_width, config.rope_theta)
@@ -364,11 +451,23 @@ class GPT(nn.Module):
                     module.read_mix_scale.fill_(0.01)
                     module.write_scale.fill_(0.01)
 
-    def forward(self, idx, targets=None):
-        logits = self.lm_head(self.hidden(idx)).float()              # (B, T, vocab)
+    def forward(self, idx, targets=None, logits=True, z_loss=0.0):
+        """(logits, loss) of tokens idx (B, T): the logits (B, T, vocab) in fp32 and, with targets
+        (B, T), the mean cross-entropy. logits=False, for training and validation, returns (None,
+        loss), the loss computed a chunk of positions at a time: the B * T * vocab logits never
+        exist. z_loss = w adds w * mean (log Z)^2 (PaLM's z-loss, arXiv:2204.02311, section 5) to
+        what backward differentiates, not to the value, which stays the cross-entropy."""
+        h = self.hidden(idx)                                         # (B, T, d)
+        if not logits:
+            return None, self.lm_head.loss(h, targets, z_loss)
+        logits = self.lm_head(h).float()                             # (B, T, vocab)
         if targets is None:
             return logits, None
-        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        if z_loss:
+            z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+            loss = loss + z_loss * (z - z.detach())  # the penalty's gradient; its value is 0
+        return logits, loss
 
     def hidden(self, idx, visit=None, cache=None):
         """The final normed hidden state (B, T, d) of tokens idx (B, T).

@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (FSDPModule, MixedPrecisionPolicy, fully_shard,
+                                    register_fsdp_forward_method)
 
 import mhar
 
@@ -64,6 +65,7 @@ def shard(model, mesh, dtype):
     if model.lm_head.weight is not model.embed.weight:
         fully_shard(model.embed, mesh=mesh, mp_policy=policy)
         fully_shard(model.lm_head, mesh=mesh, mp_policy=policy)
+        register_fsdp_forward_method(model.lm_head, "loss")  # gathers the head as forward does
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 

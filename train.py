@@ -647,7 +647,7 @@ def evaluate(model, val, args, rank, world, device, autocast):
         i = rank + k * world                           # forwards are collectives
         with autocast:
             loss = model(*to_device(val_batch(val, args, min(i, args.eval_batches - 1)),
-                                    device))[1].float()
+                                    device), logits=False)[1].float()
         total += loss if i < args.eval_batches else 0
     if world > 1:
         dist.all_reduce(total)
@@ -1317,10 +1317,10 @@ def train_step(model, optimizer, xs, ys, args, session):
     for micro in range(args.grad_accum):
         last = micro == args.grad_accum - 1
         with model.no_sync() if session.replicated and not last else nullcontext():
-            with session.autocast:
-                logits, loss = model(xs[micro], ys[micro])            # loss: the cross-entropy
-                objective = loss + args.z_loss * hf.z_loss(logits) if args.z_loss else loss
-            (objective / args.grad_accum).backward()
+            with session.autocast:  # the loss alone, its logits a chunk at a time; the z-loss
+                _, loss = model(xs[micro], ys[micro], logits=False,  # is in its gradient only
+                                z_loss=args.z_loss)
+            (loss / args.grad_accum).backward()
         loss_sum += loss.detach()
     if args.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)

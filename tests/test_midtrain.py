@@ -85,7 +85,8 @@ def test_the_run_converts_and_its_first_loss_is_the_unconverted_models(qwen3, to
 
 def reference_midtraining(directory, tokens, steps, lr, z, decay, warmup=2, max_steps=5):
     """The recipe by hand: the converted model, AdamW over hf.midtrain_param_groups, cross-entropy
-    plus z x hf.z_loss, clip 1.0, and the weight average of every parameter, step by step."""
+    plus z x the z-loss (the chunked head's; tests/test_head.py checks it against hf.z_loss), clip
+    1.0, and the weight average of every parameter, step by step."""
     model = GPT.from_pretrained(directory, residual="mhar", route_block=8, route_heads=8,
                                 seq_len=32)
     optimizer = torch.optim.AdamW(hf.midtrain_param_groups(model, lr, 0.05), betas=(0.9, 0.95),
@@ -98,8 +99,8 @@ def reference_midtraining(directory, tokens, steps, lr, z, decay, warmup=2, max_
         for group in optimizer.param_groups:
             group["lr"] = lr * train.lr_factor(step, warmup, max_steps, 0.01)
         rows = train.train_batch(train_tokens, args, step, 0)[0]
-        logits, loss = model(rows[:, :-1], rows[:, 1:])
-        (loss + z * hf.z_loss(logits)).backward()
+        _, loss = model(rows[:, :-1], rows[:, 1:], logits=False, z_loss=z)
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

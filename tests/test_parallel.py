@@ -73,19 +73,33 @@ def one(data, tmp_path_factory):
     return out
 
 
+# The LM head apart from the embedding (its own FSDP unit, whose chunked loss must gather it) and
+# the z-loss in the chunked head's gradient
+UNTIED = ["--no-tie_embeddings", "--z_loss", "1e-2"]
+
+
+@pytest.fixture(scope="module")
+def one_untied(data, tmp_path_factory):
+    """The reference of the untied runs: one process, batch 4 x 2 micro-steps."""
+    out = tmp_path_factory.mktemp("one-untied")
+    train.main(flags(data, out, "--grad_accum", "2", *UNTIED))
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(data, tmp_path_factory):
     """The torchrun runs the tests share (a launch costs seconds of imports per process):
     "nodes": 2 ranks x batch 4, the same 8 sequences per step as `one`, launched as two torchrun
     nodes of one process each (c10d rendezvous on 127.0.0.1); "stopped": the same on one node,
-    stopped after step 3, then resumed."""
+    stopped after step 3, then resumed; "untied": 2 ranks on one node, the head untied (UNTIED)."""
     tmp = tmp_path_factory.mktemp("fsdp")
     train_py, port = str(ROOT / "train.py"), free_port()
     nodes = [[*TORCHRUN, "--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node", "1",
               "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id",
               "fsdp-test", train_py, *flags(data, tmp / "nodes", "--fsdp")] for rank in (0, 1)]
     one_node = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", train_py]
-    launch(*nodes, [*one_node, *flags(data, tmp / "stopped", "--fsdp", "--stop_step", "3")])
+    launch(*nodes, [*one_node, *flags(data, tmp / "stopped", "--fsdp", "--stop_step", "3")],
+           [*one_node, *flags(data, tmp / "untied", "--fsdp", *UNTIED)])
     stopped_at_3 = torch.load(tmp / "stopped" / "ckpt.pt", weights_only=True)["step"]
     launch([*one_node, "--out_dir", str(tmp / "stopped"), "--resume"])
     return tmp, stopped_at_3
@@ -99,6 +113,17 @@ def test_two_sharded_ranks_match_one_process_with_the_same_global_batch(runs, on
     sharded = shards(tmp / "nodes")
     assert sharded.keys() == reference.keys()
     for k, v in reference.items():  # Adam's m / sqrt(v) amplifies float order on tiny gradients
+        assert rel_err(sharded[k], v) < 1e-5, k
+
+
+def test_a_sharded_untied_head_matches_one_process(runs, one_untied):
+    """The untied head is sharded on its own: its chunked loss gathers it as its forward would."""
+    tmp, _ = runs
+    assert_close_losses(losses(tmp / "untied"), losses(one_untied), rel=1e-5)
+    reference = torch.load(one_untied / "ckpt.pt", weights_only=True)["model"]
+    sharded = shards(tmp / "untied")
+    assert sharded.keys() == reference.keys() and "lm_head.weight" in reference
+    for k, v in reference.items():
         assert rel_err(sharded[k], v) < 1e-5, k
 
 

@@ -95,10 +95,10 @@ def test_the_loop_reads_each_steps_own_rows(data, tmp_path, monkeypatch):
     their own step: a batch that depended on the seed alone would repeat."""
     seen, forward = [], mhar.GPT.forward
 
-    def recording(self, idx, targets=None):
+    def recording(self, idx, targets=None, **options):
         if self.training:
             seen.append(idx.clone())
-        return forward(self, idx, targets)
+        return forward(self, idx, targets, **options)
     monkeypatch.setattr(mhar.GPT, "forward", recording)
     run(data, tmp_path, "--max_steps", "3", "--eval_interval", "3")
     tokens = np.fromfile(data / "train.bin", dtype=np.uint16)
@@ -112,10 +112,12 @@ def test_the_loop_reads_each_steps_own_rows(data, tmp_path, monkeypatch):
 # -----------------------------------------------------------------------------
 # Training against a reference loop written out here
 
-def reference_training(data, config, steps, lr=1e-2, warmup=2, max_steps=8, accum=2, micro=4):
+def reference_training(data, config, steps, lr=1e-2, warmup=2, max_steps=8, accum=2, micro=4,
+                       logits=False):
     """What train.py must compute: AdamW (0.9, 0.95), eps 1e-8, weight decay 0.1, one group per
     role, lr warmed up linearly then cosine to 0.1x, the loss averaged over micro-steps, gradient
-    norm clipped at 1. Returns (the model, the loss of every step)."""
+    norm clipped at 1. The loss without the logits, as train.py asks for it; logits=True: from
+    the full logits. Returns (the model, the loss of every step)."""
     torch.manual_seed(0)
     model = mhar.GPT(config)
     optimizer = model.configure_optimizers(0.1, lr, (0.9, 0.95), 1e-8, "cpu")
@@ -133,7 +135,7 @@ def reference_training(data, config, steps, lr=1e-2, warmup=2, max_steps=8, accu
         total = 0.0
         for m in range(accum):
             chunk = rows[m * micro:(m + 1) * micro]
-            _, loss = model(chunk[:, :-1], chunk[:, 1:])
+            _, loss = model(chunk[:, :-1], chunk[:, 1:], logits=logits)
             (loss / accum).backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -162,6 +164,10 @@ def test_every_residual_mode_trains_as_the_reference_loop(data, tmp_path, residu
         torch.testing.assert_close(ckpt["model"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
     logged = [e["loss"] for e in read_log(tmp_path) if "loss" in e]
     assert logged == pytest.approx(ref_losses, rel=1e-5)
+    # the losses of the full logits (the head before it was chunked); Adam amplifies the float
+    # order of the tiniest gradients past the weights' tolerance above, not the losses'
+    _, full_losses = reference_training(data, mhar.Config(**config), steps=5, logits=True)
+    assert logged == pytest.approx(full_losses, rel=1e-5)
 
 
 def test_loss_falls_far_below_the_unigram_entropy(data, tmp_path):
@@ -500,15 +506,15 @@ def gpt2_data(data, folder):
 def test_the_sample_never_draws_a_padded_id(data, tmp_path, monkeypatch, capsys):
     """The model's vocabulary is padded past GPT-2's 50,257 ids. With the padded ids made the
     likeliest, the closing sample still decodes: generate is told the tokenizer's vocabulary."""
-    forward = mhar.GPT.forward
+    head = mhar.LMHead.forward
 
-    def padded_favourite(self, idx, targets=None):
-        logits, loss = forward(self, idx, targets)
-        if not torch.is_grad_enabled():  # generate (and evaluation), not the training steps
+    def padded_favourite(self, hidden):
+        logits = head(self, hidden)
+        if not torch.is_grad_enabled():  # generate, not the training steps
             logits = logits.clone()
             logits[..., 50257:] += 100
-        return logits, loss
-    monkeypatch.setattr(mhar.GPT, "forward", padded_favourite)
+        return logits
+    monkeypatch.setattr(mhar.LMHead, "forward", padded_favourite)
     summary = run(gpt2_data(data, tmp_path / "gpt2"), tmp_path / "out", "--max_steps", "1")
     out = capsys.readouterr().out
     assert summary["finished"] and "no sample" not in out
