@@ -225,11 +225,12 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, T, nkv, hd)).transpose(1, 2)    # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)                 # (B, nkv, T, hd)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        # causal over a prompt; one new token after cached ones sees them all (a Python bool: under
+        # torch.compile with dynamic shapes a comparison of sizes would be symbolic, which SDPA refuses)
+        causal = cache is None or cache.length == 0
         if cache is not None:
             assert T == 1 or cache.length == 0, "a cache takes a prompt, then one token at a time"
             k, v = cache.extend(k, v)                                  # (B, nkv, T_before + T, hd)
-        # causal over a prompt; one new token after cached ones sees them all
-        causal = k.size(2) == T
         y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, nh * hd))  # y: (B, nh, T, hd)
 

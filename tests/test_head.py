@@ -219,3 +219,14 @@ def test_generation_runs_the_head_on_the_last_position_alone():
     model.generate(x[:, :5], 3, temperature=0)
     model.generate(x[:, :5], 3, temperature=0, cache=False)
     assert rows == [torch.Size([B, model.config.n_embd])] * 6
+
+
+def test_the_training_path_compiles_with_dynamic_shapes():
+    """train.py --compile sees other shapes at evaluation, and torch.compile then recompiles with
+    symbolic sizes: attention's causal flag must stay a Python bool (SDPA refuses a symbolic one)."""
+    model, (x, y) = routed_model(tied=True), batch()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
+    loss, grads = loss_and_grads(model, chunked(1e-2, x, y, model_call=compiled))
+    ref_loss, ref_grads = loss_and_grads(model, reference(1e-2, x, y))
+    assert rel_err(loss, ref_loss) < 1e-6
+    assert_equal_grads(grads, ref_grads, rel=1e-5)
