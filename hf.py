@@ -524,12 +524,6 @@ def midtrain_param_groups(model, lr, weight_decay=MIDTRAIN["weight_decay"][0]):
             for name, params in model.param_groups().items() if params]
 
 
-def z_loss(logits):
-    """The mean squared log-partition function of the logits (PaLM, arXiv:2204.02311, section 5):
-    added to the loss times MIDTRAIN["z_loss"], it keeps log Z near 0, the bf16 softmax stable."""
-    return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
-
-
 # ----------------------------------------------------------------------------------------------
 # The CPU demonstration: python hf.py [DIR]. transformers saves a tiny random Qwen3 into DIR (no
 # download); it is read, converted, trained five steps with the recipe's groups, written back and

@@ -308,6 +308,13 @@ ADDED_BY_RESIDUAL = ("sites.", "connections.", "null")  # names a baseline check
 HEAD_CHUNK_BYTES = {"cpu": 128 << 20, "cuda": 1 << 30}
 
 
+def squared_log_z(logits):
+    """The mean squared log-partition function of the logits, PaLM's z-loss (arXiv:2204.02311,
+    section 5): added to the loss times a small weight, it keeps log Z near 0, the bf16 softmax
+    stable."""
+    return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+
+
 def head_chunk(vocab, device):
     """Positions per chunk: as many as the device's budget of fp32 logits holds (at least one)."""
     budget = HEAD_CHUNK_BYTES.get(device.type, HEAD_CHUNK_BYTES["cpu"])
@@ -466,7 +473,7 @@ class GPT(nn.Module):
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         if z_loss:
-            z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+            z = squared_log_z(logits)
             loss = loss + z_loss * (z - z.detach())  # the penalty's gradient; its value is 0
         return logits, loss
 

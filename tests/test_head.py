@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import hf
 import mhar
 from helpers import rel_err, tiny
 
@@ -52,11 +51,11 @@ def loss_and_grads(model, step):
 
 
 def reference(z_loss, x, y):
-    """The full logits through F.cross_entropy, plus z_loss * hf.z_loss(logits) to differentiate."""
+    """The full logits through F.cross_entropy, plus z_loss * mhar.squared_log_z(logits) to differentiate."""
     def step(model):
         logits, _ = model(x)                                         # (B, T, vocab) fp32
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        return loss, loss + z_loss * hf.z_loss(logits) if z_loss else loss
+        return loss, loss + z_loss * mhar.squared_log_z(logits) if z_loss else loss
     return step
 
 
@@ -134,7 +133,7 @@ def test_hidden_and_weight_gradients_scaled_and_accumulated(dtype, z_loss):
     def full(h, t):
         logits = F.linear(h, weight).float()
         loss = F.cross_entropy(logits, t)
-        return loss, loss + z_loss * hf.z_loss(logits)
+        return loss, loss + z_loss * mhar.squared_log_z(logits)
 
     def fused(h, t):
         loss = mhar.linear_cross_entropy(h, weight, t, z_loss)
@@ -230,3 +229,11 @@ def test_the_training_path_compiles_with_dynamic_shapes():
     ref_loss, ref_grads = loss_and_grads(model, reference(1e-2, x, y))
     assert rel_err(loss, ref_loss) < 1e-6
     assert_equal_grads(grads, ref_grads, rel=1e-5)
+
+
+def test_z_loss_is_the_squared_log_partition():
+    logits = torch.randn(2, 3, 7)
+    expected = (torch.logsumexp(logits, -1) ** 2).mean().item()
+    assert mhar.squared_log_z(logits).item() == pytest.approx(expected)
+    uniform = torch.full((1, 4), -torch.tensor(4.0).log().item())               # Z = 1
+    assert mhar.squared_log_z(uniform).item() == pytest.approx(0.0, abs=1e-12)

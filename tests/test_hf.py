@@ -432,14 +432,6 @@ def test_a_converted_qwen3_trains_from_the_baselines_loss(qwen3):
     assert (gates != 0).all() and losses[-1] != losses[0]
 
 
-def test_z_loss_is_the_squared_log_partition():
-    logits = torch.randn(2, 3, 7)
-    expected = (torch.logsumexp(logits, -1) ** 2).mean().item()
-    assert hf.z_loss(logits).item() == pytest.approx(expected)
-    uniform = torch.full((1, 4), -torch.tensor(4.0).log().item())               # Z = 1
-    assert hf.z_loss(uniform).item() == pytest.approx(0.0, abs=1e-12)
-
-
 # ----------------------------------------------------------------------------------------------
 # export.py
 

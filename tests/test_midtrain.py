@@ -85,7 +85,7 @@ def test_the_run_converts_and_its_first_loss_is_the_unconverted_models(qwen3, to
 
 def reference_midtraining(directory, tokens, steps, lr, z, decay, warmup=2, max_steps=5):
     """The recipe by hand: the converted model, AdamW over hf.midtrain_param_groups, cross-entropy
-    plus z x the z-loss (the chunked head's; tests/test_head.py checks it against hf.z_loss), clip
+    plus z x the z-loss (the chunked head's; tests/test_head.py checks it against mhar.squared_log_z), clip
     1.0, and the weight average of every parameter, step by step."""
     model = GPT.from_pretrained(directory, residual="mhar", route_block=8, route_heads=8,
                                 seq_len=32)
