@@ -823,9 +823,9 @@ def schedule(n_sites, group, block=1, delta=False):
 
 @memoized
 def _launches_by_site(n_sites, group, block, delta, heads, eps):
-    """site -> the (launch, Spec, continued, first) its read makes; continued: per site of the
-    launch, whether its state goes on to a phase 2; first: the index of its first site's lse
-    among all the launches' sites."""
+    """(site -> the (launch, Spec, continued, first) its read makes, the number of lse all the
+    launches write, the sites with a phase 2); continued: per site of the launch, whether its
+    state goes on to a phase 2; first: the index of its first site's lse among them all."""
     launches, rows, first = {}, committed_rows(n_sites - 1, block, delta), 0
     for launch in schedule(n_sites, group, block, delta):
         spec = Spec(heads, eps, rows, launch.lo, launch.own_lo, launch.fresh_lo, launch.last,
@@ -833,7 +833,9 @@ def _launches_by_site(n_sites, group, block, delta, heads, eps):
         continued = tuple(bool(launch.continued >> i & 1) for i in range(launch.sites))
         launches.setdefault(launch.site, []).append((launch, spec, continued, first))
         first += launch.sites
-    return launches
+    continued_sites = tuple(site for site, entries in launches.items()
+                            for launch, *_ in entries if launch.phase == 2)
+    return launches, first, continued_sites
 
 
 class FusedHistory:
@@ -855,7 +857,8 @@ class FusedHistory:
         layout(width, heads, group)                                  # fails here if a group cannot fit
         self.queries, self.norms, self.heads, self.eps = queries, norms, heads, eps
         self.block, self.null = block, null
-        self.launches = _launches_by_site(n_sites, group, block, delta, heads, eps)
+        self.launches, self.lse_count, continued = _launches_by_site(n_sites, group, block, delta,
+                                                                     heads, eps)
         self.group = group
         self.rows_total = committed_rows(n_sites - 1, block, delta)
         self.rows = []              # committed sources: (delta's null,) b_0 = s_0, completed blocks
@@ -866,9 +869,8 @@ class FusedHistory:
         self.addresses = []         # of the committed sources, checked and aligned as they came
         self.qg = None              # q ⊙ g (fp32) by group and by site: made at the first append
         self.carrier = None         # hands the source-gradient buffer backward from launch to launch
-        self.qg_parts = None if self.traced else QGGradients(     # eager: where q ⊙ g's gradient gathers
-            n_sites, group, tuple(launch.site for launch in schedule(n_sites, group, block, delta)
-                                  if launch.phase == 2))
+        # eager: where q ⊙ g's gradient gathers
+        self.qg_parts = None if self.traced else QGGradients(n_sites, group, continued)
         self.lses = None            # eager: per site of each launch, where it writes its lse
         self.partials = {}          # site -> its phase-1 state, until its phase 2 (eager: a Partial)
         self.outputs = {}           # site -> its routed output, once complete
@@ -895,9 +897,7 @@ class FusedHistory:
                 self._commit(self.null.to(source.dtype).expand_as(source))
             self._commit(source)                                     # b_0 = s_0
             if not self.traced:     # every launch's lse, in one tensor (they are kept until backward)
-                slots = sum(launch.sites for launch in schedule(len(self.queries), self.group, self.block,
-                                                                self.null is not None))
-                self.lses = source.new_empty((slots, *source.shape[:-1], self.heads),
+                self.lses = source.new_empty((self.lse_count, *source.shape[:-1], self.heads),
                                              dtype=torch.float32).unbind(0)
         else:
             first = self.rows[0]
