@@ -1,7 +1,8 @@
 """
 The LM head's cost, the full logits against the chunked loss (GPT.forward(..., logits=False)),
 side by side: the peak memory and the time of one training step (forward, backward, AdamW). The
-two heads alternate step by step in one process, so that a busy machine slows both alike.
+two heads alternate step by step in one process, so that a busy machine slows both alike; the
+process's CPU time per step is printed beside the wall time, as a busy machine inflates it less.
 
     python bench_head.py                        # the three cases, 5 timed steps of each head
     python bench_head.py --cases small --steps 10
@@ -90,13 +91,13 @@ def peak_cpu(case, head):
 
 
 def timed(model, optimizer, x, y, head, z_loss, device):
-    """(seconds, loss, CUDA peak bytes or None) of one step."""
+    """((wall seconds, CPU seconds of the process), loss, CUDA peak bytes or None) of one step."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     loss = step(model, optimizer, x, y, head, z_loss)  # .item() waits for the step
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0, time.process_time() - cpu0
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return seconds, loss, peak
 
@@ -118,18 +119,21 @@ def bench(case, steps, device, peaks):
     c = runs["full"][0].config
     print(f"{case}: vocab {c.vocab_size:,}, {runs['full'][2].numel():,} positions, d {c.n_embd}, "
           f"{c.n_layer} layers" + (f", z-loss {z_loss:g}" if z_loss else ""))
+    wall, cpu = ({h: [s[i] for s in seconds[h]] for h in HEADS} for i in range(2))
     for head in HEADS:
         if device.type == "cuda":
             memory = f"peak allocated {max(allocated[head]) / 2**30:.2f} GiB"
         else:
             before, peak = peaks[head]
             memory = f"peak RSS {peak / 2**30:.2f} GiB (before the step {before / 2**30:.2f})"
-        print(f"  {head:8s} {1e3 * statistics.median(seconds[head]):8.1f} ms/step (median of "
-              f"{steps}) | {memory} | last loss {losses[head][-1]:.6f}")
-    pairs = [f / c for f, c in zip(seconds["full"], seconds["chunked"])]
-    ratio = statistics.median(seconds["full"]) / statistics.median(seconds["chunked"])
-    print(f"  full / chunked: {ratio:.2f}x per step (medians); step by step {min(pairs):.2f}x to "
-          f"{max(pairs):.2f}x")
+        print(f"  {head:8s} {1e3 * statistics.median(wall[head]):8.1f} ms/step, CPU "
+              f"{1e3 * statistics.median(cpu[head]):.0f} ms (medians of {steps}) | {memory} | "
+              f"last loss {losses[head][-1]:.6f}")
+    pairs = [f / c for f, c in zip(wall["full"], wall["chunked"])]
+    ratio, cpu_ratio = (statistics.median(t["full"]) / statistics.median(t["chunked"])
+                        for t in (wall, cpu))
+    print(f"  full / chunked: {ratio:.2f}x per step (medians; step by step {min(pairs):.2f}x to "
+          f"{max(pairs):.2f}x), {cpu_ratio:.2f}x in the process's CPU time")
 
 
 def main(argv=None):

@@ -298,13 +298,14 @@ ADDED_BY_RESIDUAL = ("sites.", "connections.", "null")  # names a baseline check
 # ----------------------------------------------------------------------------------------------
 # The LM head's loss without the whole logits: a chunk of positions at a time.
 
-# Bytes of fp32 logits one chunk of positions may hold (its softmax and gradient take two or three
-# times that). Fewer, longer chunks cost less: each chunk reads and writes the whole gradient of
-# the weight (vocab, d), so chunks of a few dozen positions spend more on it than on their logits.
-# On this project's 2-core CPU (loaded, two runs) 128 MiB was as fast as any budget from 16 to
-# 512 MiB at GPT-2's vocabulary (4 MiB: 2x slower), and among the fastest at Qwen3's, where chunks
-# of 7 to 55 positions (4 to 32 MiB) were slower. On a GPU, chunks large enough that their matmuls fill the
-# device (5.3k positions at GPT-2's vocabulary, 1.8k at Qwen3's).
+# Bytes of fp32 logits one chunk of positions may hold: one buffer of that size holds each chunk's
+# logits, log-softmax and gradient in turn, in place. Fewer, longer chunks cost less: each chunk
+# reads and writes the whole gradient of the weight (vocab, d), so chunks of a few dozen positions
+# spend more on it than on their logits. On this project's 2-core CPU (loaded, two runs) 128 MiB
+# was as fast as any budget from 16 to 512 MiB at GPT-2's vocabulary (4 MiB: 2x slower), and among
+# the fastest at Qwen3's, where chunks of 7 to 55 positions (4 to 32 MiB) were slower. On a GPU,
+# chunks large enough that their matmuls fill the device (5.3k positions at GPT-2's vocabulary,
+# 1.8k at Qwen3's).
 HEAD_CHUNK_BYTES = {"cpu": 128 << 20, "cuda": 1 << 30}
 
 
@@ -324,12 +325,14 @@ def head_chunk(vocab, device):
 class LinearCrossEntropy(torch.autograd.Function):
     """The mean cross-entropy of logits hidden @ weight.T, computed and differentiated a chunk of
     positions at a time: each chunk's logits (C, vocab), in fp32, give its loss and, at once, its
-    rows of the gradient of hidden and its share of the gradient of weight, and are freed. The
-    matmuls run in the dtype of hidden and weight (the wrapper casts them to autocast's), rounded
-    where autocast's F.linear rounds: the logits and the gradient of hidden in that dtype, the
-    gradient of weight, a sum over all positions, accumulated in fp32 and rounded once, as one
-    matmul over all positions would be. z_loss = w adds the gradient of w * mean (log Z)^2 from
-    the same log-sum-exp; the value returned is the cross-entropy alone.
+    rows of the gradient of hidden and its share of the gradient of weight. One buffer serves
+    every chunk, overwritten in place (logits, log-softmax, gradient): on a CPU, fresh memory for
+    each would cost a page fault per 4 KiB of it, several times per chunk. The matmuls run in the
+    dtype of hidden and weight (the wrapper casts them to autocast's), rounded where autocast's
+    F.linear rounds: the logits and the gradient of hidden in that dtype, the gradient of weight,
+    a sum over all positions, accumulated in fp32 and rounded once, as one matmul over all
+    positions would be. z_loss = w adds the gradient of w * mean (log Z)^2, its log Z the target's
+    logit minus its log-probability; the value returned is the cross-entropy alone.
 
     Saved for backward: the two gradients (hidden's (N, d), weight's (vocab, d)), which backward
     only scales by the gradient of the loss; nothing of size N * vocab survives the forward.
@@ -337,29 +340,35 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, z_loss, chunk, needs_grad):
-        N, dtype = hidden.size(0), hidden.dtype
-        with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are already chosen
-            loss = torch.zeros((), device=hidden.device)
-            grad_rows = []
-            grad_weight = torch.zeros(weight.shape, device=weight.device) if needs_grad else None
+        N, dtype, device = hidden.size(0), hidden.dtype, hidden.device
+        with torch.autocast(device.type, enabled=False):  # the dtypes are already chosen
+            buffer = torch.empty(min(chunk, N), weight.size(0), device=device)  # (C, vocab) fp32
+            loss = torch.zeros((), device=device)
+            grad_hidden = torch.empty_like(hidden) if needs_grad else None
+            grad_weight = torch.zeros(weight.shape, device=device) if needs_grad else None
             for start in range(0, N, chunk):
-                h, t = hidden[start:start + chunk], targets[start:start + chunk, None]  # (C, d)
-                logits = (h @ weight.t()).float()                            # (C, vocab) fp32
-                logp = torch.log_softmax(logits, dim=-1)                     # (C, vocab)
-                loss = loss - logp.gather(1, t).sum()
+                rows = slice(start, start + chunk)
+                h, t = hidden[rows], targets[rows, None]                     # (C, d), (C, 1)
+                logits = buffer[:h.size(0)]                                  # (C, vocab) fp32
+                if dtype == torch.float32:
+                    torch.mm(h, weight.t(), out=logits)
+                else:
+                    logits.copy_(h @ weight.t())                             # rounded to dtype
+                target_logit = logits.gather(1, t)                           # (C, 1)
+                logp = torch.log_softmax(logits, dim=-1, out=logits)         # in place
+                target_logp = logp.gather(1, t)                              # (C, 1)
+                loss = loss - target_logp.sum()
                 if not needs_grad:
                     continue
-                # d/dlogits of CE / N: (softmax - onehot) / N, in the order autograd computes it
-                grad = logp.exp_().mul_(1 / N).scatter_add_(1, t, logp.new_full(t.shape, -1 / N))
-                if z_loss:  # of z_loss * mean lse^2: 2 z_loss lse / N * softmax, from logsumexp
-                    lse = torch.logsumexp(logits, dim=-1, keepdim=True)      # (C, 1): log Z
-                    grad += logits.sub_(lse).exp_().mul_(z_loss / N * (2 * lse))
-                del logits
+                # d/dlogits of (CE + z_loss * (log Z)^2) / N: (softmax (1 + 2 z_loss log Z) - onehot) / N
+                log_z = target_logit - target_logp                           # (C, 1)
+                scale = (1 + 2 * z_loss * log_z) / N if z_loss else 1 / N
+                grad = logp.exp_().mul_(scale).scatter_add_(1, t, logp.new_full(t.shape, -1 / N))
                 grad = grad.to(dtype)
-                grad_rows.append(grad @ weight)                              # (C, d)
+                torch.mm(grad, weight, out=grad_hidden[rows])                # (C, d)
                 grad_weight.addmm_(grad.t().float(), h.float())  # exact products: bf16 fits fp32
         if needs_grad:
-            ctx.save_for_backward(torch.cat(grad_rows), grad_weight.to(dtype))
+            ctx.save_for_backward(grad_hidden, grad_weight.to(dtype))
         return loss / N
 
     @staticmethod
