@@ -1,11 +1,14 @@
-"""README.md and docs/*.md as written: every ```python block runs, every script a ```bash block runs
-names a file of the repository and flags that the script's own parser accepts (parsed, not run), the
-Python and YAML that a block hands to a program parse, and every relative link and #anchor resolves."""
+"""README.md and docs/*.md as written, one test id per page: every ```python block runs; every script that
+a ```bash block runs is a file of the repository and takes the flags written, through its own parser and
+nothing more (train.py's model flags through mhar.Config, compare.py's grid cell by cell); the Python and
+YAML that a block hands to a program parse; every relative link and #anchor resolves."""
 import argparse
 import contextlib
 import io
 import re
 import shlex
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -43,14 +46,18 @@ class Parsed(Exception):
     """Raised by a patched ArgumentParser method once a script's flags parsed: the script stops there."""
 
 
-def stop_after(method, monkeypatch):
-    """ArgumentParser.<method> parses, then raises Parsed(its result): what comes after never runs."""
+def strict(method, monkeypatch, stop=True):
+    """ArgumentParser.<method> refuses abbreviated flags (the documents spell every flag in full) and,
+    with stop, raises Parsed(its result) once it parsed: what comes after never runs."""
     original = getattr(argparse.ArgumentParser, method)
 
-    def parse_and_stop(self, *args, **kwargs):
-        self.allow_abbrev = False  # the documents spell every flag in full
-        raise Parsed(original(self, *args, **kwargs))
-    monkeypatch.setattr(argparse.ArgumentParser, method, parse_and_stop)
+    def parse(self, *args, **kwargs):
+        self.allow_abbrev = False
+        result = original(self, *args, **kwargs)
+        if stop:
+            raise Parsed(result)
+        return result
+    monkeypatch.setattr(argparse.ArgumentParser, method, parse)
 
 
 def parse_script(module):
@@ -58,21 +65,37 @@ def parse_script(module):
     or, for a script that builds its parser inside main(argv), main."""
     def parse(argv, monkeypatch):
         script = __import__(module)
-        stop_after("parse_args", monkeypatch)
+        strict("parse_args", monkeypatch)
         with pytest.raises(Parsed):
             getattr(script, "parse_args", script.main)(argv)
         monkeypatch.undo()
     return parse
 
 
-def parse_compare(argv, monkeypatch):
-    """compare.py's own flags, then those it passes on to every train.py run."""
-    import compare
-    stop_after("parse_known_args", monkeypatch)
-    with pytest.raises(Parsed) as parsed:
-        compare.parse_args(argv)
+def parse_train(argv, monkeypatch):
+    """train.py's flags (its parse_args runs nothing) and, for a run that neither resumes nor converts
+    (those take the model from a checkpoint or a directory), the mhar.Config they describe."""
+    import train
+    strict("parse_known_args", monkeypatch, stop=False)
+    args, _ = train.parse_args(argv)
     monkeypatch.undo()
-    parse_script("train")(parsed.value.args[0][1], monkeypatch)
+    if args.resume is None and not args.init_from:
+        train.model_config(args, {})
+
+
+def parse_compare(argv, monkeypatch):
+    """compare.py's flags and every run of its grid (compare.check_shapes builds each run's mhar.Config),
+    then the flags it passes on to train.py; in a temporary folder holding the --eval_include it names."""
+    import compare
+    with tempfile.TemporaryDirectory() as folder:
+        monkeypatch.chdir(folder)
+        if "--eval_include" in argv:
+            Path(argv[argv.index("--eval_include") + 1]).mkdir(parents=True)
+        strict("parse_known_args", monkeypatch, stop=False)
+        args, train_flags = compare.parse_args(argv)
+        compare.check_shapes(compare.runs_of(args), train_flags)
+        monkeypatch.undo()
+    parse_train(train_flags, monkeypatch)
 
 
 def parse_hf(argv, monkeypatch):
@@ -80,9 +103,9 @@ def parse_hf(argv, monkeypatch):
     assert len(argv) <= 1 and not any(a.startswith("-") for a in argv), f"hf.py takes [DIR], not {argv}"
 
 
-PARSERS = {"compare.py": parse_compare, "hf.py": parse_hf,
-           **{f"{m}.py": parse_script(m) for m in ("train", "eval", "export", "probe", "sample", "prepare",
-                                                    "bench_head", "kernel")}}
+PARSERS = {"train.py": parse_train, "compare.py": parse_compare, "hf.py": parse_hf,
+           **{f"{m}.py": parse_script(m) for m in ("eval", "export", "probe", "sample", "prepare", "bench_head",
+                                                    "kernel")}}
 SEPARATORS = {";", "&&", "||", "|", "&", "(", ")", "\n"}
 
 
@@ -112,7 +135,8 @@ def lines_of(block):
 
 
 def simple_commands(line, variables):
-    """The words of each simple command of a line, with the block's own variables expanded."""
+    """The words of each simple command of a line, with the block's own variables expanded (a loop's
+    values go to variables["for"]: the caller checks the loop's body once per value)."""
     line = re.sub(r"\$\([^()]*\)", "SUBSTITUTED", line)  # $(command): one word, not checked
     line = re.sub(r"\$(\w+)|\$\{(\w+)\}", lambda m: variables.get(m.group(1) or m.group(2), m.group(0)), line)
     lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
@@ -130,8 +154,8 @@ def simple_commands(line, variables):
             name, value = command[0].split("=", 1)
             variables[name] = value
             command = command[1:]
-        if command[:1] == ["for"] and len(command) > 3 and command[2] == "in":  # the loop's first value
-            variables[command[1]] = command[3]
+        if command[:1] == ["for"] and len(command) > 3 and command[2] == "in":  # for NAME in VALUES
+            variables.setdefault("for", {})[command[1]] = command[3:]
             continue
         if command:
             yield command
@@ -192,10 +216,12 @@ def test_bash_blocks_name_scripts_and_flags_that_exist(page, monkeypatch):
     for block in fenced(page, "bash"):
         variables = {}
         for line, body in lines_of(block):
-            for words in simple_commands(line, variables):
-                found = check_command(words, body, monkeypatch)
-                checked += words[0] in ("python", "python3", "torchrun")
-                problems += [f"{page.relative_to(ROOT)}: {p}" for p in found]
+            loops = [(name, values) for name, values in variables.get("for", {}).items() if f"${name}" in line]
+            for name, value in [(name, v) for name, values in loops for v in values] or [(None, None)]:
+                for words in simple_commands(line, {**variables, name: value} if name else variables):
+                    found = check_command(words, body, monkeypatch)
+                    checked += words[0] in ("python", "python3", "torchrun")
+                    problems += [f"{page.relative_to(ROOT)}: {p}" for p in found]
     assert not problems, "\n".join(problems)
     if fenced(page, "bash"):
         assert checked, f"{page.name}: bash blocks, but no command checked"
