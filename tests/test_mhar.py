@@ -588,15 +588,6 @@ def test_config_round_trips_through_a_dict():
     assert Config(**dataclasses.asdict(config)) == config
 
 
-def test_readme_python_examples_run():
-    """Every ```python block of the README runs as written, in order, in one namespace."""
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
-    assert blocks, "the README has no python example"
-    namespace = {}
-    for block in blocks:
-        exec(compile(block, "README.md", "exec"), namespace)
-
-
 # Imported by the code, not installed by the test command: its one test runs only without it.
 NOT_INSTALLED = {"wandb": "train.py --wandb"}
 
