@@ -1,6 +1,6 @@
 """
 The transformers configuration of a routed MHAR checkpoint, written into the directory beside
-modeling_mhar.py and mhar.py (hf.save; README, Grafting MHAR onto Qwen3).
+modeling_mhar.py and mhar.py (hf.save; docs/conversion.md, Grafting MHAR onto Qwen3).
 
 Its "mhar" entry holds the fields of mhar.Config, from which modeling_mhar builds the model; the
 Qwen3 names beside it (hidden_size, num_hidden_layers, max_position_embeddings, ...) are written

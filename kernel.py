@@ -1161,7 +1161,7 @@ def _check(device, routes, networks):
             dout = torch.randn(B, T, d, device=device).to(dtype)
             # The sublayer: a fixed random projection and tanh. (An identity, or sin, would make the
             # later sources nearly equal to earlier ones: in bf16 the coupling c, taken from the
-            # rounded output, then loses most of its digits to the cancellation; see the README.)
+            # rounded output, then loses most of its digits to the cancellation; see docs/kernels.md.)
             projection = torch.randn(d, d, device=device) / d ** 0.5
 
             def sublayer(h):

@@ -62,7 +62,7 @@ except KeyboardInterrupt:
 # warmup steps then cosine to 0.1x, 20K steps, an evaluation every 500, and as the metric the
 # tail-mean of the last 11 evaluations. The flags below default to it. Peak lr 5e-4 for every
 # method, as in the paper's later version (its main table); the earlier version used 1e-3
-# (README, "Reproducing the paper").
+# (docs/comparison.md, "Reproducing the paper").
 BETAS, ADAM_EPS = (0.9, 0.95), 1e-8
 PAPER_RUN = dict(max_steps=20_000, warmup_steps=1000, eval_interval=500, eval_batches=20, lr=5e-4)
 # Run sizes per preset: the micro-batch (sequences per rank) and the global batch (sequences per
@@ -218,7 +218,7 @@ def build_parser(defaults=True):
            help="convert this baseline checkpoint into a delta-routed model (--residual attnres "
                 "or mhar) and continue its run from its step; or convert a Hugging Face Qwen3 "
                 "directory (or hub id) and start a new run with the paper's mid-training recipe "
-                "as the defaults (README: Grafting MHAR onto Qwen3)")
+                "as the defaults (docs/conversion.md: Grafting MHAR onto Qwen3)")
     p.flag("seed", RUN, type=int, default=0, help="model init and data order (default 0)")
     p.flag("allow_data_change", MACHINE, action="store_true", default=False,
            help="--resume onto data that changed since the checkpoint (by default an error)")

@@ -362,7 +362,7 @@ def test_benchmark_code_runs_on_the_cpu(capsys):
 
 @interpreted
 def test_host_cost_runs_on_the_cpu(capsys):
-    """The host-time measurement of the README (python kernel.py --host), at a tiny shape."""
+    """The host-time measurement of docs/kernels.md (python kernel.py --host), at a tiny shape."""
     ratios = kernel.host_cost([("tiny", 24, 2, 1, 3)], repeats=1)
     assert set(ratios) == {("tiny", 1), ("tiny", kernel.auto_group(5, 24, kernel.HEADS))}
     assert all(ratio > 0 for ratio in ratios.values())
