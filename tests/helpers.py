@@ -1,7 +1,9 @@
 """Helpers every test file shares: one relative error, one builder of route inputs, the tiny models, an
-lm-eval task over local files, a script run in a subprocess on a full disk or in a read-only folder."""
+lm-eval task over local files, a script run in a subprocess on a full disk or in a read-only folder, a
+child that Ctrl-C reaches as it would under a terminal."""
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,14 @@ from mhar import preset
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 VOCAB = 64  # the vocabulary of the training tests' corpus (the `data` fixture)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def sigint_as_in_a_terminal():
+    """preexec_fn of a child that a test interrupts with SIGINT, as a terminal's Ctrl-C would: SIGINT at its
+    default. A suite started in the background without job control (`pytest &` in a script) ignores SIGINT,
+    its children inherit that, and Python then installs no KeyboardInterrupt handler: the signal would do
+    nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 # fused kernels on CPU tensors: in the Triton interpreter, which conftest.py switches on without a GPU
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason=(
     "runs the fused kernels on CPU tensors, in the Triton interpreter: on a GPU machine the compiled "

@@ -16,7 +16,7 @@ import mhar
 import prepare
 import sample
 from common import load_model
-from helpers import ROOT, VOCAB, error_line
+from helpers import ROOT, VOCAB, error_line, sigint_as_in_a_terminal
 from mhar import GPT
 
 PADDING_LOGIT = 1e3  # the scale of the padding rows below: their logits dwarf every real token's
@@ -185,7 +185,8 @@ def test_ctrl_c_while_sampling_is_one_line_and_status_130(probe_runs):
     """A real SIGINT once the first tokens are out (streamed): one line on stderr, status 130."""
     p = subprocess.Popen([sys.executable, "sample.py", "--ckpt", str(probe_runs["mhar"] / "ckpt.pt"), "--prompt",
                           "1 2 3", "--max_new_tokens", "1000000"], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         preexec_fn=sigint_as_in_a_terminal)
     if not select.select([p.stdout], [], [], 120)[0]:  # the prompt and the first tokens: sampling has begun
         p.kill()
         pytest.fail("sample.py printed nothing for 2 minutes")

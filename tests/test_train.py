@@ -21,7 +21,7 @@ import torch
 import mhar
 import train
 from common import sample_rows, seed_of
-from helpers import ROOT, VOCAB, error_line
+from helpers import ROOT, VOCAB, error_line, sigint_as_in_a_terminal
 
 
 def flags(data, out, *extra):
@@ -484,7 +484,7 @@ def test_ctrl_c_while_train_py_imports_exits_130_with_one_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     p = subprocess.Popen([sys.executable, "train.py", "--out_dir", str(tmp_path / "out")],
                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+                         text=True, preexec_fn=sigint_as_in_a_terminal)
     deadline = time.time() + 60
     while not marker.exists():
         assert p.poll() is None and time.time() < deadline, p.communicate()
