@@ -33,7 +33,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 import mhar  # noqa: E402
-from common import UserError, pick_device  # noqa: E402
+from common import UserError, max_resident_bytes, peak_memory, pick_device  # noqa: E402
 
 QWEN3_4K = dict(vocab_size=151936, seq_len=4096, n_embd=128, n_head=4, n_kv_head=2, ffn_hidden=384)
 CASES = {  # name: (preset, overrides, batch size, z_loss)
@@ -87,19 +87,19 @@ def peak_cpu(case, head):
     _, status, usage = os.wait4(proc.pid, 0)
     if status != 0:
         sys.exit(f"bench_head.py: error: the {case} {head} child failed ({status})")
-    return json.loads(out)["before"], usage.ru_maxrss * 1024
+    return json.loads(out)["before"], max_resident_bytes(usage)
 
 
 def timed(model, optimizer, x, y, head, z_loss, device):
     """((wall seconds, CPU seconds of the process), loss, CUDA peak bytes or None) of one step."""
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        peak_memory(device)  # resets the counter: the next reading is this step's
     t0, cpu0 = time.perf_counter(), time.process_time()
     loss = step(model, optimizer, x, y, head, z_loss)  # .item() waits for the step
     seconds = time.perf_counter() - t0, time.process_time() - cpu0
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return seconds, loss, peak
+    return seconds, loss, peak_memory(device) if cuda else None
 
 
 def bench(case, steps, device, peaks):

@@ -1,6 +1,7 @@
 """
-What the scripts share (train.py, sample.py, probe.py, compare.py, prepare.py): one-line errors,
-the device, the token files of prepare.py, the batches drawn from them, and checkpoints.
+What the scripts share (train.py, sample.py, probe.py, compare.py, prepare.py, bench_head.py):
+one-line errors, the device and its peak memory, the token files of prepare.py, the batches drawn
+from them, and checkpoints.
 Importing this file has no side effects.
 """
 import hashlib
@@ -135,6 +136,23 @@ def pick_device(name=None):
     if device.type not in ("cpu", "cuda", "mps"):
         raise UserError(f"--device {name}: use auto, cpu, cuda, cuda:N or mps")
     return device
+
+
+def max_resident_bytes(usage):
+    """The maximum resident set of a resource usage (getrusage, wait4), in bytes (Linux: KiB)."""
+    return usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def peak_memory(device):
+    """Peak bytes: on CUDA of allocated tensors since the previous call (the counter is reset, so
+    that a step's figure is not an evaluation's); elsewhere the process's maximum resident set (the
+    kernel keeps no other)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
+    import resource
+    return max_resident_bytes(resource.getrusage(resource.RUSAGE_SELF))
 
 
 # -----------------------------------------------------------------------------

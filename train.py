@@ -50,8 +50,8 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile ends as it does once the
     import parallel
     import prepare
     from common import (CheckpointError, UserError, exit_error, largest_id, one_line,
-                        pick_device, read_checkpoint, read_tokens, sample_rows, unwrapped,
-                        write_atomically)
+                        peak_memory, pick_device, read_checkpoint, read_tokens, sample_rows,
+                        unwrapped, write_atomically)
 except KeyboardInterrupt:
     print("train.py: error: interrupted before training started", file=sys.stderr, flush=True)
     sys.exit(130)
@@ -1058,19 +1058,6 @@ def fmt_count(n):
         if n >= size:
             return f"{n / size:.{1 if unit == 'k' else 2}f}{unit}"
     return f"{n:.0f}"
-
-
-def peak_memory(device):
-    """Peak bytes: on CUDA of allocated tensors since the previous call (the counter is reset, so
-    that a step's figure is not an evaluation's); elsewhere the process's maximum resident set (the
-    kernel keeps no other)."""
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return peak
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (
-        1 if sys.platform == "darwin" else 1024)
 
 
 class Report:
