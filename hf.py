@@ -85,7 +85,8 @@ REQUIRED = {
 }
 
 MODEL_TYPE = "mhar"                          # a routed model's: its class is in the directory
-ROUTING = ("residual", "route_heads", "route_block", "delta", "hc_streams")  # read from "mhar"
+ROUTING = ("residual", "route_heads", "route_block", "delta", "hc_streams",  # read from "mhar"
+           "route_temperature")
 RUNTIME = ("fused", "fused_group", "checkpointing")  # how a model runs here, not what it computes
 # The layouts of a directory (layout()) and the stem of their weights, <stem>.safetensors
 WEIGHTS = {"qwen3": "model", "remote": "model", "mhar": "mhar"}

@@ -13,6 +13,9 @@ norm weight g, over sources V = [s_0, ..., s_j]:
     out_[h]  = sum_n a[n, h] V_n,[h]                head h mixes only its slice
 
 Sublayer j reads out, and its raw output is appended as s_{j+1}; H = 1 is Attention Residuals.
+A head's logit sums d/H coordinates where AttnRes's sums all d, so MHAR's softmaxes start flatter:
+Config.route_temperature = tau divides every logit (the route with q / tau), the control that
+tells per-slice routing from a flatter softmax (tau = H: AttnRes's logit scaled to one head's).
 The decoder is Qwen3-style: pre-norm, RMSNorm, rotary embeddings, grouped-query attention with
 per-head RMSNorm on queries and keys, SwiGLU MLP, no biases, no dropout, tied embeddings (by
 default), and generation with a cache of attention keys and values.
@@ -57,6 +60,7 @@ class Config:
     residual: str = "mhar"       # "attnres" | "mhar" | "baseline" | "hyper"
     route_heads: int = 0         # mhar's heads H, 0 = n_kv_head (attnres: H = 1; others: unused)
     query_init_std: float = 0.0  # routing queries start at 0 (uniform α); > 0: N(0, std^2)
+    route_temperature: float = 1.0  # routing logits are divided by it: a control for H (see route)
     route_block: int = 1         # Block AttnRes block size in sublayers; 1 = full routing
     delta: bool = False          # additive (delta) routing for conversion
     hc_streams: int = 4          # hyper-connection streams
@@ -82,6 +86,10 @@ class Config:
         check(self.n_head % self.n_kv_head == 0,
               f"n_kv_head: {self.n_kv_head} does not divide n_head={self.n_head}; use a divisor of it")
         check(not self.routed or H > 0 and d % H == 0, f"route_heads: H={H} must divide n_embd={d}")
+        check(0 < self.route_temperature < float("inf"), f"route_temperature: must be a positive "
+              f"number, not {self.route_temperature}; 1 is the paper's route")
+        check(self.route_temperature == 1 or self.routed, f"route_temperature: {unrouted}; use mhar "
+              f"or attnres")
         check(self.route_block >= 1, "route_block: must be >= 1; 1 is full routing")
         check(self.route_block == 1 or self.routed, f"route_block: {unrouted}; use mhar or attnres")
         check(not self.delta or self.routed, f"delta: {unrouted}; use mhar or attnres")
@@ -108,11 +116,14 @@ class Config:
 # The paper's shapes (Qwen3-style, its table of model sizes) with H = 8 routing heads, the later
 # version's choice at every scale ("We adopt H = 8 for large-scale models"); its earlier version
 # used H = n_kv_head (route_heads=0) and random queries: query_init_std=0.02, since its queries
-# are a Linear layer's weight and its weights start from N(0, 0.02^2). Two CPU-sized presets
-# keep H = n_kv_head: tiny for the tests, small for the CPU demo.
+# are a Linear layer's weight and its weights start from N(0, 0.02^2). Three CPU-sized presets
+# keep H = n_kv_head: tiny for the tests, small for the CPU demo, small-bytes (small's Transformer
+# on a vocabulary of bytes) for CPU comparisons.
 PRESETS = {
     "tiny":  Config(seq_len=64, n_layer=2, n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=192),
     "small": Config(seq_len=256, n_layer=4, n_embd=128, n_head=4, n_kv_head=2, ffn_hidden=384),
+    "small-bytes": Config(vocab_size=320, seq_len=256, n_layer=4, n_embd=128, n_head=4, n_kv_head=2,
+                          ffn_hidden=384),  # small on UTF-8 bytes: 257 ids padded to 320
     "100m":  Config(seq_len=2048, n_layer=12, n_embd=512, n_head=8, n_kv_head=4, ffn_hidden=1536,
                     route_heads=8),
     "350m":  Config(seq_len=1024, n_layer=24, n_embd=1024, n_head=16, n_kv_head=8, ffn_hidden=4096,
@@ -530,7 +541,10 @@ class GPT(nn.Module):
         """An empty depth history for one forward pass: readable, or with config.fused the Triton
         kernels of kernel.py; visit(V, q, g), for analysis, sees each read of a readable one."""
         c = self.config
-        queries = [site.query for site in self.sites]                # q of each site, (d,)
+        # q / tau: dividing a site's logits by the temperature tau is routing with the query q / tau,
+        # in every history below (readable, block, delta, fused) with no change to any of them
+        queries = [site.query / c.route_temperature if c.route_temperature != 1 else site.query
+                   for site in self.sites]                           # q of each site, (d,)
         norms = [site.norm_weight for site in self.sites]            # g of each site, (d,)
         args = (queries, norms, c.depth_heads, c.norm_eps)
         if c.delta:

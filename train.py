@@ -75,12 +75,19 @@ RUNS = {
                  eval_batches=4, lr=3e-3),
     "small": dict(batch_size=8, global_batch=8, max_steps=200, warmup_steps=20, eval_interval=40,
                   eval_batches=8, lr=3e-3),
+    # the small model on bytes, the CPU comparison's run: 750 steps of 4k tokens (3.1M), in about
+    # 8 minutes on one core; the 257-row LM head leaves the time to the Transformer
+    "small-bytes": dict(batch_size=16, global_batch=16, max_steps=750, warmup_steps=50,
+                        eval_interval=50, eval_batches=8, lr=3e-3, data="data/pystdlib-bytes"),
     "100m": dict(batch_size=4, global_batch=64, **PAPER_RUN),
     "350m": dict(batch_size=2, global_batch=32, **PAPER_RUN),
     "1b": dict(batch_size=1, global_batch=32, **PAPER_RUN),
 }
 DEFAULT_PRESET = "small"
-DEFAULT_DATA = Path("data") / prepare.DEFAULT_NAME
+DEFAULT_DATA = Path("data") / prepare.DEFAULT_NAME  # a preset's corpus, unless its row of RUNS names one
+# The built-in corpora (this Python's standard library), prepared when missing: folder -> prepare.py's
+# --tokenizer (None: GPT-2's BPE)
+BUILT_IN_DATA = {DEFAULT_DATA: None, Path("data") / f"{prepare.DEFAULT_NAME}-bytes": prepare.BYTES}
 
 
 def die(msg):
@@ -104,7 +111,8 @@ SETTING = "setting"  # the checkpoint's unless given: may change between session
 MACHINE = "machine"  # this session's alone: never taken from a checkpoint
 
 # mhar.Config fields a conversion chooses anew, and those that say how to compute rather than what
-ROUTING_FIELDS = ("residual", "route_heads", "route_block", "delta", "hc_streams", "query_init_std")
+ROUTING_FIELDS = ("residual", "route_heads", "route_block", "delta", "hc_streams", "query_init_std",
+                  "route_temperature")
 COMPUTE_FIELDS = ("fused", "fused_group", "checkpointing")
 FIELD_HELP = {
     "vocab_size": "model vocabulary; default: meta.json's vocab_size padded to a multiple of 64, "
@@ -127,6 +135,8 @@ FIELD_HELP = {
     "head_dim": "attention head width; 0 = n_embd / n_head",
     "tie_embeddings": "share the input embedding and the LM head",
     "query_init_std": "std of the routing queries at init; 0 = zeros (uniform routing at start)",
+    "route_temperature": "divide every routing logit by this (the route with q / tau); 1 = the "
+                         "paper's route, H with --residual attnres: the temperature of H heads",
     "checkpointing": "activation checkpointing: recompute each block in backward",
 }
 CONFIG_FIELDS = [f.name for f in dataclasses.fields(mhar.Config)]
@@ -208,9 +218,10 @@ def build_parser(defaults=True):
     p.section("the run")
     p.flag("preset", RUN, default=DEFAULT_PRESET, choices=list(mhar.PRESETS),
            help=f"model shape and run size (default {DEFAULT_PRESET})")
-    p.flag("data", SETTING, default=str(DEFAULT_DATA),
+    p.flag("data", SETTING, default=None,
            help="a prepare.py folder (train.bin, val.bin, meta.json), or 'synthetic': random "
-                f"tokens, no files (default {DEFAULT_DATA}, prepared when missing)")
+                f"tokens, no files (default: the preset's built-in corpus, prepared when missing: "
+                f"{DEFAULT_DATA}, small-bytes {RUNS['small-bytes']['data']})")
     p.flag("out_dir", MACHINE, default="out", help="output folder (default out)")
     p.flag("resume", MACHINE, nargs="?", const="", default=None,
            help="continue from out_dir/ckpt.pt, or from the checkpoint given")
@@ -350,6 +361,7 @@ def fill_run_sizes(args, world, saved_global_batch=None, sizes=None):
     keeps the global batch (theirs, or the checkpoint's) over however many ranks this session
     has."""
     sizes = sizes or RUNS[args.preset]
+    args.data = args.data or str(sizes.get("data", DEFAULT_DATA))
     for key in ("batch_size", "max_steps", "warmup_steps", "eval_interval", "eval_batches", "lr"):
         if getattr(args, key) is None:
             setattr(args, key, sizes[key])
@@ -526,18 +538,18 @@ def load_optimizer(optimizer, state):
 # Data: prepare.py's token files, or uniform random tokens (--data synthetic).
 
 def open_data(args, rank, ddp):
-    """common.Tokens of --data (None for synthetic); the default corpus is prepared (by rank 0)
+    """common.Tokens of --data (None for synthetic); a built-in corpus is prepared (by rank 0)
     when it is missing."""
     if args.data == "synthetic":
         return None
     path = Path(args.data)
-    if path == DEFAULT_DATA and not (path / "train.bin").exists():
+    if path in BUILT_IN_DATA and not (path / "train.bin").exists():
         if rank == 0:
-            print(f"preparing the default corpus into {path} (once) ...", flush=True)
+            print(f"preparing the built-in corpus into {path} (once) ...", flush=True)
             try:
-                prepare.prepare(name=prepare.DEFAULT_NAME, out=str(path.parent))
+                prepare.prepare(name=path.name, out=str(path.parent), tokenizer=BUILT_IN_DATA[path])
             except prepare.PrepareError as e:
-                die(f"preparing the default corpus failed: {e}")
+                die(f"preparing the built-in corpus {path} failed: {e}")
         if ddp:
             dist.barrier()
     try:

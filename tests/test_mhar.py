@@ -221,7 +221,8 @@ def model_loop(model, idx):
         sources = [x]
         for j, site in enumerate(model.sites):
             V = torch.stack(sources)
-            x = route_loop(V, site.query, site.norm_weight, c.depth_heads, c.norm_eps)
+            x = route_loop(V, site.query / c.route_temperature, site.norm_weight, c.depth_heads,
+                           c.norm_eps)
             if j < 2 * c.n_layer:
                 sources.append(sublayer(j, x))
     x = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + c.norm_eps) * model.norm.weight.double()
@@ -230,7 +231,8 @@ def model_loop(model, idx):
 
 @pytest.mark.parametrize("residual, overrides", [
     ("baseline", {}), ("hyper", {}), ("attnres", {}), ("mhar", {}), ("mhar", WIDE_HEADS),
-], ids=["baseline", "hyper", "attnres", "mhar", "mhar-6x8-untied-theta1e6"])
+    ("attnres", dict(route_temperature=4.0)), ("mhar", dict(route_temperature=0.5)),
+], ids=["baseline", "hyper", "attnres", "mhar", "mhar-6x8-untied-theta1e6", "attnres-T4", "mhar-T0.5"])
 def test_model_matches_the_float64_reference(residual, overrides):
     """The exact check behind test_tiny_model_overfits_one_batch: random weights (non-zero queries,
     non-identity hyper-connections), logits against model_loop."""
@@ -238,6 +240,37 @@ def test_model_matches_the_float64_reference(residual, overrides):
     model = perturbed(GPT(tiny(residual, **overrides)), scale=0.1)
     idx = torch.randint(0, 128, (2, 9))
     assert rel_err(model(idx)[0], model_loop(model, idx)) < 1e-5
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(residual="attnres"), dict(route_heads=4), dict(route_block=2), dict(delta=True, route_block=2),
+    dict(fused=True), dict(fused=True, delta=True, route_block=2),
+], ids=["attnres", "mhar-H4", "block", "delta", "fused", "fused-delta"])
+def test_route_temperature_is_the_route_with_the_queries_divided(overrides):
+    """Config.route_temperature = tau in every routed mode: the logits, the routing weights and every
+    gradient of the model with queries q are those of the model at tau = 1 with queries q / tau
+    (whose query gradients are tau times larger: d/dq = (1/tau) d/d(q/tau))."""
+    if overrides.get("fused"):
+        interpreted()
+    tau = 4.0
+    torch.manual_seed(0)
+    model = perturbed(GPT(tiny(route_temperature=tau, **overrides)), scale=0.1)
+    reference = GPT(tiny(**overrides))
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for site in reference.sites:
+            site.query.div_(tau)
+    idx = torch.randint(0, 128, (2, 7))
+    (logits, loss), (ref_logits, ref_loss) = model(idx, idx), reference(idx, idx)
+    assert rel_err(logits, ref_logits) < 1e-6
+    (loss + logits.square().mean()).backward()
+    (ref_loss + ref_logits.square().mean()).backward()
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        expected = ref.grad / tau if name.endswith(".query") else ref.grad
+        assert rel_err(p.grad, expected) < 1e-5, name
+    if not overrides.get("fused"):
+        for alpha, ref_alpha in zip(model.routing_weights(idx), reference.routing_weights(idx)):
+            assert rel_err(alpha, ref_alpha) < 1e-6
 
 
 @pytest.mark.parametrize("residual", ["attnres", "mhar"])
@@ -305,6 +338,10 @@ def test_causality(residual, overrides):
     (dict(residual="baseline", fused=True), "fused"),
     (dict(residual="hyper", fused=True), "fused"),
     (dict(hc_streams=0), "hc_streams"),
+    (dict(route_temperature=0.0), "route_temperature"),
+    (dict(route_temperature=float("nan")), "route_temperature"),
+    (dict(route_temperature=float("inf")), "route_temperature"),
+    (dict(residual="baseline", route_temperature=2.0), "route_temperature"),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()))
 def test_impossible_config_raises(overrides, field):
     with pytest.raises(ValueError, match=rf"^Config\.{field}: "):
