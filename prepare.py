@@ -1,12 +1,13 @@
 """
-Tokenize a text corpus into the token files that train.py reads: GPT-2's BPE by default, or a model's
-own tokenizer (--tokenizer DIR).
+Tokenize a text corpus into the token files that train.py reads: GPT-2's BPE by default, a model's
+own tokenizer (--tokenizer DIR), or the text's UTF-8 bytes (--tokenizer bytes).
 
     python prepare.py                                     # built-in corpus: this Python's standard library
     python prepare.py --input notes/ book.md --name mine  # files, folders and globs
     python prepare.py --input "dump/*.jsonl" --text_field content --max_tokens 50_000_000
     python prepare.py --hf HuggingFaceFW/fineweb-edu --hf_config sample-10BT --max_tokens 1_000_000_000
     python prepare.py --tokenizer models/Qwen3-0.6B --name pystdlib-qwen3   # the model's tokenizer.json
+    python prepare.py --tokenizer bytes --name pystdlib-bytes               # 257 ids: for CPU comparisons
 
 The fourth line is the paper's corpus (FineWeb-Edu); it needs `pip install datasets` and network.
 
@@ -40,7 +41,10 @@ builds the same encoding (meta.json's tokenizer_source says which was used).
 `pip install tokenizers`), with the end-of-text id of DIR/config.json (eos_token_id; the first
 one when it is a list) or, when the config has none, tokenizer.json's "<|endoftext|>" (or "</s>",
 ...) special token; meta.json says which (eot_source) and records the folder (tokenizer_path),
-where sample.py finds the tokenizer again. Either way a document that contains the text of a
+where sample.py finds the tokenizer again. --tokenizer bytes writes each byte of the UTF-8 text as
+its own id (0..255) and 256 as end-of-text: no vocabulary to learn, no package to install, and an
+LM head of 257 rows, so that on a CPU the time goes to the Transformer rather than to 50K logits
+(the small-bytes preset of train.py trains on it). Either way a document that contains the text of a
 special token (e.g. "<|endoftext|>") gets it as ordinary text, never as the separator.
 
 Progress: a bar on stderr when run on a terminal, otherwise (a log, a pipe, nohup) a plain line on
@@ -96,7 +100,7 @@ class PrepareError(UserError):
 
 @dataclass
 class Tokenizer:
-    name: str               # meta.json's "tokenizer": "gpt2", or "hf:<folder name>"
+    name: str               # meta.json's "tokenizer": "gpt2", "bytes", or "hf:<folder name>"
     source: str             # where it was loaded from (meta.json's "tokenizer_source")
     vocab_size: int         # ids 0..vocab_size-1 exist and decode
     eot: int                # end-of-text: written after every document
@@ -126,6 +130,28 @@ def gpt2_tokenizer():
     return Tokenizer(name="gpt2", source=source, vocab_size=VOCAB_SIZE, eot=EOT,
                      encode_batch=lambda texts: enc.encode_ordinary_batch(texts, num_threads=_cores()),
                      decode=enc.decode, meta={})
+
+
+BYTES = "bytes"  # --tokenizer bytes: the UTF-8 bytes themselves
+
+
+def bytes_tokenizer():
+    """The text's UTF-8 bytes as ids 0..255, end-of-text 256 (decoded as GPT-2's "<|endoftext|>")."""
+    eot = 256
+
+    def decode(ids):  # each run of bytes between end-of-texts as UTF-8 (a cut character: U+FFFD)
+        text, run = [], []
+        for i in ids:
+            if i == eot:
+                text += [bytes(run).decode("utf-8", errors="replace"), "<|endoftext|>"]
+                run = []
+            else:
+                run.append(i)
+        return "".join(text) + bytes(run).decode("utf-8", errors="replace")
+
+    return Tokenizer(name=BYTES, source="UTF-8 bytes", vocab_size=257, eot=eot,
+                     encode_batch=lambda texts: [list(t.encode("utf-8")) for t in texts],
+                     decode=decode, meta={})
 
 
 def get_encoding():
@@ -264,6 +290,8 @@ def tokenizer_of(meta):
     name = meta.get("tokenizer")
     if name == "gpt2":
         return gpt2_tokenizer()
+    if name == BYTES:
+        return bytes_tokenizer()
     if not str(name).startswith("hf:"):
         return None
     folder = meta.get("tokenizer_path")
@@ -571,7 +599,8 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
     """Tokenize a corpus into out/name/{train.bin, val.bin, meta.json}; return out/name.
 
     inputs: files, folders, globs; hf: a Hugging Face dataset name; neither: the standard
-    library's .py files. tokenizer: a model folder with tokenizer.json; None: GPT-2's BPE.
+    library's .py files. tokenizer: a model folder with tokenizer.json, "bytes" (UTF-8 bytes), or None:
+    GPT-2's BPE.
     Raises PrepareError (and writes nothing) on bad input.
     """
     start = time.time()
@@ -604,7 +633,8 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
         total_bytes = sum(p.stat().st_size for p in files)
     if not name or Path(name).name != name or name in (".", ".."):
         raise PrepareError(f"--name must be a plain folder name, got {name!r}")
-    tok = hf_tokenizer(tokenizer) if tokenizer else gpt2_tokenizer()
+    tok = (bytes_tokenizer() if tokenizer == BYTES else hf_tokenizer(tokenizer) if tokenizer
+           else gpt2_tokenizer())
 
     # write into a hidden temporary folder beside the result, move the files in at the end:
     # a failure, Ctrl-C or SIGTERM leaves neither half-written files nor folders we created
@@ -685,7 +715,8 @@ def main(argv=None):
     parser.add_argument("--hf_split", default="train", help="its split (default: train)")
     parser.add_argument("--text_field", default="text", help="the text field of .jsonl/.parquet/--hf rows (default: text)")
     parser.add_argument("--tokenizer", metavar="DIR", help="a model folder with tokenizer.json (and config.json "
-                                                           "for its end-of-text id); default: GPT-2's BPE")
+                                                           "for its end-of-text id), or 'bytes' for the UTF-8 "
+                                                           "bytes (257 ids); default: GPT-2's BPE")
     parser.add_argument("--name", help=f"output folder name (default: {DEFAULT_NAME}, the first input's name, or the dataset's)")
     parser.add_argument("--out", default="data", help="parent folder of the output (default: data)")
     parser.add_argument("--val_fraction", type=float, default=0.005, help="fraction of documents for val (default: 0.005)")
