@@ -7,17 +7,22 @@ the paired differences to the baseline and every run's row, and draw the loss cu
     python compare.py --baseline_seeds 1,2                          # the four, and the baseline's noise level
     python compare.py --route_heads 1,2,4,8                         # the H sweep (the U-curve), with the baseline
     python compare.py --route_heads 1,2,4,8 --n_head 8 --n_kv_head 1,2,4,8   # the KV x H grid, a baseline per KV
+    python compare.py --preset small-bytes --methods baseline,attnres,attnres-T4,mhar --route_heads 2,4,8 \
+        --seeds 0,1,2 --jobs 2                                      # the CPU comparison of the README
     python compare.py --preset 100m --out_dir runs/100m --nproc_per_node 8   # GPUs: each run under torchrun
     python compare.py --methods baseline,mhar --eval_tasks hellaswag,lambada_openai  # and benchmarks
 
 Runs. A run is a method (with --route_heads: mhar once per H, named mhar-H<h>), a model shape and a seed.
+A routed method with -T<tau> (attnres-T4, mhar-T0.5) trains at train.py's --route_temperature tau: attnres-T4
+is AttnRes with its logits divided by 4, the temperature control for mhar at H = 4 (docs/methods.md).
 A shape flag (--n_layer, --n_embd, --n_head, --n_kv_head, --ffn_hidden) given a comma-separated list is a
 grid axis: every method is trained at every combination, and the run's name carries its value
 (mhar-H4-kv2-s0 and baseline-kv2-s0); one value goes to every run and stays out of the names. Every
 combination is checked against mhar.Config before anything trains. Any other flag goes to every train.py
 run unchanged (--preset, --max_steps, --batch_size, ...), but --fused, which only the routed runs
 (attnres, mhar) take. Each run is a train.py process of its own (so its peak memory is its own) writing
-runs/compare/<name>/; a finished run is not trained again.
+runs/compare/<name>/; a finished run is not trained again. --jobs N trains N runs at a time, each with
+1/N of the cores (OMP_NUM_THREADS, unless set) and its output in runs/compare/<name>.out.
 
 Pairs. Each run is paired with the baseline of the same shape and the same seed: the same initialization
 seed and the same batches, so their difference is free of most of the noise that separates two seeds. The
@@ -38,9 +43,12 @@ A flag out of range or an impossible shape is one line on stderr and exit status
 import argparse
 import json
 import math
+import os
+import re
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +59,7 @@ from common import UserError, exit_error, one_line, training_data
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("baseline", "hyper", "attnres", "mhar")
+TEMPERATURE = re.compile(r"(?P<method>attnres|mhar)-T(?P<tau>\d+(\.\d+)?)")  # attnres-T4: --route_temperature 4
 # the shape fields of mhar.Config that a grid can sweep, and their tags in run names (n_head "nh": "H" is
 # --route_heads)
 SHAPE_FLAGS = {"n_layer": "L", "n_embd": "d", "n_head": "nh", "n_kv_head": "kv", "ffn_hidden": "ffn"}
@@ -81,6 +90,8 @@ def parse_args(argv=None):
     p.add_argument("--baseline_seeds", default="", help="extra seeds for the baseline alone: the noise level")
     p.add_argument("--out_dir", default="runs/compare", help="one folder per run inside (default runs/compare)")
     p.add_argument("--nproc_per_node", type=int, default=1, help="processes per run; > 1 launches torchrun (DDP)")
+    p.add_argument("--jobs", type=int, default=1, help="runs trained at a time, each on 1/jobs of the cores "
+                                                       "(default 1)")
     p.add_argument("--eval_tasks", help="comma-separated lm-eval tasks: evaluate every finished run on them "
                                         "with eval.py, one column per metric")
     p.add_argument("--eval_include", metavar="DIR",
@@ -103,13 +114,18 @@ def parse_args(argv=None):
         exit_error("compare.py", "--seeds needs at least one seed, e.g. --seeds 0")
     default = ("baseline", "mhar") if args.route_heads else METHODS
     args.methods = (args.methods or ",".join(default)).split(",")
-    unknown = [m for m in args.methods if m not in METHODS]
+    unknown = [m for m in args.methods if m not in METHODS and not TEMPERATURE.fullmatch(m)]
     if unknown:
-        exit_error("compare.py", f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}")
+        exit_error("compare.py", f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}, or "
+                                 f"attnres-T<tau> / mhar-T<tau> (at --route_temperature tau)")
+    if len(set(args.methods)) < len(args.methods):
+        exit_error("compare.py", f"--methods names a method twice: {','.join(args.methods)}")
     if args.route_heads and "mhar" not in args.methods:
         exit_error("compare.py", "--route_heads sweeps mhar's heads: add mhar to --methods")
     if args.nproc_per_node < 1:
         exit_error("compare.py", f"--nproc_per_node must be at least 1, got {args.nproc_per_node}")
+    if args.jobs < 1:
+        exit_error("compare.py", f"--jobs must be at least 1, got {args.jobs}")
     args.eval_tasks = [t.strip() for t in (args.eval_tasks or "").split(",") if t.strip()]
     if not args.eval_tasks and (args.eval_include or args.eval_limit is not None):
         exit_error("compare.py", "--eval_include and --eval_limit go with --eval_tasks: name the tasks")
@@ -138,8 +154,11 @@ def runs_of(args):
     """Every Run: per seed, per shape, the methods in order; then the extra baseline seeds."""
     variants = []  # (method name, --residual, its own flags)
     for method in args.methods:
+        tempered = TEMPERATURE.fullmatch(method)
         if method == "mhar" and args.route_heads:
             variants += [(f"mhar-H{h}", "mhar", ["--route_heads", str(h)]) for h in args.route_heads]
+        elif tempered:
+            variants.append((method, tempered["method"], ["--route_temperature", tempered["tau"]]))
         else:
             variants.append((method, method, []))
 
@@ -170,7 +189,8 @@ def check_shapes(runs, train_flags):
         fields = dict(zip(run.flags[::2], run.flags[1::2]))  # {"--residual": "mhar", "--n_kv_head": "2", ...}
         fields.pop("--seed")
         try:
-            mhar.preset(preset, **{k[2:]: v if k == "--residual" else int(v) for k, v in fields.items()})
+            mhar.preset(preset, **{k[2:]: v if k == "--residual" else float(v) if k == "--route_temperature"
+                                   else int(v) for k, v in fields.items()})
         except ValueError as e:
             exit_error("compare.py", f"run {run.name} cannot be built at preset {preset}: {one_line(e)}")
 
@@ -196,13 +216,56 @@ def check_eval(args, train_flags):
         exit_error("compare.py", e)
 
 
-def train_once(command, out_dir):
-    """Train one run in its own process, unless its folder already holds a finished one; returns its summary."""
-    summary_path = out_dir / "summary.json"
-    if not summary_path.is_file():
-        if subprocess.run(command).returncode != 0:
-            sys.exit(f"compare.py: error: the run {out_dir} failed (its output is above); fix it and run again")
-    return json.loads(summary_path.read_text())
+def train_all(commands, jobs):
+    """Train each run (out_dir: its train.py command) in a process of its own, unless its folder already holds a
+    finished one; `jobs` at a time, each on 1/jobs of the cores with its output in <out_dir>.out (one at a
+    time: on this terminal). Returns their summaries, in order."""
+    todo = [(out_dir, command) for out_dir, command in commands.items()
+            if not (out_dir / "summary.json").is_file()]
+    env = dict(os.environ)
+    if jobs > 1:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+    running, failed = {}, []  # running: process -> (its out_dir, its output file)
+    try:
+        while todo or running:
+            while todo and len(running) < jobs:
+                out_dir, command = todo.pop(0)
+                print(f"=== {out_dir.name}: {' '.join(command[1:])}", flush=True)
+                output = None
+                if jobs > 1:
+                    out_dir.parent.mkdir(parents=True, exist_ok=True)
+                    output = open(out_dir.parent / f"{out_dir.name}.out", "w")
+                    print(f"    (its output: {output.name})", flush=True)
+                process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT
+                                           if output else None)
+                running[process] = (out_dir, output)
+            process = next(iter(running)) if jobs == 1 else wait_any(running)
+            process.wait()
+            out_dir, output = running.pop(process)
+            if output:
+                output.close()
+                print(f"=== {out_dir.name}: {'finished' if process.returncode == 0 else 'failed'}", flush=True)
+            if process.returncode != 0:
+                failed.append(out_dir)
+                todo.clear()  # the runs under way finish; no new one starts
+    except KeyboardInterrupt:  # the runs got the Ctrl-C too: each saves its checkpoint and stops
+        for process in running:
+            process.wait()
+        exit_error("compare.py", "interrupted; the runs stopped at a checkpoint: run the same command to go on",
+                   status=130)
+    if failed:
+        where = "its output is above" if jobs == 1 else f"see {failed[0].parent / failed[0].name}.out"
+        sys.exit(f"compare.py: error: the run {failed[0]} failed ({where}); fix it and run again")
+    return [json.loads((out_dir / "summary.json").read_text()) for out_dir in commands]
+
+
+def wait_any(processes, poll_s=1.0):
+    """The first of the processes to exit (polled: a second is nothing to runs of minutes)."""
+    while True:
+        for process in processes:
+            if process.poll() is not None:
+                return process
+        time.sleep(poll_s)
 
 
 def evaluate_once(out_dir, step, args, device, manager):
@@ -325,14 +388,14 @@ def main(argv=None):
     out_dir = Path(args.out_dir)
     launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone",
                                     f"--nproc_per_node={args.nproc_per_node}"] if args.nproc_per_node > 1 else [])
-    rows, metrics = [], {}  # metrics: lm-eval's task/metric names, in order
+    commands = {}
     for run in runs:
         routed = run.method in ("attnres", "mhar")  # --fused applies to the routed runs alone
         shared = [f for f in train_flags if routed or f != "--fused"]
-        command = [*launcher, str(HERE / "train.py"), *shared, *run.flags,
-                   "--out_dir", str(out_dir / run.name)]
-        print(f"=== {run.name}: {' '.join(command[1:])}", flush=True)
-        summary = train_once(command, out_dir / run.name)
+        commands[out_dir / run.name] = [*launcher, str(HERE / "train.py"), *shared, *run.flags,
+                                        "--out_dir", str(out_dir / run.name)]
+    rows, metrics = [], {}  # metrics: lm-eval's task/metric names, in order
+    for run, summary in zip(runs, train_all(commands, args.jobs)):
         rows.append(dict(name=run.name, variant=run.variant, baseline=run.baseline, seed=run.seed,
                          params=summary["params"], tail_val_loss=summary["tail_val_loss"],
                          tokens_per_s=summary["tokens_per_s"] or 0.0, peak_mem=summary["peak_mem"] or 0,
