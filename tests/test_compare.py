@@ -53,6 +53,15 @@ def test_the_kv_by_heads_grid_pairs_each_cell_with_the_baseline_of_its_shape_and
             assert r.flags[4:] == partner.flags[2:]  # after --residual mhar --route_heads H
 
 
+def test_a_temperature_method_is_attnres_at_its_route_temperature():
+    listed, train_flags = runs("--methods", "baseline,attnres,attnres-T4,mhar-T0.5", "--seeds", "1")
+    assert [(r.name, r.method, r.baseline) for r in listed] == [
+        ("baseline-s1", "baseline", None), ("attnres-s1", "attnres", "baseline"),
+        ("attnres-T4-s1", "attnres", "baseline"), ("mhar-T0.5-s1", "mhar", "baseline")]
+    assert listed[2].flags == ["--residual", "attnres", "--route_temperature", "4", "--seed", "1"]
+    compare.check_shapes(listed, train_flags)  # every one builds
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--route_heads", "1,2", "--n_kv_head", "3", "--preset", "tiny"],
      "run baseline-s0 cannot be built at preset tiny: Config.n_kv_head: 3 does not divide n_head=4"),
@@ -61,8 +70,13 @@ def test_the_kv_by_heads_grid_pairs_each_cell_with_the_baseline_of_its_shape_and
     (["--methods", "baseline,transformer"], "unknown method 'transformer'"),
     (["--methods", "baseline", "--route_heads", "2"], "--route_heads sweeps mhar's heads: add mhar to --methods"),
     (["--n_kv_head", "1,x"], "--seeds, --route_heads and the shape flags take comma-separated integers"),
+    (["--methods", "baseline,attnres-T0", "--preset", "tiny"],
+     "run attnres-T0-s0 cannot be built at preset tiny: Config.route_temperature: must be a positive number"),
+    (["--methods", "baseline-T2"], "unknown method 'baseline-T2'"),
+    (["--methods", "baseline,mhar,baseline"], "--methods names a method twice"),
+    (["--jobs", "0"], "--jobs must be at least 1"),
 ], ids=["kv_not_dividing_heads", "heads_not_dividing_width", "per_run_flag", "unknown_method", "heads_without_mhar",
-        "not_integers"])
+        "not_integers", "temperature_zero", "baseline_temperature", "method_twice", "no_jobs"])
 def test_bad_comparisons_stop_before_training_with_one_line(argv, message, tmp_path, capsys):
     err = error_line(capsys, compare.main, [*argv, "--out_dir", tmp_path])
     assert err.startswith(f"compare.py: error: {message}"), err
@@ -181,6 +195,21 @@ def test_compare_trains_each_method_then_writes_the_tables_and_the_figure(compar
     table = (out / "results.md").read_text()
     assert f"| mhar | baseline | 0 | 1 | {delta:+.4f} |" in table and "baseline over 2 seeds" in table
     assert (out / "loss_curves.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_jobs_train_runs_side_by_side_each_with_its_output_in_a_file(data, tmp_path):
+    """--jobs 2: both runs train at once, each writing <run>.out; the temperature reaches the run's model."""
+    out = tmp_path / "runs"
+    compare.main(["--methods", "baseline,attnres-T4", "--jobs", "2", "--out_dir", str(out), "--preset", "tiny",
+                  "--data", str(data), "--seq_len", "32", "--batch_size", "2", "--max_steps", "2",
+                  "--warmup_steps", "1", "--eval_interval", "2", "--eval_batches", "1", "--device", "cpu"])
+    rows = {r["name"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert list(rows) == ["baseline-s0", "attnres-T4-s0"]
+    for name in rows:
+        assert f"out {out / name}" in (out / f"{name}.out").read_text()  # train.py's header line
+        assert json.loads((out / name / "summary.json").read_text())["finished"]
+    config = json.loads((out / "attnres-T4-s0" / "config.json").read_text())
+    assert config["config"]["route_temperature"] == 4.0
 
 
 def test_eval_tasks_add_eval_pys_metrics_as_columns(compared, words):

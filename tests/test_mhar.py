@@ -303,6 +303,14 @@ def test_preset_parameter_counts(name, total, non_embedding):
     assert (model.num_params(), model.num_params(non_embedding=True)) == (total, non_embedding)
 
 
+def test_small_bytes_is_the_small_transformer_on_a_vocabulary_of_bytes():
+    """The CPU comparison's preset: small's shape, with the 257 ids of prepare.py --tokenizer bytes padded
+    to a multiple of 64 (as train.py pads meta.json's vocab_size)."""
+    import prepare
+    assert dataclasses.replace(preset("small-bytes"), vocab_size=preset("small").vocab_size) == preset("small")
+    assert preset("small-bytes").vocab_size == -(-prepare.bytes_tokenizer().vocab_size // 64) * 64 == 320
+
+
 @pytest.mark.parametrize("residual, overrides", [
     ("baseline", {}), ("hyper", {}), ("attnres", {}), ("mhar", dict(route_heads=4)),
     ("mhar", dict(route_heads=4, route_block=3)), ("mhar", WIDE_HEADS),

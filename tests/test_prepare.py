@@ -568,6 +568,26 @@ def test_prepare_tokenizer_json_of_gpt2_gives_tiktokens_ids(tmp_path):
     assert prepare.tokenizer_of(meta).decode(ids) == prepare.get_encoding().decode(ids)
 
 
+def test_prepare_bytes_writes_each_utf8_byte_and_decodes_back(tmp_path):
+    """--tokenizer bytes: the ids are the documents' UTF-8 bytes, each followed by 256 (the files'
+    bytes, independently of the tokenizer's code), and the recorded tokenizer decodes them back."""
+    texts = _prep_tricky_corpus(tmp_path / "corpus")
+    folder = prepare.main(["--input", str(tmp_path / "corpus"), "--tokenizer", "bytes", "--out", str(tmp_path / "b"),
+                           "--val_fraction", "0.25", "--quiet"])
+    meta = json.loads((folder / "meta.json").read_text())
+    assert (meta["tokenizer"], meta["vocab_size"], meta["eot"], meta["dtype"]) == ("bytes", 257, 256, "uint16")
+    documents = []
+    for split in ("train.bin", "val.bin"):
+        ids = np.fromfile(folder / split, dtype=np.uint16)
+        assert ids[-1] == 256 and ids.max() == 256
+        ends = np.flatnonzero(ids == 256)
+        documents += [ids[a + 1:b].astype(np.uint8).tobytes() for a, b in zip([-1, *ends[:-1]], ends)]
+        decoded = prepare.tokenizer_of(meta).decode(ids.tolist())
+        assert decoded == "".join(d.decode("utf-8") + "<|endoftext|>" for d in documents[-len(ends):])
+    assert sorted(documents) == sorted(t.encode("utf-8") for t in texts if t)
+    assert sum(meta["tokens"].values()) == sum(len(t.encode("utf-8")) + 1 for t in texts if t)
+
+
 @pytest.mark.parametrize("config,eot,source", [
     ({"eos_token_id": 50256}, 50256, "config.json eos_token_id"),
     ({"eos_token_id": [11, 50256]}, 11, "config.json eos_token_id"),  # a list: the first (a chat model's own end)

@@ -571,6 +571,19 @@ def test_every_config_field_is_a_flag(data, tmp_path):
             config["ffn_hidden"], config["route_heads"]) == (3, 48, 2, 1, 96, 4)
 
 
+def test_a_presets_built_in_corpus_is_its_default_data(tmp_path, monkeypatch):
+    """--preset small-bytes without --data prepares and trains on the standard library's bytes, and its model's
+    vocabulary is the bytes' 257 ids padded (a checkpoint records the folder, so a resume reads it again)."""
+    monkeypatch.chdir(tmp_path)
+    summary = train.main(["--preset", "small-bytes", "--out_dir", "out", "--max_steps", "1", "--batch_size", "2",
+                          "--seq_len", "32", "--eval_batches", "1", "--n_layer", "1"])
+    assert math.isfinite(summary["final_val_loss"])
+    meta = json.loads((tmp_path / "data" / "pystdlib-bytes" / "meta.json").read_text())
+    assert (meta["tokenizer"], meta["vocab_size"]) == ("bytes", 257)
+    ckpt = load(tmp_path / "out")
+    assert (ckpt["args"]["data"], ckpt["config"]["vocab_size"]) == ("data/pystdlib-bytes", 320)
+
+
 def test_synthetic_data_needs_no_files(tmp_path):
     summary = train.main(["--preset", "tiny", "--data", "synthetic", "--vocab_size", "128",
                           "--out_dir", str(tmp_path), "--max_steps", "2", "--batch_size", "2",
@@ -602,6 +615,9 @@ BAD_FLAGS = [
                                     "not allocate 29,802.3 GiB): lower --grad_accum"),
     (["--min_lr_ratio", "1.5"], "--min_lr_ratio: must be <= 1"),
     (["--stop_step", "9"], "--stop_step 9 is past the run's end, --max_steps 8"),
+    (["--route_temperature", "0"], "Config.route_temperature: must be a positive number, not 0.0"),
+    (["--residual", "baseline", "--route_temperature", "2"],
+     "Config.route_temperature: baseline has no routing sites"),
 ]
 
 

@@ -1,0 +1,159 @@
+"""compromise.py: the task's targets, the frozen codes and their rotation, the frozen embedding
+through training, the table's paired statistics, a tiny run end to end (in this process and on
+two workers, which must agree), bad flags and Ctrl-C."""
+import json
+import math
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import compromise
+from helpers import PNG_SIGNATURE, ROOT, error_line, files_in, sigint_as_in_a_terminal
+
+
+@pytest.mark.parametrize("n", [1, 7], ids=["one-sequence", "seven-sequences"])
+def test_the_target_keeps_a_and_fetches_b_from_two_tokens_back(n):
+    idx, targets = compromise.batch(torch.Generator().manual_seed(0), n)
+    assert idx.shape == targets.shape == (n, compromise.SEQ_LEN)
+    assert idx.min() >= 0 and idx.max() < compromise.VOCAB
+    for row, target in zip(idx.tolist(), targets.tolist()):
+        assert target[:2] == [compromise.IGNORE] * 2       # nothing to fetch two tokens back
+        for t in range(2, len(row)):
+            assert target[t] == (row[t] // 16) * 16 + row[t - 2] % 16
+
+
+@pytest.mark.parametrize("d", [32, 64], ids=["d32", "d64"])
+def test_the_codes_put_a_in_the_first_half_and_b_in_the_second(d):
+    U, W = compromise.half_codes(d, seed=0)
+    e = compromise.codes(d, seed=0)
+    assert U.shape == W.shape == (16, d // 2) and e.shape == (256, d)
+    identity = torch.eye(16)
+    torch.testing.assert_close(U @ U.T, identity, atol=1e-5, rtol=0)   # orthonormal rows
+    torch.testing.assert_close(W @ W.T, identity, atol=1e-5, rtol=0)
+    for a in range(16):
+        for b in range(16):
+            assert torch.equal(e[a * 16 + b], torch.cat([U[a], W[b]]))  # e(a, b) = [U_a ; W_b]
+    pairs = e.view(16, 16, d)                                           # (a, b, d)
+    assert torch.equal(pairs[:, :, :d // 2], pairs[:, :1, :d // 2].expand(16, 16, d // 2))  # no b
+    assert torch.equal(pairs[:, :, d // 2:], pairs[:1, :, d // 2:].expand(16, 16, d // 2))  # no a
+    assert not torch.equal(compromise.codes(d, seed=1), e)             # each seed its own codes
+
+
+@pytest.mark.parametrize("d", [32, 64], ids=["d32", "d64"])
+def test_the_rotation_is_orthogonal_and_rotates_the_same_codes(d):
+    R = compromise.rotation(d, seed=0)
+    torch.testing.assert_close(R @ R.T, torch.eye(d), atol=1e-5, rtol=0)
+    e, rotated = compromise.codes(d, seed=0), compromise.codes(d, seed=0, rotated=True)
+    assert torch.equal(rotated, e @ R)
+    torch.testing.assert_close(rotated.norm(dim=1), e.norm(dim=1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(rotated @ rotated.T, e @ e.T, atol=1e-5, rtol=0)
+    pairs = rotated.view(16, 16, d)  # the halves mix: the first half now depends on b too
+    assert (pairs[:, :, :d // 2] - pairs[:, :1, :d // 2]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("method", list(compromise.METHODS))
+def test_training_leaves_the_frozen_embedding_and_its_tied_head_alone(method):
+    net = compromise.model(method, d=32, heads=2, seed=0)
+    codes = compromise.codes(32, seed=0, rotated=compromise.METHODS[method][1])
+    assert torch.equal(net.embed.weight, codes) and net.lm_head.weight is net.embed.weight
+    before = {name: p.detach().clone() for name, p in net.named_parameters()}
+    compromise.fit(net, seed=0, steps=3)
+    assert torch.equal(net.embed.weight, codes)
+    moved = [name for name, p in net.named_parameters() if not torch.equal(p, before[name])]
+    assert "layers.0.q_proj.weight" in moved and "embed.weight" not in moved
+
+
+def test_paired_differences_and_their_standard_error():
+    def runs(losses):
+        return {seed: {"val_loss": loss} for seed, loss in enumerate(losses)}
+    diff, se, ratio = compromise.paired(runs([1.0, 2.0, 4.0]), runs([2.0, 2.0, 3.0]))
+    assert diff == pytest.approx(0.0)                           # differences -1, 0, +1
+    assert se == pytest.approx(1 / math.sqrt(3))               # sample std 1, over sqrt(3)
+    assert ratio == pytest.approx(7 / 7)
+    diff, se, ratio = compromise.paired(runs([1.0]), runs([4.0]))
+    assert diff == -3.0 and math.isnan(se) and ratio == 0.25
+
+
+def tiny_run(out, capsys, seeds, jobs):
+    compromise.main(["--steps", "3", "--seeds", seeds, "--d", "32", "--out_dir", str(out),
+                     "--jobs", str(jobs)])
+    return json.loads((out / "results.json").read_text())["runs"], capsys.readouterr().out
+
+
+def test_a_tiny_run_writes_every_method_and_its_alphas_the_same_on_two_workers(tmp_path, capsys):
+    out = tmp_path / "out"
+    runs, printed = tiny_run(out, capsys, seeds="0,1", jobs=1)
+    assert [(r["method"], r["seed"]) for r in runs] == [
+        (m, s) for s in (0, 1) for m in compromise.METHODS]
+    for r in runs:
+        assert r["d"] == 32 and r["steps"] == 3 and 0 <= r["val_accuracy"] <= 1
+        assert r["curve"] == [[3, pytest.approx(r["val_loss"])]]
+        if r["method"] == "baseline":
+            assert r["alphas"] is None and r["heads"] == 0
+            continue
+        H = 1 if r["method"].startswith("attnres") else 2
+        assert r["heads"] == H and len(r["alphas"]) == 5              # 2L + 1 sites
+        for j, site in enumerate(r["alphas"]):                        # site j reads s_0..s_j
+            assert len(site) == j + 1 and all(len(source) == H for source in site)
+            for h in range(H):
+                assert sum(source[h] for source in site) == pytest.approx(1, abs=1e-5)
+    table = printed.split("method ")[1].splitlines()
+    assert [line.split()[0] for line in table[1:6]] == list(compromise.METHODS)
+    assert "vs attnres-rotated" in table[5] and "(the reference)" in table[2]
+    assert (out / "depth_maps.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert files_in(out) == ["depth_maps.png", "results.json"]
+    pooled, _ = tiny_run(tmp_path / "pooled", capsys, seeds="1", jobs=2)  # seed 1 on its own
+    assert [(r["val_loss"], r["alphas"]) for r in pooled] == \
+        [(r["val_loss"], r["alphas"]) for r in runs if r["seed"] == 1]
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--d", "36"], "--d 36: use a multiple of 8"),
+    (["--d", "33"], "--d 33: use a multiple of 8"),
+    (["--d", "16"], "--d 16: use a multiple of 8 of at least 32"),
+    (["--d", "abc"], "argument --d: must be a whole number"),
+    (["--heads", "3"], "--heads 3: use an even number that divides --d 64"),
+    (["--heads", "6"], "--heads 6: use an even number"),
+    (["--seeds", "abc"], "argument --seeds: must be integers separated by commas"),
+    (["--seeds", "0,0"], "argument --seeds: lists a seed twice"),
+    (["--steps", "0"], "argument --steps: must be at least 1"),
+    (["--jobs", "-1"], "argument --jobs: must be at least 1"),
+], ids=["width-not-a-multiple-of-8", "odd-width", "too-narrow-for-16-codes", "width-not-a-number",
+        "odd-heads", "heads-not-dividing-the-width", "seeds-not-numbers", "a-seed-twice",
+        "no-steps", "negative-jobs"])
+def test_bad_flags_are_one_line_and_status_2(argv, fragment, tmp_path, capsys):
+    line = error_line(capsys, compromise.main, argv + ["--out_dir", tmp_path / "out"])
+    assert fragment in line, line
+    assert files_in(tmp_path) == []
+
+
+def test_an_out_dir_inside_a_file_is_one_line_and_status_2(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    line = error_line(capsys, compromise.main, ["--out_dir", tmp_path / "file" / "out"])
+    assert "is a file, not a folder" in line
+
+
+def test_ctrl_c_stops_the_workers_with_one_line_and_status_130(tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group: the workers, training, stay silent;
+    the main process stops them, writes nothing and exits 130."""
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "compromise.py", "--steps", "100000", "--seeds", "0",
+                          "--d", "32", "--out_dir", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         preexec_fn=sigint_as_in_a_terminal)
+    if not select.select([p.stdout], [], [], 120)[0]:  # its first line: the runs are starting
+        p.kill()
+        pytest.fail("compromise.py printed nothing for 2 minutes")
+    time.sleep(1)
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert err == "compromise.py: error: interrupted (Ctrl-C): nothing written\n", err
+    assert files_in(tmp_path) == []
