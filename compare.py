@@ -8,7 +8,7 @@ the paired differences to the baseline and every run's row, and draw the loss cu
     python compare.py --route_heads 1,2,4,8                         # the H sweep (the U-curve), with the baseline
     python compare.py --route_heads 1,2,4,8 --n_head 8 --n_kv_head 1,2,4,8   # the KV x H grid, a baseline per KV
     python compare.py --preset small-bytes --methods baseline,attnres,attnres-T4,mhar --route_heads 2,4,8 \
-        --seeds 0,1,2 --jobs 2                                      # the CPU comparison of the README
+        --seeds 0,1,2 --jobs 2 --versus attnres,attnres-T4          # the CPU comparison of the README
     python compare.py --preset 100m --out_dir runs/100m --nproc_per_node 8   # GPUs: each run under torchrun
     python compare.py --methods baseline,mhar --eval_tasks hellaswag,lambada_openai  # and benchmarks
 
@@ -29,7 +29,9 @@ seed and the same batches, so their difference is free of most of the noise that
 paired table gives, per method and shape, the mean over seeds of (method - baseline) and its standard
 error (sample standard deviation / sqrt(n), n = the seeds with both runs; one seed: no error bar). The
 per-run table gives each run's own difference to its baseline. --baseline_seeds trains the baseline alone
-at more seeds: the spread between seeds, the noise that unpaired differences carry.
+at more seeds: the spread between seeds, the noise that unpaired differences carry. --versus attnres-T4 adds
+a paired table of every other routed method minus attnres-T4 at the same seed (mhar-H4 - attnres-T4: what
+routing each slice alone adds over the flatter softmax).
 
 Benchmarks. --eval_tasks evaluates each finished run with eval.py (lm-evaluation-harness, `pip install
 lm-eval`; only this path imports it) on those tasks, its own or ones that YAML files in --eval_include define
@@ -90,6 +92,8 @@ def parse_args(argv=None):
     p.add_argument("--baseline_seeds", default="", help="extra seeds for the baseline alone: the noise level")
     p.add_argument("--out_dir", default="runs/compare", help="one folder per run inside (default runs/compare)")
     p.add_argument("--nproc_per_node", type=int, default=1, help="processes per run; > 1 launches torchrun (DDP)")
+    p.add_argument("--versus", default="", help="comma-separated methods (e.g. attnres,attnres-T4): a paired table "
+                                                "each, of every other routed method minus it at the same seed")
     p.add_argument("--jobs", type=int, default=1, help="runs trained at a time, each on 1/jobs of the cores "
                                                        "(default 1)")
     p.add_argument("--eval_tasks", help="comma-separated lm-eval tasks: evaluate every finished run on them "
@@ -126,6 +130,12 @@ def parse_args(argv=None):
         exit_error("compare.py", f"--nproc_per_node must be at least 1, got {args.nproc_per_node}")
     if args.jobs < 1:
         exit_error("compare.py", f"--jobs must be at least 1, got {args.jobs}")
+    args.versus = [v for v in args.versus.split(",") if v]
+    variants = {run.variant for run in runs_of(args)}
+    missing = [v for v in args.versus if v not in variants or v.startswith("baseline")]
+    if missing:
+        exit_error("compare.py", f"--versus {missing[0]} is not a routed method of this comparison: choose from "
+                                 f"{', '.join(sorted(v for v in variants if not v.startswith('baseline')))}")
     args.eval_tasks = [t.strip() for t in (args.eval_tasks or "").split(",") if t.strip()]
     if not args.eval_tasks and (args.eval_include or args.eval_limit is not None):
         exit_error("compare.py", "--eval_include and --eval_limit go with --eval_tasks: name the tasks")
@@ -311,6 +321,14 @@ def paired(rows, key="tail_val_loss"):
     return list(pairs.values())
 
 
+def versus(rows, variant):
+    """The rows re-paired: every routed run of the same shape as `variant` paired with it instead of the
+    baseline (the baselines and `variant` itself unpaired), for paired() and with_deltas()."""
+    shape_baseline = next(r["baseline"] for r in rows if r["variant"] == variant)
+    return [{**r, "baseline": variant if r["baseline"] == shape_baseline and r["variant"] != variant else None}
+            for r in rows]
+
+
 def with_deltas(rows, key="tail_val_loss"):
     """The rows, each with "delta": its `key` minus its baseline's at the same seed (None without one)."""
     value = {(r["variant"], r["seed"]): r[key] for r in rows}
@@ -355,9 +373,10 @@ def with_metrics(pairs, rows, metrics):
     return pairs
 
 
-def report(rows, metrics=()):
+def report(rows, metrics=(), against=()):
     """results.md: the paired table, the per-run table, and the baselines' spread over seeds. `metrics`:
-    keys of the rows (lm-eval's task/metric) that add a paired column and a per-run column each."""
+    keys of the rows (lm-eval's task/metric) that add a paired column and a per-run column each; `against`:
+    routed variants that add a paired table each (every other routed method minus that one)."""
     pairs, rows = with_metrics(paired(rows), rows, metrics), with_deltas(rows)
     pair_columns = PAIR_COLUMNS + [(f"Δ {m} (mean ± s.e.)", lambda p, m=m: signed(p[m]["mean"], p[m]["se"]))
                                    for m in metrics]
@@ -367,6 +386,9 @@ def report(rows, metrics=()):
         parts.append("Paired: each method minus the baseline of the same shape and seed (same initialization "
                      "seed, same batches); mean ± standard error over the n seeds (n = 1: no error bar).\n\n"
                      + markdown(pair_columns, pairs))
+    for variant in against:
+        parts.append(f"Paired with {variant}: each routed method minus {variant} at the same seed.\n\n"
+                     + markdown(PAIR_COLUMNS, paired(versus(rows, variant))))
     parts.append(markdown(run_columns, rows))
     for variant in dict.fromkeys(r["variant"] for r in rows if r["baseline"] is None):
         losses = [r["tail_val_loss"] for r in rows if r["variant"] == variant]
@@ -405,11 +427,12 @@ def main(argv=None):
             rows[-1].update(scores)
             metrics.update(dict.fromkeys(scores))
     metrics = list(metrics)
-    results = report(rows, metrics)
+    results = report(rows, metrics, args.versus)
     print("\n" + results)
     (out_dir / "results.md").write_text(results + "\n")
     (out_dir / "results.json").write_text(json.dumps(dict(
-        rows=with_deltas(rows), pairs=with_metrics(paired(rows), rows, metrics), train_flags=train_flags,
+        rows=with_deltas(rows), pairs=with_metrics(paired(rows), rows, metrics),
+        versus={v: paired(versus(rows, v)) for v in args.versus}, train_flags=train_flags,
         eval_tasks=args.eval_tasks), indent=2))
     plt = probe.pyplot()
     if plt is None:

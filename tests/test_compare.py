@@ -75,8 +75,11 @@ def test_a_temperature_method_is_attnres_at_its_route_temperature():
     (["--methods", "baseline-T2"], "unknown method 'baseline-T2'"),
     (["--methods", "baseline,mhar,baseline"], "--methods names a method twice"),
     (["--jobs", "0"], "--jobs must be at least 1"),
+    (["--methods", "baseline,mhar", "--versus", "attnres"], "--versus attnres is not a routed method of this"),
+    (["--methods", "baseline,mhar", "--versus", "baseline"], "--versus baseline is not a routed method of this"),
 ], ids=["kv_not_dividing_heads", "heads_not_dividing_width", "per_run_flag", "unknown_method", "heads_without_mhar",
-        "not_integers", "temperature_zero", "baseline_temperature", "method_twice", "no_jobs"])
+        "not_integers", "temperature_zero", "baseline_temperature", "method_twice", "no_jobs", "versus_not_run",
+        "versus_baseline"])
 def test_bad_comparisons_stop_before_training_with_one_line(argv, message, tmp_path, capsys):
     err = error_line(capsys, compare.main, [*argv, "--out_dir", tmp_path])
     assert err.startswith(f"compare.py: error: {message}"), err
@@ -107,6 +110,19 @@ def test_paired_differences_on_hand_made_losses():
     assert "| mhar-s0 | 1,000 | 2.7500 | -0.2500 | 1 | 1.00 GiB |" in text
     assert "| hyper-s7 | 1,000 | 1.0000 | — | 1 | 1.00 GiB |" in text
     assert "baseline over 3 seeds: 3.0833 ± 0.3819 (sample standard deviation)" in text
+
+
+def test_versus_pairs_every_routed_method_with_the_control_at_the_same_seed():
+    rows = [row("baseline-s0", "baseline", None, 0, 3.0), row("attnres-T4-s0", "attnres-T4", "baseline", 0, 2.9),
+            row("mhar-H4-s0", "mhar-H4", "baseline", 0, 2.8), row("baseline-s1", "baseline", None, 1, 3.1),
+            row("attnres-T4-s1", "attnres-T4", "baseline", 1, 3.0), row("mhar-H4-s1", "mhar-H4", "baseline", 1, 2.95)]
+    (pair,) = compare.paired(compare.versus(rows, "attnres-T4"))
+    assert (pair["variant"], pair["baseline"], pair["seeds"]) == ("mhar-H4", "attnres-T4", [0, 1])
+    assert pair["deltas"] == pytest.approx([-0.1, -0.05]) and pair["mean"] == pytest.approx(-0.075)
+    assert pair["se"] == pytest.approx(0.025)  # sample std 0.05 / sqrt(2), over sqrt(2)
+    text = compare.report(rows, against=["attnres-T4"])
+    assert "Paired with attnres-T4" in text and "| mhar-H4 | attnres-T4 | 0,1 | 2 | -0.0750 ± 0.0250 |" in text
+    assert "| attnres-T4 | baseline | 0,1 | 2 | -0.1000 ± 0.0000 |" in text  # the baseline's table is kept
 
 
 def test_the_tables_take_extra_columns(monkeypatch):
