@@ -39,7 +39,9 @@ over local files, and writes <run>/eval.json; a run whose eval.json holds the sa
 --eval_limit for its final step is not evaluated again. Every metric becomes a column of the per-run table,
 and its paired difference to the baseline a column of the paired table.
 
-Writes results.md (both tables), results.json and loss_curves.png (with matplotlib) into --out_dir.
+Writes results.md (both tables), results.json, and with matplotlib loss_curves.png (every run) and
+paired_curves.png (each method's paired difference to the baseline at every evaluation, mean ± s.e. over
+the seeds) into --out_dir.
 A flag out of range or an impossible shape is one line on stderr and exit status 2.
 """
 import argparse
@@ -336,6 +338,45 @@ def with_deltas(rows, key="tail_val_loss"):
              r[key] - value[r["baseline"], r["seed"]]} for r in rows]
 
 
+def paired_curves(rows, logs):
+    """Per non-baseline variant, its validation loss minus its baseline's at every evaluation both logged, over
+    the seeds: {variant: (steps, means, standard errors (None for one seed))}. logs: {run name: log entries}."""
+    name = {(r["variant"], r["seed"]): r["name"] for r in rows}
+    curves = {}
+    for variant in dict.fromkeys(r["variant"] for r in rows if r["baseline"] is not None):
+        deltas = {}  # step -> the seeds' differences
+        for r in rows:
+            if r["variant"] != variant or (r["baseline"], r["seed"]) not in name:
+                continue
+            val = lambda run: {e["step"]: e["val_loss"] for e in logs[run] if "val_loss" in e}  # noqa: E731
+            ours, theirs = val(r["name"]), val(name[r["baseline"], r["seed"]])
+            for step in sorted(ours.keys() & theirs.keys()):
+                deltas.setdefault(step, []).append(ours[step] - theirs[step])
+        steps = sorted(deltas)
+        curves[variant] = (steps, [statistics.mean(deltas[s]) for s in steps],
+                           [statistics.stdev(deltas[s]) / math.sqrt(len(deltas[s])) if len(deltas[s]) > 1
+                            else None for s in steps])
+    return curves
+
+
+def plot_paired_curves(plt, curves, path):
+    """Each method's paired difference to the baseline along training: the mean over seeds, ± one standard
+    error shaded."""
+    fig, ax = plt.subplots(figsize=(7, 3.8), constrained_layout=True)
+    ax.axhline(0, color="black", linewidth=0.8)
+    for i, (variant, (steps, means, ses)) in enumerate(curves.items()):
+        ax.plot(steps, means, "o-", color=f"C{i}", markersize=3, label=variant)
+        if all(se is not None for se in ses):
+            ax.fill_between(steps, [m - e for m, e in zip(means, ses)], [m + e for m, e in zip(means, ses)],
+                            color=f"C{i}", alpha=0.2, linewidth=0)
+    ax.set_xlabel("step")
+    ax.set_ylabel("Δ val loss vs the baseline (nats/token)")
+    ax.set_title("paired with the baseline: mean over seeds ± s.e.")
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=probe.FIGURE_DPI)
+    plt.close(fig)
+
+
 def signed(x, se=None):
     return "—" if x is None else f"{x:+.4f}" + ("" if se is None else f" ± {se:.4f}")
 
@@ -440,7 +481,12 @@ def main(argv=None):
         return
     curves = [(row["path"], row["name"], probe.read_log(row["path"])) for row in rows]
     probe.plot_loss_curves(plt, curves, out_dir / "loss_curves.png")
-    print(f"wrote {out_dir / 'results.md'} and {out_dir / 'loss_curves.png'}")
+    figures = [out_dir / "loss_curves.png"]
+    if any(row["baseline"] for row in rows):
+        plot_paired_curves(plt, paired_curves(rows, {name: log for _, name, log in curves}),
+                           out_dir / "paired_curves.png")
+        figures.append(out_dir / "paired_curves.png")
+    print(f"wrote {out_dir / 'results.md'}, {' and '.join(map(str, figures))}")
 
 
 if __name__ == "__main__":

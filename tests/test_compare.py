@@ -125,6 +125,17 @@ def test_versus_pairs_every_routed_method_with_the_control_at_the_same_seed():
     assert "| attnres-T4 | baseline | 0,1 | 2 | -0.1000 ± 0.0000 |" in text  # the baseline's table is kept
 
 
+def test_paired_curves_average_the_seeds_differences_at_the_steps_both_evaluated():
+    rows = [row("baseline-s0", "baseline", None, 0, 0), row("mhar-s0", "mhar", "baseline", 0, 0),
+            row("baseline-s1", "baseline", None, 1, 0), row("mhar-s1", "mhar", "baseline", 1, 0)]
+    val = lambda *losses: [{"step": 10 * (i + 1), "val_loss": v} for i, v in enumerate(losses)]  # noqa: E731
+    logs = {"baseline-s0": val(3.0, 2.5) + [{"step": 25, "loss": 2.0}], "mhar-s0": val(2.9, 2.3, 2.2),
+            "baseline-s1": val(3.2, 2.6), "mhar-s1": val(3.0, 2.5)}
+    steps, means, ses = compare.paired_curves(rows, logs)["mhar"]
+    assert steps == [10, 20]  # step 30: mhar-s0 alone; step 25: a training line
+    assert means == pytest.approx([-0.15, -0.15]) and ses == pytest.approx([0.05, 0.05])
+
+
 def test_the_tables_take_extra_columns(monkeypatch):
     """A later metric (an lm-eval score, say) is one more entry in the column lists and the rows."""
     rows = [{**row("baseline-s0", "baseline", None, 0, 3.0), "hellaswag": 0.25},
@@ -211,6 +222,7 @@ def test_compare_trains_each_method_then_writes_the_tables_and_the_figure(compar
     table = (out / "results.md").read_text()
     assert f"| mhar | baseline | 0 | 1 | {delta:+.4f} |" in table and "baseline over 2 seeds" in table
     assert (out / "loss_curves.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert (out / "paired_curves.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
 def test_jobs_train_runs_side_by_side_each_with_its_output_in_a_file(data, tmp_path):
