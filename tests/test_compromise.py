@@ -69,13 +69,36 @@ def test_training_leaves_the_frozen_embedding_and_its_tied_head_alone(method):
     assert "layers.0.q_proj.weight" in moved and "embed.weight" not in moved
 
 
+def test_every_method_of_a_seed_starts_from_the_same_weights_and_sees_the_same_batches(
+        monkeypatch):
+    nets = {m: compromise.model(m, d=32, heads=2, seed=0) for m in compromise.METHODS}
+    shared = {k: v for k, v in nets["baseline"].state_dict().items()
+              if k not in ("embed.weight", "lm_head.weight")}                  # the codes
+    for method, net in nets.items():
+        state = net.state_dict()
+        assert all(torch.equal(state[k], v) for k, v in shared.items()), method
+    other = compromise.model("baseline", d=32, heads=2, seed=1).state_dict()
+    assert not torch.equal(other["layers.0.q_proj.weight"], shared["layers.0.q_proj.weight"])
+    seen, draw = {}, compromise.batch
+
+    def recording(generator, n):
+        idx, targets = draw(generator, n)
+        seen.setdefault(method, []).append(idx)
+        return idx, targets
+    monkeypatch.setattr(compromise, "batch", recording)
+    for method in ("attnres", "mhar-rotated"):
+        compromise.fit(nets[method], seed=0, steps=2)
+    assert len(seen["attnres"]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(seen["attnres"], seen["mhar-rotated"]))
+
+
 def test_paired_differences_and_their_standard_error():
     def runs(losses):
         return {seed: {"val_loss": loss} for seed, loss in enumerate(losses)}
     diff, se, ratio = compromise.paired(runs([1.0, 2.0, 4.0]), runs([2.0, 2.0, 3.0]))
     assert diff == pytest.approx(0.0)                           # differences -1, 0, +1
     assert se == pytest.approx(1 / math.sqrt(3))               # sample std 1, over sqrt(3)
-    assert ratio == pytest.approx(7 / 7)
+    assert ratio == pytest.approx(1.0)                          # 7 over 7
     diff, se, ratio = compromise.paired(runs([1.0]), runs([4.0]))
     assert diff == -3.0 and math.isnan(se) and ratio == 0.25
 
@@ -113,6 +136,16 @@ def test_a_tiny_run_writes_every_method_and_its_alphas_the_same_on_two_workers(t
         [(r["val_loss"], r["alphas"]) for r in runs if r["seed"] == 1]
 
 
+def test_without_matplotlib_the_results_are_written_and_the_figure_named(tmp_path, capsys,
+                                                                         monkeypatch):
+    monkeypatch.setattr(compromise, "pyplot", lambda: None)
+    out = tmp_path / "out"
+    runs, printed = tiny_run(out, capsys, seeds="0", jobs=1)
+    assert len(runs) == len(compromise.METHODS) and files_in(out) == ["results.json"]
+    assert "depth_maps.png not drawn: pip install matplotlib" in printed.splitlines()
+    assert "(one seed)" in printed
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--d", "36"], "--d 36: use a multiple of 8"),
     (["--d", "33"], "--d 33: use a multiple of 8"),
@@ -137,6 +170,23 @@ def test_an_out_dir_inside_a_file_is_one_line_and_status_2(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     line = error_line(capsys, compromise.main, ["--out_dir", tmp_path / "file" / "out"])
     assert "is a file, not a folder" in line
+
+
+def test_a_ctrl_c_while_the_workers_start_is_held_and_they_never_hear_one():
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as under a terminal
+    reached = False
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with compromise.ctrl_c_held():
+                os.kill(os.getpid(), signal.SIGINT)              # a press as the workers start
+                child = subprocess.run([sys.executable, "-c", "import signal; print(signal.SIGINT "
+                                        "in signal.pthread_sigmask(signal.SIG_BLOCK, []))"],
+                                       capture_output=True, text=True)
+                reached = True
+        assert reached and child.stdout == "True\n", child  # raised after; inherited, blocked
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_ctrl_c_stops_the_workers_with_one_line_and_status_130(tmp_path):
