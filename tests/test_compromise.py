@@ -69,6 +69,20 @@ def test_training_leaves_the_frozen_embedding_and_its_tied_head_alone(method):
     assert "layers.0.q_proj.weight" in moved and "embed.weight" not in moved
 
 
+def test_the_temperature_control_is_attnres_with_its_logits_divided_by_h():
+    """attnres-tau routes as AttnRes whose queries are divided by H: the same logits as attnres once its
+    queries are H times smaller (its alphas at nonzero queries, against the plain model's)."""
+    tau_net, plain = compromise.model("attnres-tau", 32, 4, 0), compromise.model("attnres", 32, 4, 0)
+    assert (tau_net.config.route_temperature, plain.config.route_temperature) == (4.0, 1.0)
+    with torch.no_grad():
+        for a, b in zip(tau_net.sites, plain.sites):
+            a.query.normal_(0, 1)
+            b.query.copy_(a.query / 4)
+    idx = compromise.batch(torch.Generator().manual_seed(0), 2)[0]
+    for a, b in zip(tau_net.routing_weights(idx), plain.routing_weights(idx)):
+        torch.testing.assert_close(a, b)
+
+
 def test_every_method_of_a_seed_starts_from_the_same_weights_and_sees_the_same_batches(
         monkeypatch):
     nets = {m: compromise.model(m, d=32, heads=2, seed=0) for m in compromise.METHODS}
@@ -126,9 +140,10 @@ def test_a_tiny_run_writes_every_method_and_its_alphas_the_same_on_two_workers(t
             assert len(site) == j + 1 and all(len(source) == H for source in site)
             for h in range(H):
                 assert sum(source[h] for source in site) == pytest.approx(1, abs=1e-5)
-    table = printed.split("method ")[1].splitlines()
-    assert [line.split()[0] for line in table[1:6]] == list(compromise.METHODS)
-    assert "vs attnres-rotated" in table[5] and "(the reference)" in table[2]
+    table = printed.split("method ")[1].splitlines()[1:8]  # mhar's second reference: a line of its own
+    assert [line.split()[0] for line in table if not line.startswith(" ")] == list(compromise.METHODS)
+    assert table[3].startswith("mhar ") and "vs attnres " in table[3] and "vs attnres-tau" in table[4]
+    assert "vs attnres-rotated" in table[6] and "(the reference)" in table[1]
     assert (out / "depth_maps.png").read_bytes()[:8] == PNG_SIGNATURE
     assert files_in(out) == ["depth_maps.png", "results.json"]
     pooled, _ = tiny_run(tmp_path / "pooled", capsys, seeds="1", jobs=2)  # seed 1 on its own
