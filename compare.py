@@ -21,7 +21,8 @@ grid axis: every method is trained at every combination, and the run's name carr
 combination is checked against mhar.Config before anything trains. Any other flag goes to every train.py
 run unchanged (--preset, --max_steps, --batch_size, ...), but --fused, which only the routed runs
 (attnres, mhar) take. Each run is a train.py process of its own (so its peak memory is its own) writing
-runs/compare/<name>/; a finished run is not trained again. --jobs N trains N runs at a time, each with
+runs/compare/<name>/; a finished run is not trained again, and one stopped before its end (Ctrl-C,
+SIGTERM) goes on from its checkpoint (train.py --resume), so the same command continues a comparison. --jobs N trains N runs at a time, each with
 1/N of the cores (OMP_NUM_THREADS, unless set) and its output in runs/compare/<name>.out.
 
 Pairs. Each run is paired with the baseline of the same shape and the same seed: the same initialization
@@ -455,8 +456,10 @@ def main(argv=None):
     for run in runs:
         routed = run.method in ("attnres", "mhar")  # --fused applies to the routed runs alone
         shared = [f for f in train_flags if routed or f != "--fused"]
+        # a run stopped before its end (Ctrl-C, a preemption) left its checkpoint: it goes on from there
+        resume = ["--resume"] if (out_dir / run.name / "ckpt.pt").is_file() else []
         commands[out_dir / run.name] = [*launcher, str(HERE / "train.py"), *shared, *run.flags,
-                                        "--out_dir", str(out_dir / run.name)]
+                                        "--out_dir", str(out_dir / run.name), *resume]
     rows, metrics = [], {}  # metrics: lm-eval's task/metric names, in order
     for run, summary in zip(runs, train_all(commands, args.jobs)):
         rows.append(dict(name=run.name, variant=run.variant, baseline=run.baseline, seed=run.seed,

@@ -240,6 +240,26 @@ def test_jobs_train_runs_side_by_side_each_with_its_output_in_a_file(data, tmp_p
     assert config["config"]["route_temperature"] == 4.0
 
 
+def test_a_run_stopped_before_its_end_goes_on_from_its_checkpoint(data, tmp_path, capsys):
+    """A comparison interrupted mid-run (train.py stopped at step 2 of 4, as Ctrl-C stops it) continues that run
+    with --resume: its first steps are not trained again, and it ends as the uninterrupted run does."""
+    import train
+    out, shared = tmp_path / "runs", ["--preset", "tiny", "--data", str(data), "--seq_len", "32", "--batch_size",
+                                      "2", "--max_steps", "4", "--warmup_steps", "1", "--eval_interval", "2",
+                                      "--eval_batches", "1", "--log_interval", "1", "--device", "cpu"]
+    train.main([*shared, "--residual", "baseline", "--seed", "0", "--out_dir", str(out / "baseline-s0"),
+                "--stop_step", "2"])
+    first = (out / "baseline-s0" / "log.jsonl").read_text()
+    capsys.readouterr()
+    compare.main(["--methods", "baseline", "--out_dir", str(out), *shared])
+    assert "--out_dir " + str(out / "baseline-s0") + " --resume" in capsys.readouterr().out
+    log = (out / "baseline-s0" / "log.jsonl").read_text()
+    assert log.startswith(first) and json.loads(log.splitlines()[-1])["step"] == 4
+    train.main([*shared, "--residual", "baseline", "--seed", "0", "--out_dir", str(tmp_path / "whole")])
+    ended = [json.loads((folder / "summary.json").read_text()) for folder in (out / "baseline-s0", tmp_path / "whole")]
+    assert ended[0]["final_val_loss"] == ended[1]["final_val_loss"]
+
+
 def test_eval_tasks_add_eval_pys_metrics_as_columns(compared, words):
     import eval
     out, _, rows = compared
