@@ -247,7 +247,7 @@ def train_all(commands, jobs):
                 output = None
                 if jobs > 1:
                     out_dir.parent.mkdir(parents=True, exist_ok=True)
-                    output = open(out_dir.parent / f"{out_dir.name}.out", "w")
+                    output = open(out_dir.parent / f"{out_dir.name}.out", "a")  # a resumed run: appended
                     print(f"    (its output: {output.name})", flush=True)
                 process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT
                                            if output else None)
