@@ -13,9 +13,10 @@ norm weight g, over sources V = [s_0, ..., s_j]:
     out_[h]  = sum_n a[n, h] V_n,[h]                head h mixes only its slice
 
 Sublayer j reads out, and its raw output is appended as s_{j+1}; H = 1 is Attention Residuals.
-A head's logit sums d/H coordinates where AttnRes's sums all d, so MHAR's softmaxes start flatter:
-Config.route_temperature = tau divides every logit (the route with q / tau), the control that
-tells per-slice routing from a flatter softmax (tau = H: AttnRes's logit scaled to one head's).
+A head's logit sums d/H coordinates where AttnRes's sums all d, so at the same query MHAR's
+softmaxes are flatter: Config.route_temperature = tau divides every logit (the route with q / tau),
+the control that tells per-slice routing from a flatter softmax (tau = H: AttnRes's logit scaled
+to one head's).
 The decoder is Qwen3-style: pre-norm, RMSNorm, rotary embeddings, grouped-query attention with
 per-head RMSNorm on queries and keys, SwiGLU MLP, no biases, no dropout, tied embeddings (by
 default), and generation with a cache of attention keys and values.
