@@ -22,8 +22,9 @@ combination is checked against mhar.Config before anything trains. Any other fla
 run unchanged (--preset, --max_steps, --batch_size, ...), but --fused, which only the routed runs
 (attnres, mhar) take. Each run is a train.py process of its own (so its peak memory is its own) writing
 runs/compare/<name>/; a finished run is not trained again, and one stopped before its end (Ctrl-C,
-SIGTERM) goes on from its checkpoint (train.py --resume), so the same command continues a comparison. --jobs N trains N runs at a time, each with
-1/N of the cores (OMP_NUM_THREADS, unless set) and its output in runs/compare/<name>.out.
+SIGTERM) goes on from its checkpoint (train.py --resume), so the same command continues a comparison.
+--jobs N trains N runs at a time, each with 1/N of the cores (OMP_NUM_THREADS, unless set) and its output
+in runs/compare/<name>.out.
 
 Pairs. Each run is paired with the baseline of the same shape and the same seed: the same initialization
 seed and the same batches, so their difference is free of most of the noise that separates two seeds. The
@@ -343,14 +344,14 @@ def paired_curves(rows, logs):
     """Per non-baseline variant, its validation loss minus its baseline's at every evaluation both logged, over
     the seeds: {variant: (steps, means, standard errors (None for one seed))}. logs: {run name: log entries}."""
     name = {(r["variant"], r["seed"]): r["name"] for r in rows}
+    val = {run: {e["step"]: e["val_loss"] for e in log if "val_loss" in e} for run, log in logs.items()}
     curves = {}
     for variant in dict.fromkeys(r["variant"] for r in rows if r["baseline"] is not None):
         deltas = {}  # step -> the seeds' differences
         for r in rows:
             if r["variant"] != variant or (r["baseline"], r["seed"]) not in name:
                 continue
-            val = lambda run: {e["step"]: e["val_loss"] for e in logs[run] if "val_loss" in e}  # noqa: E731
-            ours, theirs = val(r["name"]), val(name[r["baseline"], r["seed"]])
+            ours, theirs = val[r["name"]], val[name[r["baseline"], r["seed"]]]
             for step in sorted(ours.keys() & theirs.keys()):
                 deltas.setdefault(step, []).append(ours[step] - theirs[step])
         steps = sorted(deltas)
@@ -370,6 +371,10 @@ def plot_paired_curves(plt, curves, path):
         if all(se is not None for se in ses):
             ax.fill_between(steps, [m - e for m, e in zip(means, ses)], [m + e for m, e in zip(means, ses)],
                             color=f"C{i}", alpha=0.2, linewidth=0)
+    late = [v for steps, means, _ in curves.values() for step, v in zip(steps, means) if step >= steps[-1] / 4]
+    if late:  # the first evaluations differ most and say least: the y-range is the last three quarters'
+        margin = 0.25 * (max(late) - min(late)) + 1e-3
+        ax.set_ylim(min(min(late), 0) - margin, max(max(late), 0) + margin)
     ax.set_xlabel("step")
     ax.set_ylabel("Δ val loss vs the baseline (nats/token)")
     ax.set_title("paired with the baseline: mean over seeds ± s.e.")
