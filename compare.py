@@ -121,7 +121,7 @@ def parse_args(argv=None):
     if not args.seeds:
         exit_error("compare.py", "--seeds needs at least one seed, e.g. --seeds 0")
     default = ("baseline", "mhar") if args.route_heads else METHODS
-    args.methods = (args.methods or ",".join(default)).split(",")
+    args.methods = (",".join(default) if args.methods is None else args.methods).split(",")
     unknown = [m for m in args.methods if m not in METHODS and not TEMPERATURE.fullmatch(m)]
     if unknown:
         exit_error("compare.py", f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}, or "

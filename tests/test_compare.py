@@ -74,11 +74,12 @@ def test_a_temperature_method_is_attnres_at_its_route_temperature():
      "run attnres-T0-s0 cannot be built at preset tiny: Config.route_temperature: must be a positive number"),
     (["--methods", "baseline-T2"], "unknown method 'baseline-T2'"),
     (["--methods", "baseline,mhar,baseline"], "--methods names a method twice"),
+    (["--methods", ""], "unknown method ''"),
     (["--jobs", "0"], "--jobs must be at least 1"),
     (["--methods", "baseline,mhar", "--versus", "attnres"], "--versus attnres is not a routed method of this"),
     (["--methods", "baseline,mhar", "--versus", "baseline"], "--versus baseline is not a routed method of this"),
 ], ids=["kv_not_dividing_heads", "heads_not_dividing_width", "per_run_flag", "unknown_method", "heads_without_mhar",
-        "not_integers", "temperature_zero", "baseline_temperature", "method_twice", "no_jobs", "versus_not_run",
+        "not_integers", "temperature_zero", "baseline_temperature", "method_twice", "no_methods", "no_jobs", "versus_not_run",
         "versus_baseline"])
 def test_bad_comparisons_stop_before_training_with_one_line(argv, message, tmp_path, capsys):
     err = error_line(capsys, compare.main, [*argv, "--out_dir", tmp_path])
