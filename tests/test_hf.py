@@ -283,15 +283,16 @@ def test_a_model_trained_here_exports_to_transformers(tmp_path):
     assert rel_err(logits_of(loaded, idx), logits_of(model, idx)) < 1e-5
 
 
-@pytest.mark.parametrize("kind", ["converted-mhar", "mhar-S2", "attnres", "hyper"])
+@pytest.mark.parametrize("kind", ["converted-mhar", "mhar-S2", "attnres", "attnres-T4", "hyper"])
 def test_a_routed_model_round_trips_and_transformers_asks_to_trust_its_code(qwen3, kind, tmp_path):
     torch.manual_seed(0)
     if kind == "converted-mhar":
         model = GPT.from_pretrained(qwen3["untied-hd32"][0], residual="mhar", route_heads=8,
                                     route_block=4)
     else:
-        residual, _, block = kind.partition("-S")
-        model = GPT(tiny(residual, route_block=int(block or 1)))
+        name, _, tau = kind.partition("-T")   # attnres-T4: at route_temperature 4
+        residual, _, block = name.partition("-S")
+        model = GPT(tiny(residual, route_block=int(block or 1), route_temperature=float(tau or 1)))
     open_routing(model)
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
