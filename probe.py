@@ -58,7 +58,7 @@ probe.json (S = 2L + 1 sites, N = the most sources one site reads, H = routing h
     sources                     S lists: the names of the sources each site reads ("emb" = s_0, "attn 0" = the
                                 output of block 0's attention, "s1+s2" = a block sum, "null" = delta's null source)
     sources_per_site            S integers N_j
-    query_norm                  S floats: |q_j| of the trained queries
+    query_norm                  S floats: |q_j| of the queries the sites route with (q / route_temperature)
     null_query_norm             S floats: the mean norm of the null's random queries (equal to query_norm)
     gates                       S floats, delta routing only: the per-site gates a
     depth_map                   S x N x H: token-averaged α; every site's row sums to 1 per head; null padding
@@ -207,9 +207,10 @@ def probe_routing(model, batches, null_draws=32, slices=4, seed=0):
     config, H, eps = model.config, model.config.depth_heads, model.config.norm_eps
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
-    # the null's queries are drawn once per site and reused for every batch: D fixed alternative routings
-    queries = [null_queries(site.query.detach().float().cpu(), null_draws, generator).to(device)
-               for site in model.sites]
+    # the queries the sites route with (q / route_temperature), and the null's: drawn once per site from
+    # them and reused for every batch, D fixed alternative routings
+    routed = [site.query.detach().float().cpu() / config.route_temperature for site in model.sites]
+    queries = [null_queries(q, null_draws, generator).to(device) for q in routed]
     n_sites = len(model.sites)
     maps, null_maps, cos, kl, kl_slices, null_kl = [], [], [], [], [], []
     for idx in batches:
@@ -240,7 +241,7 @@ def probe_routing(model, batches, null_draws=32, slices=4, seed=0):
             null_kl.append(torch.stack(batch_null_kl).cpu())
     # every batch has B x T tokens, so the mean over batches is the mean over all tokens
     out = dict(depth_map=torch.stack(maps).mean(0), collinearity=torch.stack(cos).mean(0),
-               query_norm=torch.stack([site.query.detach().float().norm() for site in model.sites]).cpu(),
+               query_norm=torch.stack([q.norm() for q in routed]),
                null_query_norm=torch.stack([qs.float().norm(dim=1).mean() for qs in queries]).cpu(),
                sources_per_site=[int(n) for n in (~maps[0][:, :, 0].isnan()).sum(1)])
     if H > 1:

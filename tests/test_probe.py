@@ -129,6 +129,28 @@ def test_the_null_is_one_fixed_set_of_random_queries(residual, null):
     assert not torch.allclose(alone[0], alone[1], equal_nan=True)  # the batches differ, so the test can see it
 
 
+@pytest.mark.parametrize("residual", ["mhar", "attnres"])
+def test_a_models_temperature_is_measured_as_the_queries_it_routes_with(residual):
+    """At route_temperature tau every measurement, the null's included, is that of the model at 1 whose queries
+    are divided by tau: the null's random queries take the norm of the queries the sites route with."""
+    torch.manual_seed(0)
+    tempered = GPT(mhar.preset("tiny", residual=residual, vocab_size=VOCAB, seq_len=16, route_temperature=4.0))
+    plain = GPT(mhar.preset("tiny", residual=residual, vocab_size=VOCAB, seq_len=16))
+    with torch.no_grad():
+        for site in tempered.sites:
+            site.query.normal_(0, 1.0)
+    plain.load_state_dict(tempered.state_dict())
+    with torch.no_grad():
+        for site in plain.sites:
+            site.query.div_(4)
+    batch = [torch.randint(0, VOCAB, (2, 16))]
+    measured = [probe.probe_routing(m.eval(), batch, null_draws=4, seed=3) for m in (tempered, plain)]
+    assert measured[0].keys() == measured[1].keys()
+    for key in measured[0]:
+        if torch.is_tensor(measured[0][key]):
+            torch.testing.assert_close(measured[0][key], measured[1][key], equal_nan=True, msg=key)
+
+
 def test_collinearity_of_constructed_sources():
     v = torch.randn(1, 2, 3, 8)
     assert probe.collinearity(torch.cat([v, 2 * v, v])).item() == pytest.approx(1.0)
