@@ -70,6 +70,7 @@ PAPER_RUN = dict(max_steps=20_000, warmup_steps=1000, eval_interval=500, eval_ba
 # path (1b: use --compile or --fused). small is the `python train.py` demo: 200 steps of 2k
 # tokens (4k tokens per micro-step are slower per token on a CPU: the 50k-vocabulary logits
 # outgrow the caches); tiny is for tests.
+BYTES_DATA = Path("data") / f"{prepare.DEFAULT_NAME}-bytes"  # the built-in corpus as UTF-8 bytes
 RUNS = {
     "tiny": dict(batch_size=8, global_batch=8, max_steps=200, warmup_steps=20, eval_interval=50,
                  eval_batches=4, lr=3e-3),
@@ -78,7 +79,7 @@ RUNS = {
     # the small model on bytes, the CPU comparison's run: 750 steps of 4k tokens (3.1M), in about
     # 8 minutes on one core; the 257-row LM head leaves the time to the Transformer
     "small-bytes": dict(batch_size=16, global_batch=16, max_steps=750, warmup_steps=50,
-                        eval_interval=50, eval_batches=8, lr=3e-3, data="data/pystdlib-bytes"),
+                        eval_interval=50, eval_batches=8, lr=3e-3, data=BYTES_DATA),
     "100m": dict(batch_size=4, global_batch=64, **PAPER_RUN),
     "350m": dict(batch_size=2, global_batch=32, **PAPER_RUN),
     "1b": dict(batch_size=1, global_batch=32, **PAPER_RUN),
@@ -87,7 +88,7 @@ DEFAULT_PRESET = "small"
 DEFAULT_DATA = Path("data") / prepare.DEFAULT_NAME  # a preset's corpus, unless its row of RUNS names one
 # The built-in corpora (this Python's standard library), prepared when missing: folder -> prepare.py's
 # --tokenizer (None: GPT-2's BPE)
-BUILT_IN_DATA = {DEFAULT_DATA: None, Path("data") / f"{prepare.DEFAULT_NAME}-bytes": prepare.BYTES}
+BUILT_IN_DATA = {DEFAULT_DATA: None, BYTES_DATA: prepare.BYTES}
 
 
 def die(msg):
