@@ -8,7 +8,7 @@ Hugging Face Qwen3 directory.
     python eval.py --ckpt out/ckpt.pt --tasks pyval_text,pyval_line --include_path data/pyval
 
 --ckpt is a train.py checkpoint, a run folder holding one (ckpt.pt), or a Hugging Face directory
-(config.json, weights, tokenizer.json), read by GPT.from_pretrained. --tasks names lm-eval's tasks
+(config.json, weights, tokenizer.json), read by hf.load. --tasks names lm-eval's tasks
 (`lm-eval ls tasks`) or tasks that YAML files in --include_path define over local files. Prints
 lm-eval's table and writes its results to --output (default: eval.json beside the checkpoint).
 
@@ -85,14 +85,14 @@ def tokenizer_of_checkpoint(ckpt, path):
 def load(path, device, tokenizer=None):
     """(model in eval mode, prepare.Tokenizer, info for the results) from any of the three;
     UserError if it cannot be used. `tokenizer` (a folder with tokenizer.json) overrides."""
-    import mhar
+    import hf
     path = Path(path)
     if path.is_dir() and (path / "ckpt.pt").is_file():  # a run folder
         path = path / "ckpt.pt"
     if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face directory
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as autocast computes
         try:
-            model = mhar.GPT.from_pretrained(str(path), dtype=dtype).to(device).eval()
+            model = hf.load(str(path), dtype=dtype).to(device).eval()
         except ValueError as e:  # hf.py raises CheckpointError (a UserError) for foreign files
             raise UserError(f"cannot load {path}: {one_line(e)}") from None
         info = {"checkpoint": str(path)}
@@ -158,11 +158,11 @@ class MHARLM(TemplateLM or object):
         stays whole. Inputs go longest first, batch_size at a time, right-padded: the model is
         causal, so the padding after an input changes none of the input's logits. Only the
         positions that predict a continuation go through the LM head, a chunk of them at a time
-        (mhar.head_chunk): a batch never holds its B * T * vocab logits.
+        (head.head_chunk): a batch never holds its B * T * vocab logits.
         """
         from tqdm import tqdm  # a dependency of lm-eval
 
-        import mhar
+        import head
         inputs = []
         for context, continuation in pairs:
             if len(continuation) > self.seq_len:
@@ -172,7 +172,7 @@ class MHARLM(TemplateLM or object):
         order = sorted(range(len(pairs)), key=lambda i: -len(inputs[i]))
         answers = [None] * len(pairs)
         batches = range(0, len(order), self.batch_size)
-        chunk = mhar.head_chunk(self.model.config.vocab_size, self._device)
+        chunk = head.head_chunk(self.model.config.vocab_size, self._device)
         for start in tqdm(batches, disable=disable_tqdm, desc="loglikelihood"):
             batch = order[start:start + self.batch_size]
             idx = torch.zeros(len(batch), len(inputs[batch[0]]), dtype=torch.long)  # (B, T)

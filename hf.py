@@ -7,9 +7,9 @@ weights, transformers' Qwen3ForCausalLM computes the same logits. So a Qwen3 dir
 this project's baseline, or as a delta-routed model that starts as that baseline exactly, and a
 trained model goes back to a directory:
 
-    model = GPT.from_pretrained("models/Qwen3-0.6B")                             # the baseline
-    model = GPT.from_pretrained("models/Qwen3-0.6B", residual="mhar", route_block=8, route_heads=8)
-    model.save_pretrained("out/qwen3-0.6b-mhar")
+    model = hf.load("models/Qwen3-0.6B")                                # the baseline, a mhar.GPT
+    model = hf.load("models/Qwen3-0.6B", residual="mhar", route_block=8, route_heads=8)
+    hf.save(model, "out/qwen3-0.6b-mhar")
 
 The mapping, config.json -> Config:
 
@@ -43,7 +43,7 @@ restate it), and an "mhar" section with mhar.Config's fields; the tensors under 
 
     model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)  # GPT's logits
 
-GPT.from_pretrained reads it too, and the layout written before it: mhar.safetensors with the
+hf.load reads it too, and the layout written before it: mhar.safetensors with the
 Qwen3 names above plus "mhar.<name>" for what routing adds, no code (transformers refuses it).
 
 Only safetensors is needed here (and huggingface_hub to fetch a model by its hub id);
@@ -85,9 +85,6 @@ REQUIRED = {
 }
 
 MODEL_TYPE = "mhar"                          # a routed model's: its class is in the directory
-ROUTING = ("residual", "route_heads", "route_block", "delta", "hc_streams",  # read from "mhar"
-           "route_temperature")
-RUNTIME = ("fused", "fused_group", "checkpointing")  # how a model runs here, not what it computes
 # The layouts of a directory (layout()) and the stem of their weights, <stem>.safetensors
 WEIGHTS = {"qwen3": "model", "remote": "model", "mhar": "mhar"}
 # what transformers runs a routed model with (trust_remote_code): the adapter and the model itself
@@ -164,7 +161,7 @@ def config_from_hf(hf_config, where="config.json"):
         routing = hf_config.get(MODEL_TYPE)
         if not isinstance(routing, dict):
             raise CheckpointError(f"{where}: model_type {MODEL_TYPE!r} without an {MODEL_TYPE!r} "
-                                  f"section: export the model again (save_pretrained, export.py)")
+                                  f"section: export the model again (hf.save, export.py)")
         hf_config = {**hf_config, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
     else:
         routing = {"residual": "baseline"}
@@ -179,7 +176,7 @@ def config_from_hf(hf_config, where="config.json"):
                 rope_theta=float(rope_settings(hf_config)["rope_theta"]),
                 norm_eps=get("rms_norm_eps"), tie_embeddings=get("tie_word_embeddings"),
                 seq_len=get("max_position_embeddings"),
-                **{k: routing[k] for k in ROUTING if k in routing})
+                **{k: routing[k] for k in Config.ROUTING if k in routing})
 
 
 def config_to_hf(config, dtype):
@@ -198,13 +195,13 @@ def config_to_hf(config, dtype):
     if config.residual != "baseline":
         hf_config.update(architectures=["MHARForCausalLM"], model_type=MODEL_TYPE,
                          auto_map=AUTO_MAP, use_cache=True)
-        fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in RUNTIME}
+        fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in Config.RUNTIME}
         hf_config[MODEL_TYPE] = {
             **fields,
             "note": "Multi-Head Attention Residuals (Luo, Cai, Hu, 2026) on a Qwen3 decoder, "
                     "mhar.Config's fields: AutoModelForCausalLM.from_pretrained(DIR, "
                     "trust_remote_code=True) runs it (modeling_mhar.py), as does "
-                    "mhar.GPT.from_pretrained"}
+                    "hf.load"}
     return hf_config
 
 
@@ -329,23 +326,23 @@ def load(path, dtype=None, **overrides):
     (default), bfloat16 or float16, the parameters' dtype; the files' tensors are cast to it.
     """
     safetensors_api()  # its install hint before any work
-    dtype = torch_dtype(dtype, torch.float32, "from_pretrained")
+    dtype = torch_dtype(dtype, torch.float32, "hf.load")
     directory = local_dir(path)
     hf_config = read_json(directory / "config.json")
     fields = config_from_hf(hf_config, directory / "config.json")
     exported = fields["residual"] != "baseline"
-    free = ("seq_len", "fused") + (() if exported else ROUTING)
+    free = ("seq_len", "fused") + (() if exported else Config.ROUTING)
     for k, v in overrides.items():
         if k not in Config.__dataclass_fields__:
-            raise ValueError(f"from_pretrained: Config has no field {k!r}")
+            raise ValueError(f"hf.load: Config has no field {k!r}")
         if k not in free and fields.get(k, v) != v:
             kept = " (a routed export keeps its routing)" if exported else ""
-            raise ValueError(f"from_pretrained: {k}={v!r}, but {directory}/config.json fixes it at "
+            raise ValueError(f"hf.load: {k}={v!r}, but {directory}/config.json fixes it at "
                              f"{fields[k]!r}{kept}")
     converting = not exported and overrides.get("residual", "baseline") != "baseline"
     config = Config(**{**fields, **({"delta": True} if converting else {}), **overrides})
     if converting and not config.delta:
-        raise ValueError(f"from_pretrained: residual={config.residual!r} with delta={config.delta} "
+        raise ValueError(f"hf.load: residual={config.residual!r} with delta={config.delta} "
                          f"does not start as the checkpoint; convert with residual='attnres' or "
                          f"'mhar' and delta=True (the default)")
     default = torch.get_default_dtype()
@@ -377,7 +374,7 @@ def load(path, dtype=None, **overrides):
                         raise CheckpointError(f"{file}: {name} has shape {tuple(tensor.shape)}, "
                                               f"config.json makes it {tuple(target.shape)}")
                     target.copy_(tensor)
-    model.pretrained_from = directory  # save_pretrained copies its tokenizer files from here
+    model.pretrained_from = directory  # save copies its tokenizer files from here
     return model
 
 
@@ -418,12 +415,12 @@ def save(model, directory, source=None, dtype=None, max_shard_size=MAX_SHARD_SIZ
     """Write `model` as a Hugging Face directory: a baseline as a Qwen3 checkpoint, a routed model
     as a checkpoint transformers runs with the code written beside it (trust_remote_code; see the
     top of the file). The tokenizer files and special token ids of `source` (default: the
-    directory from_pretrained read) come along. dtype: the tensors' dtype in the files (default:
+    directory load read) come along. dtype: the tensors' dtype in the files (default:
     the model's); past max_shard_size they are split into shards and an index, as transformers
     writes them."""
     safetensors = safetensors_api()
     config, directory, state = model.config, Path(directory), model.state_dict()
-    dtype = torch_dtype(dtype, state["embed.weight"].dtype, "save_pretrained")
+    dtype = torch_dtype(dtype, state["embed.weight"].dtype, "hf.save")
     source = source or getattr(model, "pretrained_from", None)
     source = Path(source) if source else None
     has_config = source is not None and (source / "config.json").is_file()
@@ -434,7 +431,7 @@ def save(model, directory, source=None, dtype=None, max_shard_size=MAX_SHARD_SIZ
     hf_config["max_position_embeddings"] = max(config.seq_len,
                                                source_config.get("max_position_embeddings", 0))
     kind = layout(hf_config)
-    if kind == "remote":  # the window of the model transformers builds, as GPT.from_pretrained's
+    if kind == "remote":  # the window of the model transformers builds, as load's
         hf_config[MODEL_TYPE]["seq_len"] = hf_config["max_position_embeddings"]
     names = file_names(config, state, kind)
     tensors = {file_name: state[name].detach().to("cpu", dtype).contiguous()
@@ -559,17 +556,17 @@ def demo(directory, steps=5):
     rows = torch.randint(0, 1024, (steps, 4, 257), generator=torch.Generator().manual_seed(0))
     x, y = rows[0, :, :-1], rows[0, :, 1:]                                     # random tokens
     t0 = time.perf_counter()
-    baseline = GPT.from_pretrained(directory)
-    print(f"{directory}: a random Qwen3 saved by transformers; from_pretrained "
+    baseline = load(directory)
+    print(f"{directory}: a random Qwen3 saved by transformers; load "
           f"{time.perf_counter() - t0:.2f} s, {baseline.num_params():,} parameters")
     with torch.no_grad():
         truth = theirs[torch.float32](x).logits
         print(f"float32 logits, max |ours - transformers| {max_diff(baseline(x)[0], truth):.3g}")
-        ours16 = GPT.from_pretrained(directory, dtype=torch.bfloat16)(x)[0]
+        ours16 = load(directory, dtype=torch.bfloat16)(x)[0]
         relative = lambda a: ((a.float() - truth).norm() / truth.norm()).item()  # noqa: E731
         print(f"bfloat16 logits, relative error to float32: ours {relative(ours16):.2e}, "
               f"transformers {relative(theirs[torch.bfloat16](x).logits):.2e}")
-    model = GPT.from_pretrained(directory, residual="mhar", route_block=8, route_heads=8)
+    model = load(directory, residual="mhar", route_block=8, route_heads=8)
     with torch.no_grad():
         print(f"converted (mhar, delta, H 8, one delta per 4 layers): max |logit difference| to "
               f"the baseline {max_diff(model(x)[0], baseline(x)[0]):g}")
@@ -585,9 +582,9 @@ def demo(directory, steps=5):
         baseline_loss = f" (the baseline's on this batch: {first_baseline_loss:.6f})"
         print(f"step {step + 1}: loss {loss.item():.6f}{baseline_loss if step == 0 else ''} | "
               f"max |gate| {gates.max().item():.2e}")
-    model.save_pretrained(f"{directory}-mhar")
+    save(model, f"{directory}-mhar")
     with torch.no_grad():
-        back = GPT.from_pretrained(f"{directory}-mhar")
+        back = load(f"{directory}-mhar")
         print(f"{directory}-mhar: the trained model written and read back, max |logit difference| "
               f"{max_diff(back(x)[0], model(x)[0]):g}")
     theirs_mhar = AutoModelForCausalLM.from_pretrained(f"{directory}-mhar",
@@ -596,7 +593,7 @@ def demo(directory, steps=5):
         print(f"  transformers runs it with the code beside it ({type(theirs_mhar).__name__}, "
               f"trust_remote_code): max |logit difference| "
               f"{max_diff(theirs_mhar(x).logits, model(x)[0]):g}")
-    baseline.save_pretrained(f"{directory}-baseline")
+    save(baseline, f"{directory}-baseline")
     with torch.no_grad():
         exported = AutoModelForCausalLM.from_pretrained(f"{directory}-baseline",
                                                         dtype=torch.float32)

@@ -32,12 +32,14 @@ holds sums of S consecutive sublayer outputs; delta = True: the additive form fo
 trained baseline, h = x + gate * route(null, D_0, D_1, ...) on the ordinary residual x, with block
 deltas D_i and a zero gate, so that it starts as the baseline exactly.
 
-Reading order: Config; the route and the readable depth history; the Transformer's pieces; GPT
-(the routed forward first, then the other residual modes, analysis, checkpoints, generation and
-accounting); last, the pieces of the other modes: block and delta histories, hyper-connections.
+Reading order: Config; the route; the depth histories (full, block, delta); the Transformer's
+pieces; GPT, its routed forward first, then the other residual modes, analysis, generation and
+accounting; last, hyper-connections. The fused Triton routing is kernel.py (Config.fused), the
+LM head's chunked loss head.py, loading and saving Hugging Face directories hf.py.
 """
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -68,6 +70,11 @@ class Config:
     fused: bool = False          # route with the Triton kernels of kernel.py
     fused_group: int = 0         # fused: sites per shared read of the sources; 0 = auto, 1 = one each
     checkpointing: bool = False  # recompute each sublayer's activations in backward (saves memory)
+
+    # what routing is (a conversion chooses them anew), and how a model runs rather than what it computes
+    ROUTING: ClassVar = ("residual", "route_heads", "route_block", "delta", "hc_streams",
+                         "query_init_std", "route_temperature")
+    RUNTIME: ClassVar = ("fused", "fused_group", "checkpointing")
 
     def __post_init__(self):  # the mistakes a user can make, each with its fix
         def check(ok, message):
@@ -163,18 +170,24 @@ def route(V, q, g, heads, eps=1e-6):
     return out.reshape(B, T, d).to(V.dtype)
 
 
+# ----------------------------------------------------------------------------------------------
+# The depth history: the sources of one forward pass and how each site reads them.
+
 class DepthHistory:
     """The sources of one forward pass for full routing, readable: a list, stacked at every read.
 
     append(source) adds s_0 (the embedding), then each sublayer's raw output; read(site) routes
     over everything appended so far with the site's query queries[site] and norm weight norms[site].
-    Stacking at every site costs O(L^2) memory; kernel.py's fused history has the same interface and
-    reads the sources where they are, several sites at a time.
+    Stacking at every site costs O(L^2) memory; kernel.py's FusedHistory wraps a history like this
+    one (its appends decide what is read) and reads the sources where they are, several sites at a
+    time.
     """
+    block, null = 1, None                                            # full routing
 
     def __init__(self, queries, norms, heads, eps):
         self.queries, self.norms, self.heads, self.eps = queries, norms, heads, eps
         self.sources = []                                            # s_0, s_1, ...: (B, T, d) each
+        self.partial = None                                          # (block routing's)
 
     def append(self, source):
         self.sources.append(source)
@@ -184,6 +197,84 @@ class DepthHistory:
 
     def read(self, site):
         return route(self.stack(), self.queries[site], self.norms[site], self.heads, self.eps)
+
+    def reads(self, site):
+        """(committed, partial): site `site`, read right after the (site+1)-th append, reads
+        sources[:committed] and, when partial is True, the partial sum of its block."""
+        return site + 1, False
+
+
+class BlockHistory(DepthHistory):
+    """Block routing (Block AttnRes, Kimi Team, 2026) with blocks of S sublayers: b_0 = s_0, then
+    b_n = the sum of the outputs of the S sublayers of block n. A site reads the completed blocks,
+    plus the current block's partial sum once it has begun; S = 1 is full routing."""
+
+    def __init__(self, queries, norms, heads, eps, block):
+        super().__init__(queries, norms, heads, eps)                 # self.sources: b_0, b_1, ...
+        self.block = block
+        self.in_block = None               # outputs in the current block's partial sum; None: no s_0
+
+    def append(self, source):
+        if self.in_block is None:
+            self.sources.append(source)                              # b_0 = s_0, the embedding
+            self.in_block = 0
+            return
+        self.partial = source if self.partial is None else self.partial + source
+        self.in_block += 1
+        if self.in_block == self.block:                              # the block is complete
+            self.sources.append(self.partial)
+            self.partial, self.in_block = None, 0
+
+    def stack(self):
+        partial = [] if self.partial is None else [self.partial]
+        return torch.stack(self.sources + partial)                   # (N, B, T, d)
+
+    def reads(self, site):
+        return 1 + site // self.block, site % self.block != 0
+
+
+class DeltaHistory(BlockHistory):
+    """Delta routing reads [null, D_0, D_1, ...]: a learnable null source (zero at init), the
+    embedding and the completed block deltas D_i = h_end - h_start, never the current block's
+    partial sum, which is already in the residual stream x."""
+
+    def __init__(self, queries, norms, heads, eps, block, null):
+        super().__init__(queries, norms, heads, eps, block)
+        self.null = null                                             # (d,)
+
+    def append(self, source):
+        if self.in_block is None:
+            self.sources.append(self.null.to(source.dtype).expand_as(source))  # (B, T, d)
+        super().append(source)
+
+    stack = DepthHistory.stack                                       # the committed sources alone
+
+    def reads(self, site):
+        return 2 + site // self.block, False
+
+
+def depth_history(queries, norms, heads, eps, block=1, null=None):
+    """An empty readable history: full routing, Block AttnRes for block > 1, delta routing when
+    given delta's null source."""
+    if null is not None:
+        return DeltaHistory(queries, norms, heads, eps, block, null)
+    if block > 1:
+        return BlockHistory(queries, norms, heads, eps, block)
+    return DepthHistory(queries, norms, heads, eps)
+
+
+class VisitedHistory:
+    """A readable history that shows visit(V, q, g) each site's sources and parameters first."""
+
+    def __init__(self, history, visit):
+        self.history, self.visit = history, visit
+
+    def append(self, source):
+        self.history.append(source)
+
+    def read(self, site):
+        self.visit(self.history.stack(), self.history.queries[site], self.history.norms[site])
+        return self.history.read(site)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,11 +382,17 @@ class RouteSite(nn.Module):
         self.norm_weight = nn.Parameter(torch.ones(config.n_embd))
         self.gate = nn.Parameter(torch.zeros(())) if config.delta else None
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # checkpoints written before g had its own name kept it as the weight of an RMSNorm module
-        if prefix + "norm.weight" in state_dict:
-            state_dict[prefix + "norm_weight"] = state_dict.pop(prefix + "norm.weight")
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+class LMHead(nn.Linear):
+    """The projection to the vocabulary. Called, the logits; loss(hidden, targets, loss_fn), a loss
+    computed from its weight without them (head.py), as a method of this module: FSDP gathers a
+    sharded head for a method it is told of as it does for forward."""
+
+    def __init__(self, config):
+        super().__init__(config.n_embd, config.vocab_size, bias=False)
+
+    def loss(self, hidden, targets, loss_fn):
+        return loss_fn(hidden, self.weight, targets)
 
 
 def compute_dtype(x):
@@ -305,109 +402,6 @@ def compute_dtype(x):
 
 
 ADDED_BY_RESIDUAL = ("sites.", "connections.", "null")  # names a baseline checkpoint lacks
-
-
-# ----------------------------------------------------------------------------------------------
-# The LM head's loss without the whole logits: a chunk of positions at a time.
-
-# Bytes of fp32 logits one chunk of positions may hold: one buffer of that size holds each chunk's
-# logits, log-softmax and gradient in turn, in place. Fewer, longer chunks cost less: each chunk
-# reads and writes the whole gradient of the weight (vocab, d), so chunks of a few dozen positions
-# spend more on it than on their logits. On this project's 2-core CPU (loaded, two runs) 128 MiB
-# was as fast as any budget from 16 to 512 MiB at GPT-2's vocabulary (4 MiB: 2x slower), and among
-# the fastest at Qwen3's, where chunks of 7 to 55 positions (4 to 32 MiB) were slower. On a GPU,
-# chunks large enough that their matmuls fill the device (5.3k positions at GPT-2's vocabulary,
-# 1.8k at Qwen3's).
-HEAD_CHUNK_BYTES = {"cpu": 128 << 20, "cuda": 1 << 30}
-
-
-def squared_log_z(logits):
-    """The mean squared log-partition function of the logits, PaLM's z-loss (arXiv:2204.02311,
-    section 5): added to the loss times a small weight, it keeps log Z near 0, the bf16 softmax
-    stable."""
-    return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
-
-
-def head_chunk(vocab, device):
-    """Positions per chunk: as many as the device's budget of fp32 logits holds (at least one)."""
-    budget = HEAD_CHUNK_BYTES.get(device.type, HEAD_CHUNK_BYTES["cpu"])
-    return max(1, budget // (4 * vocab))
-
-
-class LinearCrossEntropy(torch.autograd.Function):
-    """The mean cross-entropy of logits hidden @ weight.T, computed and differentiated a chunk of
-    positions at a time: each chunk's logits (C, vocab), in fp32, give its loss and, at once, its
-    rows of the gradient of hidden and its share of the gradient of weight. One buffer serves
-    every chunk, overwritten in place (logits, log-softmax, gradient): on a CPU, fresh memory for
-    each would cost a page fault per 4 KiB of it, several times per chunk. The matmuls run in the
-    dtype of hidden and weight (the wrapper casts them to autocast's), rounded where autocast's
-    F.linear rounds: the logits and the gradient of hidden in that dtype, the gradient of weight,
-    a sum over all positions, accumulated in fp32 and rounded once, as one matmul over all
-    positions would be. z_loss = w adds the gradient of w * mean (log Z)^2, its log Z the target's
-    logit minus its log-probability; the value returned is the cross-entropy alone.
-
-    Saved for backward: the two gradients (hidden's (N, d), weight's (vocab, d)), which backward
-    only scales by the gradient of the loss; nothing of size N * vocab survives the forward.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, z_loss, chunk, needs_grad):
-        N, dtype, device = hidden.size(0), hidden.dtype, hidden.device
-        with torch.autocast(device.type, enabled=False):  # the dtypes are already chosen
-            buffer = torch.empty(min(chunk, N), weight.size(0), device=device)  # (C, vocab) fp32
-            loss = torch.zeros((), device=device)
-            grad_hidden = torch.empty_like(hidden) if needs_grad else None
-            grad_weight = torch.zeros(weight.shape, device=device) if needs_grad else None
-            for start in range(0, N, chunk):
-                rows = slice(start, start + chunk)
-                h, t = hidden[rows], targets[rows, None]                     # (C, d), (C, 1)
-                logits = buffer[:h.size(0)]                                  # (C, vocab) fp32
-                if dtype == torch.float32:
-                    torch.mm(h, weight.t(), out=logits)
-                else:
-                    logits.copy_(h @ weight.t())                             # rounded to dtype
-                target_logit = logits.gather(1, t)                           # (C, 1)
-                logp = torch.log_softmax(logits, dim=-1, out=logits)         # in place
-                target_logp = logp.gather(1, t)                              # (C, 1)
-                loss = loss - target_logp.sum()
-                if not needs_grad:
-                    continue
-                # d/dlogits of (CE + z_loss * (log Z)^2) / N: (softmax (1 + 2 z_loss log Z) - onehot) / N
-                log_z = target_logit - target_logp                           # (C, 1)
-                scale = (1 + 2 * z_loss * log_z) / N if z_loss else 1 / N
-                grad = logp.exp_().mul_(scale).scatter_add_(1, t, logp.new_full(t.shape, -1 / N))
-                grad = grad.to(dtype)
-                torch.mm(grad, weight, out=grad_hidden[rows])                # (C, d)
-                grad_weight.addmm_(grad.t().float(), h.float())  # exact products: bf16 fits fp32
-        if needs_grad:
-            ctx.save_for_backward(grad_hidden, grad_weight.to(dtype))
-        return loss / N
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None
-
-
-def linear_cross_entropy(hidden, weight, targets, z_loss=0.0):
-    """F.cross_entropy(hidden @ weight.T, targets) of hidden (..., d) and targets (...), without
-    the logits: see LinearCrossEntropy. Under autocast the matmuls run in its dtype, as
-    F.linear's would; z_loss = w puts w * mean (log Z)^2 into the gradient, not the value."""
-    dtype = compute_dtype(hidden)
-    hidden, weight = hidden.reshape(-1, hidden.size(-1)).to(dtype), weight.to(dtype)  # (N, d)
-    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return LinearCrossEntropy.apply(hidden, weight, targets.reshape(-1), float(z_loss),
-                                    head_chunk(weight.size(0), hidden.device), needs_grad)
-
-
-class LMHead(nn.Linear):
-    """The projection to the vocabulary. Called, the logits; loss(), the cross-entropy alone."""
-
-    def __init__(self, config):
-        super().__init__(config.n_embd, config.vocab_size, bias=False)
-
-    def loss(self, hidden, targets, z_loss=0.0):
-        return linear_cross_entropy(hidden, self.weight, targets, z_loss)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -480,23 +474,18 @@ class GPT(nn.Module):
                     module.read_mix_scale.fill_(0.01)
                     module.write_scale.fill_(0.01)
 
-    def forward(self, idx, targets=None, logits=True, z_loss=0.0):
+    def forward(self, idx, targets=None, loss_fn=None):
         """(logits, loss) of tokens idx (B, T): the logits (B, T, vocab) in fp32 and, with targets
-        (B, T), the mean cross-entropy. logits=False, for training and validation, returns (None,
-        loss), the loss computed a chunk of positions at a time: the B * T * vocab logits never
-        exist. z_loss = w adds w * mean (log Z)^2 (PaLM's z-loss, arXiv:2204.02311, section 5) to
-        what backward differentiates, not to the value, which stays the cross-entropy."""
+        (B, T), the mean cross-entropy. loss_fn(hidden, weight, targets), for training and
+        validation (head.linear_cross_entropy), computes the loss from the final hidden states and
+        the LM head's weight without the B * T * vocab logits: then (None, loss)."""
         h = self.hidden(idx)                                         # (B, T, d)
-        if not logits:
-            return None, self.lm_head.loss(h, targets, z_loss)
+        if loss_fn is not None:
+            return None, self.lm_head.loss(h, targets, loss_fn)
         logits = self.lm_head(h).float()                             # (B, T, vocab)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-        if z_loss:
-            z = squared_log_z(logits)
-            loss = loss + z_loss * (z - z.detach())  # the penalty's gradient; its value is 0
-        return logits, loss
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
     def hidden(self, idx, visit=None, cache=None):
         """The final normed hidden state (B, T, d) of tokens idx (B, T).
@@ -512,17 +501,17 @@ class GPT(nn.Module):
         rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T])  # its positions
         x = self.embed(idx)                                          # (B, T, d): source s_0
         c = self.config
-        if c.routed and not c.delta:
-            x = self.routed(x, rope, self.new_history(visit), cache)
-        elif c.delta:
-            x = self.delta_routed(x, rope, self.new_history(visit), cache)
+        if c.delta:
+            x = self.forward_delta(x, rope, self.new_history(visit), cache)
+        elif c.routed:
+            x = self.forward_routed(x, rope, self.new_history(visit), cache)
         elif c.residual == "hyper":
-            x = self.hyper_connected(x, rope, cache)
+            x = self.forward_hyper(x, rope, cache)
         else:
-            x = self.baseline(x, rope, cache)
+            x = self.forward_baseline(x, rope, cache)
         return self.norm(x)
 
-    def routed(self, x, rope, history, cache=None):
+    def forward_routed(self, x, rope, history, cache=None):
         """The routed Transformer (attnres, mhar): each sublayer reads a route over the raw outputs
         before it and appends its own; the final site reads all 2L + 1 sources."""
         history.append(x.to(compute_dtype(x)))  # s_0, stored as the sublayer outputs (bf16 on GPUs)
@@ -539,48 +528,26 @@ class GPT(nn.Module):
         return self.layers[j](x, rope, cache)
 
     def new_history(self, visit=None):
-        """An empty depth history for one forward pass: readable, or with config.fused the Triton
-        kernels of kernel.py; visit(V, q, g), for analysis, sees each read of a readable one."""
+        """An empty depth history for one forward pass: readable, or with config.fused routed by
+        kernel.py's Triton kernels; visit(V, q, g), for analysis, sees each read of a readable one."""
         c = self.config
         # q / tau: dividing a site's logits by the temperature tau is routing with the query q / tau,
-        # in every history below (readable, block, delta, fused) with no change to any of them
+        # in every history (readable, block, delta, fused) with no change to any of them
         queries = [site.query / c.route_temperature if c.route_temperature != 1 else site.query
                    for site in self.sites]                           # q of each site, (d,)
         norms = [site.norm_weight for site in self.sites]            # g of each site, (d,)
-        args = (queries, norms, c.depth_heads, c.norm_eps)
-        if c.delta:
-            history = DeltaHistory(*args, block=c.route_block, null=self.null)
-        elif c.route_block > 1:
-            history = BlockHistory(*args, block=c.route_block)
-        else:
-            history = DepthHistory(*args)
+        history = depth_history(queries, norms, c.depth_heads, c.norm_eps, c.route_block, self.null)
         if visit is not None:
             return VisitedHistory(history, visit)
-        if not c.fused:
-            return history
-        import kernel
-        return kernel.FusedHistory(*args, block=c.route_block, group=c.fused_group,
-                                   null=self.null if c.delta else None)
+        if c.fused:
+            import kernel
+            return kernel.FusedHistory(history, group=c.fused_group)
+        return history
 
     # ------------------------------------------------------------------------------------------
-    # The other residual modes: the baseline, hyper-connections, delta routing.
+    # The other residual modes: delta routing, the baseline, hyper-connections.
 
-    def baseline(self, x, rope, cache=None):
-        """The pre-norm residual stream: x = x + f(RMSNorm(x)) after every sublayer."""
-        for j in range(len(self.layers)):
-            x = x + self.sublayer(j, x, rope, cache)
-        return x
-
-    def hyper_connected(self, x, rope, cache=None):
-        """n residual streams, each starting as s_0; every sublayer reads, mixes and writes them."""
-        streams = x.unsqueeze(2).repeat(1, 1, self.config.hc_streams, 1)  # (B, T, n, d)
-        for j, connection in enumerate(self.connections):
-            streams = connection(streams, lambda h: self.sublayer(j, h, rope, cache))
-        # Zhu et al. sum the streams; the final RMSNorm removes that factor n up to its eps, and the
-        # mean removes it exactly, so the network starts as exactly the baseline
-        return streams.mean(2)
-
-    def delta_routed(self, x, rope, history, cache=None):
+    def forward_delta(self, x, rope, history, cache=None):
         """Delta routing: the baseline's residual x plus a gated route over [null, D_0, D_1..]."""
         history.append(x.to(compute_dtype(x)))   # D_0 = s_0, stored as the block deltas (bf16 on GPUs)
         for j, site in enumerate(self.sites[:-1]):
@@ -589,8 +556,23 @@ class GPT(nn.Module):
             x = x + y
         return x + self.sites[-1].gate * history.read(len(self.layers))
 
+    def forward_baseline(self, x, rope, cache=None):
+        """The pre-norm residual stream: x = x + f(RMSNorm(x)) after every sublayer."""
+        for j in range(len(self.layers)):
+            x = x + self.sublayer(j, x, rope, cache)
+        return x
+
+    def forward_hyper(self, x, rope, cache=None):
+        """n residual streams, each starting as s_0; every sublayer reads, mixes and writes them."""
+        streams = x.unsqueeze(2).repeat(1, 1, self.config.hc_streams, 1)  # (B, T, n, d)
+        for j, connection in enumerate(self.connections):
+            streams = connection(streams, lambda h: self.sublayer(j, h, rope, cache))
+        # Zhu et al. sum the streams; the final RMSNorm removes that factor n up to its eps, and the
+        # mean removes it exactly, so the network starts as exactly the baseline
+        return streams.mean(2)
+
     # ------------------------------------------------------------------------------------------
-    # Analysis and checkpoints.
+    # Analysis and conversion.
 
     @torch.no_grad()
     def routing_weights(self, idx):
@@ -695,26 +677,9 @@ class GPT(nn.Module):
     def site_sources(self, j):
         """How many sources site j reads: j + 1 with full routing; with blocks of S, b_0 and the
         completed blocks, plus the current block's partial sum once it has begun; with delta
-        routing, the null source, D_0 and the completed blocks only."""
-        S = self.config.route_block
-        if self.config.delta:
-            return 2 + j // S
-        return 1 + j // S + (j % S > 0)
-
-    # Dense bf16 tensor-core peaks (vendor datasheets), by the exact name torch.cuda.get_device_name()
-    # gives; unknown devices get no MFU, not a wrong one (an H100 PCIe peaks at 756 TFLOPS, an NVL
-    # at 835: a name that merely contains "H100" is not enough).
-    PEAK_FLOPS = {"NVIDIA H100 80GB HBM3": 989e12,          # H100 SXM5
-                  "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
-                  "NVIDIA H200": 989e12, "NVIDIA B200": 2250e12,
-                  "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12,
-                  "NVIDIA A100-PCIE-40GB": 312e12, "NVIDIA A100 80GB PCIe": 312e12}
-
-    def estimate_mfu(self, tokens_per_s, device_name):
-        """Model FLOPs utilization at a throughput, on a device named as by
-        torch.cuda.get_device_name(); None for a device not in PEAK_FLOPS."""
-        peak = self.PEAK_FLOPS.get(device_name)
-        return None if peak is None else self.flops_per_token() * tokens_per_s / peak
+        routing, the null source, D_0 and the completed blocks only (the histories' reads)."""
+        committed, partial = depth_history([], [], 0, 0.0, self.config.route_block, self.null).reads(j)
+        return committed + partial
 
     def param_groups(self):
         """Parameters by role: {"embedding", "matrices", "norms", "routing"}, each in exactly one.
@@ -738,68 +703,6 @@ class GPT(nn.Module):
                   for name, ps in self.param_groups().items() if ps]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps,
                                  fused=device_type == "cuda")
-
-    # ------------------------------------------------------------------------------------------
-    # Hugging Face checkpoints: the mapping lives in hf.py (it needs safetensors, never transformers).
-
-    @classmethod
-    def from_pretrained(cls, path, **overrides):
-        """A Hugging Face Qwen3 directory (or hub id, or this project's export) as a GPT: the
-        baseline, or with residual="mhar" (route_heads, route_block) delta routing that starts as
-        it exactly; dtype=torch.bfloat16 builds it in bf16. See hf.load."""
-        import hf
-        return hf.load(path, **overrides)
-
-    def save_pretrained(self, directory, **options):
-        """Write a Hugging Face directory: a baseline as a Qwen3 checkpoint transformers loads, a
-        routed model with its code (this file and an adapter), which transformers runs with
-        trust_remote_code=True; from_pretrained reads both. See hf.save."""
-        import hf
-        return hf.save(self, directory, **options)
-
-
-# ----------------------------------------------------------------------------------------------
-# Block routing (Block AttnRes, Kimi Team, 2026): the history holds block sums.
-
-class BlockHistory(DepthHistory):
-    """Block routing with blocks of S sublayers: b_0 = s_0, then b_n = the sum of the outputs of the
-    S sublayers of block n. A site reads the completed blocks, plus the current block's partial sum
-    once it has begun; S = 1 is full routing."""
-
-    def __init__(self, queries, norms, heads, eps, block):
-        super().__init__(queries, norms, heads, eps)                 # self.sources: b_0, b_1, ...
-        self.block = block
-        self.partial, self.in_block = None, 0          # the current block's sum, how many it holds
-
-    def append(self, source):
-        if not self.sources:
-            self.sources.append(source)                              # b_0 = s_0, the embedding
-            return
-        self.partial = source if self.partial is None else self.partial + source
-        self.in_block += 1
-        if self.in_block == self.block:                              # the block is complete
-            self.sources.append(self.partial)
-            self.partial, self.in_block = None, 0
-
-    def stack(self):
-        partial = [] if self.partial is None else [self.partial]
-        return torch.stack(self.sources + partial)                   # (N, B, T, d)
-
-
-# ----------------------------------------------------------------------------------------------
-# Delta routing: a learnable null source and the completed block deltas.
-
-class DeltaHistory(BlockHistory):
-    """Delta routing reads [null, D_0, D_1, ...]: the null source and the completed blocks only (the
-    current block's partial sum is already in the residual stream x)."""
-
-    def __init__(self, queries, norms, heads, eps, block, null):
-        super().__init__(queries, norms, heads, eps, block)
-        self.null = null                                             # (d,), learnable, zero at init
-
-    def stack(self):
-        null = self.null.to(self.sources[0].dtype).expand_as(self.sources[0])  # (B, T, d)
-        return torch.stack([null, *self.sources])                    # (N, B, T, d)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -838,20 +741,3 @@ class HyperConnection(nn.Module):
         write = self.static_write + self.write_scale * dynamic_write              # (B, T, n)
         y = sublayer(torch.einsum("btn,btnd->btd", read, streams))                # (B, T, d)
         return torch.einsum("btik,btid->btkd", mix, streams) + write.unsqueeze(-1) * y.unsqueeze(2)
-
-
-# ----------------------------------------------------------------------------------------------
-# Analysis: seeing every read of a readable history.
-
-class VisitedHistory:
-    """A readable history that shows visit(V, q, g) each site's sources and parameters first."""
-
-    def __init__(self, history, visit):
-        self.history, self.visit = history, visit
-
-    def append(self, source):
-        self.history.append(source)
-
-    def read(self, site):
-        self.visit(self.history.stack(), self.history.queries[site], self.history.norms[site])
-        return self.history.read(site)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import eval
+import head
 import mhar
 import prepare
 from common import UserError
@@ -141,7 +142,7 @@ def run(tmp_path_factory):
 
     output = folder / "results.json"
     with pytest.MonkeyPatch.context() as patch:  # the head's chunks: 5 positions, several a batch
-        patch.setitem(mhar.HEAD_CHUNK_BYTES, "cpu", 4 * config.vocab_size * 5)
+        patch.setitem(head.HEAD_CHUNK_BYTES, "cpu", 4 * config.vocab_size * 5)
         eval.main(["--ckpt", str(folder), "--tasks", "tiny_choice,tiny_next,tiny_text",
                    "--include_path", str(folder), "--batch_size", str(BATCH), "--output",
                    str(output), "--log_samples", "--device", "cpu"])

@@ -1,15 +1,17 @@
-"""The LM head without the whole logits (mhar.linear_cross_entropy, GPT.forward(logits=False)):
+"""The LM head without the whole logits (head.linear_cross_entropy, GPT.forward(loss_fn=...)):
 the loss and every gradient against the full-logits F.cross_entropy, with and without the z-loss,
 tied and untied, in fp32 and under CPU bf16 autocast, compiled; chunks forced small, so that every
 case runs several of them and a ragged last one. What the chunked path never allocates, and the
 last-position logits of generation."""
 import contextlib
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import head
 import mhar
 from helpers import rel_err, tiny
 
@@ -22,7 +24,7 @@ TIED = pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     """A chunk budget of CHUNK positions of the tests' vocabulary (128)."""
-    monkeypatch.setitem(mhar.HEAD_CHUNK_BYTES, "cpu", 4 * 128 * CHUNK)
+    monkeypatch.setitem(head.HEAD_CHUNK_BYTES, "cpu", 4 * 128 * CHUNK)
 
 
 def routed_model(tied):
@@ -51,17 +53,18 @@ def loss_and_grads(model, step):
 
 
 def reference(z_loss, x, y):
-    """The full logits through F.cross_entropy, plus z_loss * mhar.squared_log_z(logits) to differentiate."""
+    """The full logits through F.cross_entropy, plus z_loss * head.squared_log_z(logits) to differentiate."""
     def step(model):
         logits, _ = model(x)                                         # (B, T, vocab) fp32
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        return loss, loss + z_loss * mhar.squared_log_z(logits) if z_loss else loss
+        return loss, loss + z_loss * head.squared_log_z(logits) if z_loss else loss
     return step
 
 
 def chunked(z_loss, x, y, model_call=None):
     def step(model):
-        _, loss = (model if model_call is None else model_call)(x, y, logits=False, z_loss=z_loss)
+        loss_fn = functools.partial(head.linear_cross_entropy, z_loss=z_loss)
+        _, loss = (model if model_call is None else model_call)(x, y, loss_fn=loss_fn)
         return loss, loss
     return step
 
@@ -81,13 +84,14 @@ def test_the_loss_and_every_gradient_are_the_full_logits_ones_fp32(tied, z_loss)
     assert rel_err(loss, ref_loss) < 1e-6
     assert_equal_grads(grads, ref_grads, rel=1e-5)
     assert model.lm_head.weight.grad.abs().sum() > 0 and model.sites[-1].query.grad.abs().sum() > 0
-    # the full-logits path of forward: the same value and gradient
+    # the full-logits path of forward (no z-loss there): the same value, and gradient without it
     def full_path(model):
-        _, loss = model(x, y, z_loss=z_loss)
+        _, loss = model(x, y)
         return loss, loss
     full_loss, full_grads = loss_and_grads(model, full_path)
     assert full_loss == ref_loss
-    assert_equal_grads(full_grads, ref_grads, rel=1e-6)
+    if not z_loss:
+        assert_equal_grads(full_grads, ref_grads, rel=1e-6)
 
 
 @TIED
@@ -133,10 +137,10 @@ def test_hidden_and_weight_gradients_scaled_and_accumulated(dtype, z_loss):
     def full(h, t):
         logits = F.linear(h, weight).float()
         loss = F.cross_entropy(logits, t)
-        return loss, loss + z_loss * mhar.squared_log_z(logits)
+        return loss, loss + z_loss * head.squared_log_z(logits)
 
     def fused(h, t):
-        loss = mhar.linear_cross_entropy(h, weight, t, z_loss)
+        loss = head.linear_cross_entropy(h, weight, t, z_loss)
         return loss, loss
 
     for got, want in zip(run(fused), run(full)):
@@ -144,7 +148,7 @@ def test_hidden_and_weight_gradients_scaled_and_accumulated(dtype, z_loss):
 
 
 def test_the_training_path_compiles_in_one_graph():
-    """torch.compile(fullgraph=True) of forward(logits=False), as train.py --compile calls it."""
+    """torch.compile(fullgraph=True) of forward(loss_fn=...), as train.py --compile calls it."""
     model, (x, y) = routed_model(tied=True), batch()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     loss, grads = loss_and_grads(model, chunked(1e-2, x, y, model_call=compiled))
@@ -198,7 +202,7 @@ def test_no_operator_of_a_chunked_step_returns_the_whole_logits(logits, grad):
 @contextlib.contextmanager
 def mhar_budget(budget):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(mhar.HEAD_CHUNK_BYTES, "cpu", budget)
+        mp.setitem(head.HEAD_CHUNK_BYTES, "cpu", budget)
         yield
 
 
@@ -208,7 +212,7 @@ def mhar_budget(budget):
     ids=["cpu-gpt2", "cpu-qwen3", "cpu-huge", "mps-gpt2", "cuda-gpt2", "cuda-qwen3"])
 def test_the_chunk_is_the_budget_over_a_row_of_fp32_logits(device, vocab, chunk, monkeypatch):
     monkeypatch.setattr(mhar, "HEAD_CHUNK_BYTES", {"cpu": 128 << 20, "cuda": 1 << 30})
-    assert mhar.head_chunk(vocab, torch.device(device)) == chunk
+    assert head.head_chunk(vocab, torch.device(device)) == chunk
 
 
 def test_generation_runs_the_head_on_the_last_position_alone():
@@ -234,6 +238,6 @@ def test_the_training_path_compiles_with_dynamic_shapes():
 def test_z_loss_is_the_squared_log_partition():
     logits = torch.randn(2, 3, 7)
     expected = (torch.logsumexp(logits, -1) ** 2).mean().item()
-    assert mhar.squared_log_z(logits).item() == pytest.approx(expected)
+    assert head.squared_log_z(logits).item() == pytest.approx(expected)
     uniform = torch.full((1, 4), -torch.tensor(4.0).log().item())               # Z = 1
-    assert mhar.squared_log_z(uniform).item() == pytest.approx(0.0, abs=1e-12)
+    assert head.squared_log_z(uniform).item() == pytest.approx(0.0, abs=1e-12)

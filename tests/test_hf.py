@@ -81,7 +81,7 @@ def test_the_tiny_checkpoints_are_what_they_say(qwen3):
 @pytest.mark.parametrize("name", QWEN3S)
 def test_from_pretrained_gives_transformers_logits(qwen3, name):
     directory, reference = qwen3[name]
-    model = GPT.from_pretrained(directory)
+    model = hf.load(directory)
     idx = tokens()
     assert rel_err(logits_of(model, idx), logits_of(reference, idx)) < 1e-5
     assert model.config.tie_embeddings == QWEN3S[name].get("tied")
@@ -92,7 +92,7 @@ def test_from_pretrained_in_bf16_is_as_close_as_transformers_bf16(qwen3):
     directory, reference = qwen3["untied-hd32"]
     idx = tokens(T=48)
     truth = logits_of(reference, idx)                                          # float32
-    ours = GPT.from_pretrained(directory, dtype=torch.bfloat16)
+    ours = hf.load(directory, dtype=torch.bfloat16)
     theirs = transformers.Qwen3ForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval()
     assert ours.embed.weight.dtype == torch.bfloat16
     error, their_error = rel_err(logits_of(ours, idx), truth), rel_err(logits_of(theirs, idx), truth)
@@ -103,7 +103,7 @@ def test_a_transformers_4_config_reads_the_same(qwen3, tmp_path):
     """transformers 4.x wrote rope_theta at the top level, rope_scaling null (Qwen3-0.6B's)."""
     directory, reference = qwen3["untied-hd32"]
     copy = edited(directory, tmp_path, drop=["rope_parameters"], rope_theta=1e6, rope_scaling=None)
-    model = GPT.from_pretrained(copy)
+    model = hf.load(copy)
     assert model.config.rope_theta == 1e6
     assert rel_err(logits_of(model, tokens()), logits_of(reference, tokens())) < 1e-5
 
@@ -115,7 +115,7 @@ def test_a_config_without_tie_word_embeddings_reads_as_transformers_reads_it(qwe
     copy = edited(directory, tmp_path, drop=["tie_word_embeddings"])
     assert "tie_word_embeddings" not in json.loads((copy / "config.json").read_text())
     theirs = transformers.Qwen3ForCausalLM.from_pretrained(copy, dtype=torch.float32).eval()
-    ours = GPT.from_pretrained(copy)
+    ours = hf.load(copy)
     assert ours.config.tie_embeddings == theirs.config.tie_word_embeddings
     assert rel_err(logits_of(ours, tokens()), logits_of(theirs, tokens())) < 1e-5
 
@@ -128,7 +128,7 @@ def test_a_tied_checkpoint_that_stores_its_lm_head_too_loads(qwen3, tmp_path):
     tensors = load_file(directory / "model.safetensors")
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, copy / "model.safetensors")
-    ours = GPT.from_pretrained(copy)
+    ours = hf.load(copy)
     assert rel_err(logits_of(ours, tokens()), logits_of(reference, tokens())) < 1e-5
 
 
@@ -145,7 +145,7 @@ def test_a_tied_checkpoint_that_stores_its_lm_head_too_loads(qwen3, tmp_path):
 ], ids=["llama", "classifier", "gelu", "bias", "sliding", "layer-types", "yarn", "linear-4.x", "fp8"])
 def test_an_unmappable_config_is_one_clear_error(qwen3, tmp_path, changes, field):
     with pytest.raises(CheckpointError) as error:
-        GPT.from_pretrained(edited(qwen3["tied"][0], tmp_path, **changes))
+        hf.load(edited(qwen3["tied"][0], tmp_path, **changes))
     message = str(error.value)
     assert "\n" not in message and f": {field} = " in message and "cannot be mapped" in message
 
@@ -154,37 +154,37 @@ def test_tensors_that_do_not_fit_the_config_are_one_clear_error(qwen3, tmp_path)
     from safetensors.torch import load_file, save_file
     directory = qwen3["untied-hd32"][0]
     with pytest.raises(CheckpointError, match="has shape"):  # another head width than the tensors'
-        GPT.from_pretrained(edited(directory, tmp_path / "a", head_dim=16))
+        hf.load(edited(directory, tmp_path / "a", head_dim=16))
     tensors = load_file(directory / "model.safetensors")
     copy = edited(directory, tmp_path / "b")
     bias = {"model.layers.0.self_attn.q_proj.bias": torch.zeros(128)}
     save_file({**tensors, **bias}, copy / "model.safetensors")
     with pytest.raises(CheckpointError, match="no place for model.layers.0.self_attn.q_proj.bias"):
-        GPT.from_pretrained(copy)
+        hf.load(copy)
     del tensors["model.norm.weight"]
     save_file(tensors, copy / "model.safetensors")
     with pytest.raises(CheckpointError, match="missing model.norm.weight"):
-        GPT.from_pretrained(copy)
+        hf.load(copy)
     with pytest.raises(CheckpointError, match="is not a directory"):
-        GPT.from_pretrained(tmp_path / "nowhere")
+        hf.load(tmp_path / "nowhere")
 
 
 def test_overrides(qwen3, tmp_path):
     directory = qwen3["tied"][0]
-    assert GPT.from_pretrained(directory).config.seq_len == 64                # max_position_embeddings
-    assert GPT.from_pretrained(directory, seq_len=16).config.seq_len == 16
+    assert hf.load(directory).config.seq_len == 64                # max_position_embeddings
+    assert hf.load(directory, seq_len=16).config.seq_len == 16
     with pytest.raises(ValueError, match="n_embd=32, but .* fixes it at 64"):
-        GPT.from_pretrained(directory, n_embd=32)
+        hf.load(directory, n_embd=32)
     with pytest.raises(ValueError, match="delta=True"):
-        GPT.from_pretrained(directory, residual="mhar", delta=False)
+        hf.load(directory, residual="mhar", delta=False)
     with pytest.raises(ValueError, match="no field 'layers'"):
-        GPT.from_pretrained(directory, layers=3)
+        hf.load(directory, layers=3)
     with pytest.raises(ValueError, match="dtype 'fp8' is not one of float32, bfloat16, float16"):
-        GPT.from_pretrained(directory, dtype="fp8")
-    GPT.from_pretrained(directory, residual="mhar", route_heads=2).save_pretrained(tmp_path)
-    assert GPT.from_pretrained(tmp_path, residual="mhar", seq_len=8).config.depth_heads == 2
+        hf.load(directory, dtype="fp8")
+    hf.save(hf.load(directory, residual="mhar", route_heads=2), tmp_path)
+    assert hf.load(tmp_path, residual="mhar", seq_len=8).config.depth_heads == 2
     with pytest.raises(ValueError, match="keeps its routing"):
-        GPT.from_pretrained(tmp_path, route_heads=4)
+        hf.load(tmp_path, route_heads=4)
 
 
 def test_a_hub_id_is_fetched_only_when_no_such_directory_exists(qwen3, monkeypatch, tmp_path):
@@ -199,16 +199,16 @@ def test_a_hub_id_is_fetched_only_when_no_such_directory_exists(qwen3, monkeypat
     hub = types.SimpleNamespace(snapshot_download=snapshot_download)
     monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
     monkeypatch.chdir(tmp_path)
-    assert GPT.from_pretrained("Qwen/Qwen3-Tiny").config.n_embd == 64
+    assert hf.load("Qwen/Qwen3-Tiny").config.n_embd == 64
     with pytest.raises(CheckpointError, match="hf download offline/model --local-dir"):
-        GPT.from_pretrained("offline/model")
+        hf.load("offline/model")
     (tmp_path / "Qwen" / "local").mkdir(parents=True)     # a local directory: never the hub
     with pytest.raises(CheckpointError, match="cannot read Qwen/local/config.json"):
-        GPT.from_pretrained("Qwen/local")
+        hf.load("Qwen/local")
     assert calls == ["Qwen/Qwen3-Tiny", "offline/model"]
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
     with pytest.raises(CheckpointError, match="pip install huggingface_hub"):
-        GPT.from_pretrained("Qwen/Qwen3-Tiny")
+        hf.load("Qwen/Qwen3-Tiny")
 
 
 def test_the_scripts_import_without_the_optional_packages(qwen3):
@@ -220,7 +220,7 @@ for name in ("transformers", "tokenizers", "safetensors", "huggingface_hub"):
     sys.modules[name] = None  # `import name` raises ImportError
 import mhar, train, sample, hf, export
 try:
-    mhar.GPT.from_pretrained({str(qwen3['tied'][0])!r})
+    hf.load({str(qwen3['tied'][0])!r})
 except hf.CheckpointError as e:
     print(e)
 """
@@ -238,10 +238,10 @@ except hf.CheckpointError as e:
                          ids=["H1-S1", "H2-S2", "H8-S3", "H4-S8"])
 def test_conversion_gives_the_baseline_logits_exactly(qwen3, name, route_heads, route_block):
     directory = qwen3[name][0]
-    baseline = GPT.from_pretrained(directory)
+    baseline = hf.load(directory)
     routing = dict(residual="attnres") if route_heads == 1 else dict(residual="mhar",
                                                                      route_heads=route_heads)
-    converted = GPT.from_pretrained(directory, route_block=route_block, **routing)
+    converted = hf.load(directory, route_block=route_block, **routing)
     assert converted.config.delta and converted.config.depth_heads == route_heads
     idx = tokens()
     assert (logits_of(converted, idx) - logits_of(baseline, idx)).abs().max().item() == 0.0
@@ -249,8 +249,8 @@ def test_conversion_gives_the_baseline_logits_exactly(qwen3, name, route_heads, 
 
 def test_conversion_in_bf16_is_exact_too(qwen3):
     directory = qwen3["untied-hd32"][0]
-    baseline = GPT.from_pretrained(directory, dtype="bfloat16")
-    converted = GPT.from_pretrained(directory, dtype="bfloat16", residual="mhar", route_heads=8,
+    baseline = hf.load(directory, dtype="bfloat16")
+    converted = hf.load(directory, dtype="bfloat16", residual="mhar", route_heads=8,
                                     route_block=8)
     assert converted.sites[0].gate.dtype == torch.bfloat16
     assert torch.equal(logits_of(converted, tokens()), logits_of(baseline, tokens()))
@@ -262,13 +262,13 @@ def test_conversion_in_bf16_is_exact_too(qwen3):
 @pytest.mark.parametrize("name", QWEN3S)
 def test_a_baseline_exports_to_transformers(qwen3, name, tmp_path):
     directory, reference = qwen3[name]
-    model = GPT.from_pretrained(directory, seq_len=32)
-    model.save_pretrained(tmp_path / "out")
+    model = hf.load(directory, seq_len=32)
+    hf.save(model, tmp_path / "out")
     loaded = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "out").eval()
     idx = tokens()
     assert torch.equal(logits_of(loaded, idx), logits_of(reference, idx))
     assert loaded.config.max_position_embeddings == 64  # not the shorter seq_len it was loaded with
-    assert torch.equal(logits_of(GPT.from_pretrained(tmp_path / "out"), idx), logits_of(model, idx))
+    assert torch.equal(logits_of(hf.load(tmp_path / "out"), idx), logits_of(model, idx))
 
 
 def test_a_model_trained_here_exports_to_transformers(tmp_path):
@@ -277,7 +277,7 @@ def test_a_model_trained_here_exports_to_transformers(tmp_path):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(tmp_path, dtype="float32")
+    hf.save(model, tmp_path, dtype="float32")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     idx = torch.randint(0, 128, (2, 32))
     assert rel_err(logits_of(loaded, idx), logits_of(model, idx)) < 1e-5
@@ -287,20 +287,20 @@ def test_a_model_trained_here_exports_to_transformers(tmp_path):
 def test_a_routed_model_round_trips_and_transformers_asks_to_trust_its_code(qwen3, kind, tmp_path):
     torch.manual_seed(0)
     if kind == "converted-mhar":
-        model = GPT.from_pretrained(qwen3["untied-hd32"][0], residual="mhar", route_heads=8,
+        model = hf.load(qwen3["untied-hd32"][0], residual="mhar", route_heads=8,
                                     route_block=4)
     else:
         name, _, tau = kind.partition("-T")   # attnres-T4: at route_temperature 4
         residual, _, block = name.partition("-S")
         model = GPT(tiny(residual, route_block=int(block or 1), route_temperature=float(tau or 1)))
     open_routing(model)
-    model.save_pretrained(tmp_path)
+    hf.save(model, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == "mhar" and config["mhar"]["residual"] == model.config.residual
     assert config["auto_map"] == hf.AUTO_MAP and config["architectures"] == ["MHARForCausalLM"]
     for name in hf.REMOTE_CODE:  # the adapter and the model, as in the repository
         assert (tmp_path / name).read_bytes() == (ROOT / name).read_bytes()
-    loaded = GPT.from_pretrained(tmp_path)
+    loaded = hf.load(tmp_path)
     assert loaded.config == model.config
     pairs = zip(loaded.state_dict().values(), model.state_dict().values())
     assert all(torch.equal(a, b) for a, b in pairs)
@@ -319,7 +319,7 @@ def write_earlier_export(model, directory):
     the routing alone in its "mhar" section, Qwen3's names and "mhar.<name>" in
     mhar.safetensors."""
     from safetensors.torch import save_file
-    model.save_pretrained(directory)
+    hf.save(model, directory)
     config = json.loads((directory / "config.json").read_text())
     del config["auto_map"], config["use_cache"]
     config["mhar"] = {k: config["mhar"][k] for k in hf.ROUTING}
@@ -333,11 +333,11 @@ def write_earlier_export(model, directory):
 
 
 def test_an_earlier_export_still_loads(qwen3, tmp_path):
-    model = open_routing(GPT.from_pretrained(qwen3["untied-hd32"][0], residual="mhar",
+    model = open_routing(hf.load(qwen3["untied-hd32"][0], residual="mhar",
                                              route_heads=8, route_block=4))
     write_earlier_export(model, tmp_path)
     assert hf.layout(json.loads((tmp_path / "config.json").read_text())) == "mhar"
-    loaded = GPT.from_pretrained(tmp_path)
+    loaded = hf.load(tmp_path)
     assert loaded.config == model.config
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(),
                                                  model.state_dict().values()))
@@ -345,8 +345,8 @@ def test_an_earlier_export_still_loads(qwen3, tmp_path):
 
 def test_shards_past_the_size_limit_as_transformers_writes_them(qwen3, tmp_path):
     from safetensors.torch import load_file
-    model = open_routing(GPT.from_pretrained(qwen3["tied"][0], residual="attnres"))
-    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    model = open_routing(hf.load(qwen3["tied"][0], residual="attnres"))
+    hf.save(model, tmp_path, max_shard_size="20KB")
     files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     n = len(files)
     assert n > 3 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
@@ -358,27 +358,27 @@ def test_shards_past_the_size_limit_as_transformers_writes_them(qwen3, tmp_path)
     for file in files:  # each under the limit, or a tensor larger than it alone
         tensors = load_file(tmp_path / file).values()
         assert len(tensors) == 1 or sum(t.numel() * t.element_size() for t in tensors) <= 20_000
-    assert torch.equal(logits_of(GPT.from_pretrained(tmp_path), tokens()),
+    assert torch.equal(logits_of(hf.load(tmp_path), tokens()),
                        logits_of(model, tokens()))
-    baseline = GPT.from_pretrained(qwen3["tied"][0])  # a Qwen3 in shards, as transformers reads
-    baseline.save_pretrained(tmp_path / "qwen3", max_shard_size="20KB")
+    baseline = hf.load(qwen3["tied"][0])  # a Qwen3 in shards, as transformers reads
+    hf.save(baseline, tmp_path / "qwen3", max_shard_size="20KB")
     assert (tmp_path / "qwen3" / "model.safetensors.index.json").is_file()
     theirs = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "qwen3").eval()
     assert torch.equal(logits_of(theirs, tokens()), logits_of(qwen3["tied"][1], tokens()))
-    model.save_pretrained(tmp_path)  # under the limit again: one file, no stale shard or index
+    hf.save(model, tmp_path)  # under the limit again: one file, no stale shard or index
     assert sorted(p.name for p in tmp_path.glob("model*.safetensors*")) == ["model.safetensors"]
     with pytest.raises(ValueError, match="max_shard_size '5 apples' is not a size"):
-        model.save_pretrained(tmp_path, max_shard_size="5 apples")
+        hf.save(model, tmp_path, max_shard_size="5 apples")
 
 
 def test_an_export_replaces_the_weights_and_code_of_an_earlier_one(qwen3, tmp_path):
     directory = qwen3["tied"][0]
-    write_earlier_export(open_routing(GPT.from_pretrained(directory, residual="mhar")), tmp_path)
-    GPT.from_pretrained(directory).save_pretrained(tmp_path)
+    write_earlier_export(open_routing(hf.load(directory, residual="mhar")), tmp_path)
+    hf.save(hf.load(directory), tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
-    open_routing(GPT.from_pretrained(directory, residual="mhar")).save_pretrained(tmp_path)
+    hf.save(open_routing(hf.load(directory, residual="mhar")), tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.py")) == sorted(hf.REMOTE_CODE)
-    GPT.from_pretrained(directory).save_pretrained(tmp_path)  # a plain Qwen3 again, no code
+    hf.save(hf.load(directory), tmp_path)  # a plain Qwen3 again, no code
     assert not list(tmp_path.glob("*.py"))
     assert "auto_map" not in json.loads((tmp_path / "config.json").read_text())
 
@@ -386,7 +386,7 @@ def test_an_export_replaces_the_weights_and_code_of_an_earlier_one(qwen3, tmp_pa
 def test_tokenizer_files_and_token_ids_travel_with_the_model(qwen3, tmp_path):
     source = edited(qwen3["tied"][0], tmp_path / "source", eos_token_id=7, bos_token_id=5)
     (source / "tokenizer.json").write_text('{"stand-in": true}')
-    GPT.from_pretrained(source, residual="mhar").save_pretrained(tmp_path / "out")
+    hf.save(hf.load(source, residual="mhar"), tmp_path / "out")
     assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"stand-in": true}'
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (exported["eos_token_id"], exported["bos_token_id"]) == (7, 5)
@@ -400,7 +400,7 @@ def test_midtrain_recipe_matches_the_paper_and_its_groups_decay_the_matrices_alo
     assert values["lr"] * values["min_lr_ratio"] == pytest.approx(4e-6)           # 4e-4 -> 4e-6
     assert values["route_block"] == 2 * 4                                        # 4 layers
     assert values["global_batch"] * values["seq_len"] == 1_048_576               # ~1.05M tokens
-    model = GPT.from_pretrained(qwen3["untied-hd32"][0], residual="mhar", route_block=8,
+    model = hf.load(qwen3["untied-hd32"][0], residual="mhar", route_block=8,
                                 route_heads=8)
     groups = hf.midtrain_param_groups(model, lr=4e-4)
     params = [id(p) for g in groups for p in g["params"]]
@@ -416,8 +416,8 @@ def test_a_converted_qwen3_trains_from_the_baselines_loss(qwen3):
     """Five AdamW steps with the recipe's groups on random tokens: the first loss is the
     unconverted model's, the gates open."""
     directory = qwen3["untied-hd32"][0]
-    baseline = GPT.from_pretrained(directory)
-    model = GPT.from_pretrained(directory, residual="mhar", route_block=8, route_heads=8)
+    baseline = hf.load(directory)
+    model = hf.load(directory, residual="mhar", route_block=8, route_heads=8)
     optimizer = torch.optim.AdamW(hf.midtrain_param_groups(model, lr=1e-2), betas=(0.9, 0.95))
     batches = torch.randint(0, 100, (5, 4, 33), generator=torch.Generator().manual_seed(1))
     losses = []
@@ -447,7 +447,7 @@ def write_checkpoint(path, model, **args):
 def test_export_writes_a_checkpoint_as_a_hugging_face_directory(qwen3, tmp_path, capsys, residual):
     import export
     source = qwen3["untied-hd32"][0]
-    model = GPT.from_pretrained(source, residual=residual)
+    model = hf.load(source, residual=residual)
     if residual == "mhar":
         open_routing(model)
     ckpt = write_checkpoint(tmp_path / "ckpt.pt", model, init_from=str(source))
@@ -459,7 +459,7 @@ def test_export_writes_a_checkpoint_as_a_hugging_face_directory(qwen3, tmp_path,
         assert "trust_remote_code=True" in printed
         assert "auto_map" in json.loads((tmp_path / "hf" / "config.json").read_text())
         assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
-    loaded = GPT.from_pretrained(tmp_path / "hf")
+    loaded = hf.load(tmp_path / "hf")
     assert loaded.config == model.config
     assert torch.equal(loaded.embed.weight, model.embed.weight.bfloat16().float())  # bf16 in the file
     if residual == "baseline":
@@ -580,7 +580,7 @@ for name, directory in args["dirs"].items():
                                                 dtype=torch.bfloat16).eval()
     with torch.no_grad():
         result["logits-bf16"] = bf16(idx).logits
-    model.save_pretrained(f"{directory}-resaved")  # as after fine-tuning with transformers
+    hf.save(model, f"{directory}-resaved")  # as after fine-tuning with transformers
     refused = []  # what the model cannot honour is an error, not ignored
     padded = torch.ones_like(idx)
     padded[0, 0] = 0
@@ -644,12 +644,12 @@ def fresh(qwen3, tmp_path_factory):
         recipe = dict(recipe)
         torch.manual_seed(i)
         if "qwen3" in recipe:
-            model = GPT.from_pretrained(qwen3[recipe.pop("qwen3")][0], **recipe)
+            model = hf.load(qwen3[recipe.pop("qwen3")][0], **recipe)
         else:
             model = GPT(tiny(**recipe))
         models[name], dirs[name] = open_routing(model.eval(), seed=i), root / name
         shards = {"max_shard_size": "20KB"} if "sharded" in name else {}
-        model.save_pretrained(dirs[name], source=source if i == 0 else None, **shards)
+        hf.save(model, dirs[name], source=source if i == 0 else None, **shards)
     docs = [dict(context=c, choices=[" there lived", " every clock", " the sea"], label=0)
             for c in ("Once upon a time,", "in a village between the mountains and", "old")]
     write_task(root, "tiny_choice", docs, output_type="multiple_choice", doc_to_text="{{context}}",
@@ -690,7 +690,7 @@ def test_transformers_gives_the_projects_logits_exactly(fresh, name):
 @pytest.mark.parametrize("name", ROUTED)
 def test_transformers_in_bf16_is_the_projects_bf16(fresh, name):
     truth = logits_of(fresh.models[name], tokens(T=12))
-    ours = logits_of(GPT.from_pretrained(fresh.dirs[name], dtype=torch.bfloat16), tokens(T=12))
+    ours = logits_of(hf.load(fresh.dirs[name], dtype=torch.bfloat16), tokens(T=12))
     assert rel_err(ours, truth) > 0                       # bf16 did round
     assert torch.equal(fresh.hf[name]["logits-bf16"], ours)  # the same computation, to the bit
 
@@ -742,7 +742,7 @@ def test_the_model_refuses_what_it_cannot_honour(fresh):
 def test_what_transformers_saves_loads_here(fresh, name):
     """transformers' own save_pretrained of the model (after fine-tuning with it, say) writes a
     directory GPT.from_pretrained reads: the same tensors and logits."""
-    resaved = GPT.from_pretrained(fresh.dirs[name].with_name(f"{name}-resaved"))
+    resaved = hf.load(fresh.dirs[name].with_name(f"{name}-resaved"))
     model = fresh.models[name]
     assert resaved.config == model.config.__class__(**{**dataclasses.asdict(model.config),
                                                        "seq_len": resaved.config.seq_len})

@@ -87,7 +87,7 @@ def reference_midtraining(directory, tokens, steps, lr, z, decay, warmup=2, max_
     """The recipe by hand: the converted model, AdamW over hf.midtrain_param_groups, cross-entropy
     plus z x the z-loss (the chunked head's; tests/test_head.py checks it against mhar.squared_log_z), clip
     1.0, and the weight average of every parameter, step by step."""
-    model = GPT.from_pretrained(directory, residual="mhar", route_block=8, route_heads=8,
+    model = hf.load(directory, residual="mhar", route_block=8, route_heads=8,
                                 seq_len=32)
     optimizer = torch.optim.AdamW(hf.midtrain_param_groups(model, lr, 0.05), betas=(0.9, 0.95),
                                   eps=1e-8)
@@ -202,7 +202,7 @@ def test_data_of_another_tokenizer_or_a_contradicting_shape_is_one_line(
 def test_export_writes_the_weight_average_unless_raw(midtrained, tmp_path, raw):
     import export
     export.main([str(midtrained / "ckpt.pt"), str(tmp_path / "hf")] + (["--raw"] if raw else []))
-    ckpt, back = load(midtrained), GPT.from_pretrained(tmp_path / "hf").state_dict()
+    ckpt, back = load(midtrained), hf.load(tmp_path / "hf").state_dict()
     written = ckpt["model"] if raw else ckpt["ema"]
     assert all(torch.equal(back[k], written[k]) for k in written)
     assert not torch.equal(ckpt["ema"]["embed.weight"], ckpt["model"]["embed.weight"])
