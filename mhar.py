@@ -13,10 +13,8 @@ norm weight g, over sources V = [s_0, ..., s_j]:
     out_[h]  = sum_n a[n, h] V_n,[h]                head h mixes only its slice
 
 Sublayer j reads out, and its raw output is appended as s_{j+1}; H = 1 is Attention Residuals.
-A head's logit sums d/H coordinates where AttnRes's sums all d, so at the same query MHAR's
-softmaxes are flatter: Config.route_temperature = tau divides every logit (the route with q / tau),
-the control that tells per-slice routing from a flatter softmax (tau = H: AttnRes's logit scaled
-to one head's).
+Config.route_temperature = tau divides every logit: a head's logit sums d/H coordinates, AttnRes's
+all d, and tau = H is the control that tells per-slice routing from MHAR's flatter softmaxes.
 The decoder is Qwen3-style: pre-norm, RMSNorm, rotary embeddings, grouped-query attention with
 per-head RMSNorm on queries and keys, SwiGLU MLP, no biases, no dropout, tied embeddings (by
 default), and generation with a cache of attention keys and values.
@@ -32,10 +30,9 @@ holds sums of S consecutive sublayer outputs; delta = True: the additive form fo
 trained baseline, h = x + gate * route(null, D_0, D_1, ...) on the ordinary residual x, with block
 deltas D_i and a zero gate, so that it starts as the baseline exactly.
 
-Reading order: Config; the route; the depth histories (full, block, delta); the Transformer's
-pieces; GPT, its routed forward first, then the other residual modes, analysis, generation and
-accounting; last, hyper-connections. The fused Triton routing is kernel.py (Config.fused), the
-LM head's chunked loss head.py, loading and saving Hugging Face directories hf.py.
+Reading order: Config; the route; the depth histories; the Transformer's pieces; GPT, its routed
+forward first; last, hyper-connections. Elsewhere: the Triton routing (Config.fused) in kernel.py,
+the LM head's chunked loss in head.py, Hugging Face directories in and out in hf.py.
 """
 
 from dataclasses import dataclass, replace
@@ -71,7 +68,7 @@ class Config:
     fused_group: int = 0         # fused: sites per shared read of the sources; 0 = auto, 1 = one each
     checkpointing: bool = False  # recompute each sublayer's activations in backward (saves memory)
 
-    # what routing is (a conversion chooses them anew), and how a model runs rather than what it computes
+    # what routing is (a conversion chooses it anew); how a model runs, not what it computes
     ROUTING: ClassVar = ("residual", "route_heads", "route_block", "delta", "hc_streams",
                          "query_init_std", "route_temperature")
     RUNTIME: ClassVar = ("fused", "fused_group", "checkpointing")
@@ -121,12 +118,10 @@ class Config:
         return {"attnres": 1, "mhar": self.route_heads or self.n_kv_head}.get(self.residual, 0)
 
 
-# The paper's shapes (Qwen3-style, its table of model sizes) with H = 8 routing heads, the later
-# version's choice at every scale ("We adopt H = 8 for large-scale models"); its earlier version
-# used H = n_kv_head (route_heads=0) and random queries: query_init_std=0.02, since its queries
-# are a Linear layer's weight and its weights start from N(0, 0.02^2). Three CPU-sized presets
-# keep H = n_kv_head: tiny for the tests, small for the CPU demo, small-bytes (small's Transformer
-# on a vocabulary of bytes) for CPU comparisons.
+# The paper's shapes with H = 8 routing heads, its later version's choice at every scale (its
+# earlier version: H = n_kv_head, route_heads=0, and random queries, query_init_std=0.02). The
+# CPU-sized presets keep H = n_kv_head: tiny for the tests, small for the CPU demo, small-bytes
+# (small on a vocabulary of bytes) for CPU comparisons.
 PRESETS = {
     "tiny":  Config(seq_len=64, n_layer=2, n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=192),
     "small": Config(seq_len=256, n_layer=4, n_embd=128, n_head=4, n_kv_head=2, ffn_hidden=384),
@@ -178,16 +173,15 @@ class DepthHistory:
 
     append(source) adds s_0 (the embedding), then each sublayer's raw output; read(site) routes
     over everything appended so far with the site's query queries[site] and norm weight norms[site].
-    Stacking at every site costs O(L^2) memory; kernel.py's FusedHistory wraps a history like this
-    one (its appends decide what is read) and reads the sources where they are, several sites at a
-    time.
-    """
+    Stacking costs O(L^2) memory; kernel.py's FusedHistory wraps a history (its appends decide what
+    is read) and reads the sources where they are, several sites at a time."""
     block, null = 1, None                                            # full routing
 
     def __init__(self, queries, norms, heads, eps):
         self.queries, self.norms, self.heads, self.eps = queries, norms, heads, eps
         self.sources = []                                            # s_0, s_1, ...: (B, T, d) each
         self.partial = None                                          # (block routing's)
+        self.visit = None             # for analysis: visit(V, q, g) sees every read's inputs first
 
     def append(self, source):
         self.sources.append(source)
@@ -196,7 +190,10 @@ class DepthHistory:
         return torch.stack(self.sources)                             # (N, B, T, d)
 
     def read(self, site):
-        return route(self.stack(), self.queries[site], self.norms[site], self.heads, self.eps)
+        V, q, g = self.stack(), self.queries[site], self.norms[site]
+        if self.visit is not None:
+            self.visit(V, q, g)
+        return route(V, q, g, self.heads, self.eps)
 
     def reads(self, site):
         """(committed, partial): site `site`, read right after the (site+1)-th append, reads
@@ -234,9 +231,8 @@ class BlockHistory(DepthHistory):
 
 
 class DeltaHistory(BlockHistory):
-    """Delta routing reads [null, D_0, D_1, ...]: a learnable null source (zero at init), the
-    embedding and the completed block deltas D_i = h_end - h_start, never the current block's
-    partial sum, which is already in the residual stream x."""
+    """Delta routing reads [null, D_0, D_1, ...]: a learnable null source (zero at init), s_0 and
+    the completed block deltas D_i = h_end - h_start (the current one is in the residual x)."""
 
     def __init__(self, queries, norms, heads, eps, block, null):
         super().__init__(queries, norms, heads, eps, block)
@@ -254,27 +250,12 @@ class DeltaHistory(BlockHistory):
 
 
 def depth_history(queries, norms, heads, eps, block=1, null=None):
-    """An empty readable history: full routing, Block AttnRes for block > 1, delta routing when
-    given delta's null source."""
+    """An empty readable history: full routing, Block AttnRes (block > 1), delta routing (null)."""
     if null is not None:
         return DeltaHistory(queries, norms, heads, eps, block, null)
     if block > 1:
         return BlockHistory(queries, norms, heads, eps, block)
     return DepthHistory(queries, norms, heads, eps)
-
-
-class VisitedHistory:
-    """A readable history that shows visit(V, q, g) each site's sources and parameters first."""
-
-    def __init__(self, history, visit):
-        self.history, self.visit = history, visit
-
-    def append(self, source):
-        self.history.append(source)
-
-    def read(self, site):
-        self.visit(self.history.stack(), self.history.queries[site], self.history.norms[site])
-        return self.history.read(site)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,8 +309,7 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, T, nkv, hd)).transpose(1, 2)    # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)                 # (B, nkv, T, hd)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        # causal over a prompt; one new token after cached ones sees them all (a Python bool: under
-        # torch.compile with dynamic shapes a comparison of sizes would be symbolic, which SDPA refuses)
+        # a Python bool: under torch.compile a comparison of sizes is symbolic, which SDPA refuses
         causal = cache is None or cache.length == 0
         if cache is not None:
             assert T == 1 or cache.length == 0, "a cache takes a prompt, then one token at a time"
@@ -364,7 +344,6 @@ class KVCache:
         return 0 if self.keys is None else self.keys.size(2)
 
     def extend(self, k, v):
-        """Append the keys and values of new positions; return all of them."""
         if self.keys is not None:
             k, v = torch.cat((self.keys, k), dim=2), torch.cat((self.values, v), dim=2)
         self.keys, self.values = k, v
@@ -372,9 +351,8 @@ class KVCache:
 
 
 class RouteSite(nn.Module):
-    """One routing site's parameters: the pseudo-query q (zero: routing starts as a uniform
-    average), the keys' RMSNorm weight g and, for delta routing, the gate (zero: the route is not
-    added until training opens it)."""
+    """One routing site's parameters: the pseudo-query q (zero: routing starts uniform), the keys'
+    RMSNorm weight g and, for delta routing, the gate (zero: closed until training opens it)."""
 
     def __init__(self, config):
         super().__init__()
@@ -385,8 +363,7 @@ class RouteSite(nn.Module):
 
 class LMHead(nn.Linear):
     """The projection to the vocabulary. Called, the logits; loss(hidden, targets, loss_fn), a loss
-    computed from its weight without them (head.py), as a method of this module: FSDP gathers a
-    sharded head for a method it is told of as it does for forward."""
+    from its weight without them (head.py): a method, so that FSDP can gather a sharded head."""
 
     def __init__(self, config):
         super().__init__(config.n_embd, config.vocab_size, bias=False)
@@ -408,6 +385,7 @@ ADDED_BY_RESIDUAL = ("sites.", "connections.", "null")  # names a baseline check
 # The model.
 
 class GPT(nn.Module):
+    """The decoder with config.residual's residual stream; forward(idx, targets) -> (logits, loss)."""
 
     def __init__(self, config):
         super().__init__()
@@ -419,13 +397,11 @@ class GPT(nn.Module):
         # 2L sublayers: attention, MLP, attention, MLP, ...; sublayer j's output is source s_{j+1}
         self.layers = nn.ModuleList([Attention(config) if j % 2 == 0 else MLP(config)
                                      for j in range(2 * config.n_layer)])
-        # 2L + 1 sites: one in front of each sublayer, one in front of the final norm
-        n_sites, hyper = 2 * config.n_layer + 1, config.residual == "hyper"
+        n_sites, hyper = 2 * config.n_layer + 1, config.residual == "hyper"  # 2L + 1 sites
         self.sites = nn.ModuleList([RouteSite(config) for _ in range(n_sites)]
                                    ) if config.routed else None
         self.connections = nn.ModuleList([HyperConnection(config, j) for j in range(n_sites - 1)]
                                          ) if hyper else None
-        # delta routing's null source
         self.null = nn.Parameter(torch.zeros(config.n_embd)) if config.delta else None
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
         self.lm_head = LMHead(config)
@@ -488,11 +464,9 @@ class GPT(nn.Module):
         return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
     def hidden(self, idx, visit=None, cache=None):
-        """The final normed hidden state (B, T, d) of tokens idx (B, T).
-
-        visit(V, q, g), for analysis, sees every routing site's sources and parameters. cache, when
-        generating, is one KVCache per sublayer holding the tokens before idx, which then takes
-        the positions after them."""
+        """The final normed hidden state (B, T, d) of tokens idx (B, T). visit(V, q, g), for
+        analysis, sees every routing site's sources and parameters; cache, when generating, is one
+        KVCache per sublayer holding the tokens before idx (which then take the positions after)."""
         B, T = idx.size()
         start = 0 if cache is None else cache[0].length
         if start + T > self.config.seq_len:
@@ -520,8 +494,8 @@ class GPT(nn.Module):
         return history.read(len(self.layers))
 
     def sublayer(self, j, x, rope, cache=None):
-        """Sublayer j (attention for even j, MLP for odd j) on its input x (B, T, d). With
-        config.checkpointing it keeps only x and recomputes its activations in backward."""
+        """Sublayer j (attention for even j, MLP for odd j) on its input x (B, T, d); with
+        config.checkpointing, only x is kept and the activations recomputed in backward."""
         cache = None if cache is None else cache[j]
         if self.config.checkpointing and torch.is_grad_enabled():
             return checkpoint(self.layers[j], x, rope, cache, use_reentrant=False)
@@ -538,8 +512,8 @@ class GPT(nn.Module):
         norms = [site.norm_weight for site in self.sites]            # g of each site, (d,)
         history = depth_history(queries, norms, c.depth_heads, c.norm_eps, c.route_block, self.null)
         if visit is not None:
-            return VisitedHistory(history, visit)
-        if c.fused:
+            history.visit = visit
+        elif c.fused:
             import kernel
             return kernel.FusedHistory(history, group=c.fused_group)
         return history
@@ -567,13 +541,11 @@ class GPT(nn.Module):
         streams = x.unsqueeze(2).repeat(1, 1, self.config.hc_streams, 1)  # (B, T, n, d)
         for j, connection in enumerate(self.connections):
             streams = connection(streams, lambda h: self.sublayer(j, h, rope, cache))
-        # Zhu et al. sum the streams; the final RMSNorm removes that factor n up to its eps, and the
-        # mean removes it exactly, so the network starts as exactly the baseline
+        # Zhu et al. sum the streams; their mean starts as the baseline exactly, not up to eps
         return streams.mean(2)
 
     # ------------------------------------------------------------------------------------------
     # Analysis and conversion.
-
     @torch.no_grad()
     def routing_weights(self, idx):
         """α of every site for a batch: 2L+1 tensors (N_j, B, T, H), N_j = site_sources(j)."""
@@ -587,10 +559,8 @@ class GPT(nn.Module):
 
     @classmethod
     def from_baseline(cls, state_dict, config):
-        """Identity-preserving conversion: a trained baseline's weights in a delta-routed model.
-
-        The gates start at zero, so the converted model computes exactly what the baseline did.
-        """
+        """Identity-preserving conversion: a trained baseline's weights in a delta-routed model,
+        whose zero gates make it compute exactly what the baseline did."""
         if not config.delta:
             raise ValueError("from_baseline: only delta routing starts as the baseline; "
                              "set Config.delta=True")
@@ -605,21 +575,16 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------------------------------
     # Generation.
-
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, vocab_limit=None,
                  cache=True, on_token=None):
         """Append max_new_tokens sampled tokens to idx (B, T); temperature 0 picks the argmax.
 
-        top_k keeps the k most likely tokens; vocab_limit = n never picks an id >= n (the
-        tokenizer's vocabulary: the model's is padded, GPT-2's 50257 ids to 50304). With cache, the
-        attention keys and values are kept and each new token runs through the model alone: the
-        routing is per position, so its sites read only its own sources. Without, the whole window
-        runs again for every token. Both give the same tokens: the window is the last seq_len
-        tokens (rotary positions from 0), so once the sequence outgrows it every step runs the
-        cropped window again with a fresh cache, as the uncached path does. on_token(ids (B, 1)) is
-        called with each new token as it is drawn (sample.py prints it at once).
-        """
+        top_k keeps the k most likely tokens; vocab_limit = n never picks an id >= n (GPT-2's 50257
+        ids in a vocabulary padded to 50304). cache keeps the attention keys and values, and each
+        new token runs alone (routing is per position); the window is the last seq_len tokens, so
+        past it every step runs the cropped window with a fresh cache, as the uncached path does.
+        on_token(ids (B, 1)) sees each new token as it is drawn."""
         kv = None                                                      # one KVCache per sublayer
         for _ in range(max_new_tokens):
             window = idx[:, -self.config.seq_len:]
@@ -648,7 +613,6 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------------------------------
     # Accounting and training helpers.
-
     def num_params(self, non_embedding=False):
         """Parameter count (a tied embedding and LM head counted once); non_embedding leaves out
         the input embedding, a lookup (an untied LM head is a matmul and stays in)."""
@@ -658,13 +622,10 @@ class GPT(nn.Module):
     def flops_per_token(self):
         """Training FLOPs per token (forward + backward), the routing included.
 
-        Matmuls: 6 per weight (PaLM, Chowdhery et al., 2022, arXiv:2204.02311, appendix B), the LM
-        head included, the embedding (a lookup) not. Attention scores and values: 12 * L * n_head *
-        head_dim * T (the same convention, causal masking not discounted). Routing: a site reads
-        each of its sources once for the norm, the logit and the mix (~8d flops forward, twice that
-        backward). Hyper-connections: per sublayer, the dynamic projections and the read, mix and
-        write over n streams, ~4 d n (n+2) flops forward, twice that backward.
-        """
+        Matmuls: 6 per weight (PaLM, arXiv:2204.02311, appendix B), the LM head included, the
+        embedding (a lookup) not. Attention: 12 * L * n_head * head_dim * T (causal masking not
+        discounted). Routing: ~8d flops per source read forward (norm, logit, mix), twice that
+        backward. Hyper-connections: ~4 d n (n+2) per sublayer forward, twice that backward."""
         c = self.config
         matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         attention = 12 * c.n_layer * c.n_head * c.head_width * c.seq_len
@@ -675,18 +636,14 @@ class GPT(nn.Module):
         return 6 * matmul + attention + routing + hyper
 
     def site_sources(self, j):
-        """How many sources site j reads: j + 1 with full routing; with blocks of S, b_0 and the
-        completed blocks, plus the current block's partial sum once it has begun; with delta
-        routing, the null source, D_0 and the completed blocks only (the histories' reads)."""
-        committed, partial = depth_history([], [], 0, 0.0, self.config.route_block, self.null).reads(j)
+        """How many sources site j reads, as its depth history's reads(j) says."""
+        history = depth_history([], [], 0, 0.0, self.config.route_block, self.null)
+        committed, partial = history.reads(j)
         return committed + partial
 
     def param_groups(self):
-        """Parameters by role: {"embedding", "matrices", "norms", "routing"}, each in exactly one.
-
-        "routing" holds what a residual mode adds to the baseline: the sites (and delta's null
-        source), or the hyper-connections.
-        """
+        """Parameters by role: {"embedding", "matrices", "norms", "routing"}, each in exactly one;
+        "routing" is what a residual mode adds to the baseline (sites, null source, connections)."""
         groups = {"embedding": [self.embed.weight], "matrices": [], "norms": [], "routing": []}
         for name, p in self.named_parameters():
             if p is self.embed.weight:
