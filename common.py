@@ -1,15 +1,23 @@
 """
 What the scripts share (train.py, sample.py, probe.py, compare.py, prepare.py, bench_head.py):
-one-line errors, the device and its peak memory, the token files of prepare.py, the batches drawn
-from them, and checkpoints.
+one-line errors, files written whole, the device (its peak memory and FLOPs, what did not fit in
+it), the token files of prepare.py and the batches drawn from them, checkpoints, and a training
+run's safety (one run per output folder, a clean stop on a signal).
 Importing this file has no side effects.
 """
+import argparse
 import hashlib
 import json
+import math
 import os
+import random
+import re
 import shutil
+import signal
+import socket
 import sys
 import tempfile
+import time
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +53,44 @@ def exit_error(prog, message, status=2):
     sys.exit(status)
 
 
+# argparse types for flags: a value out of range is argparse's one-line error
+def number(kind, minimum, strict):
+    """An argparse type: a finite `kind` (int or float) > minimum (strict) or >= minimum."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of type {kind.__name__}")
+        if not (math.isfinite(value) and (value > minimum if strict else value >= minimum)):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {minimum}, "
+                                             f"not {text}")
+        return value
+    return parse
+
+
+COUNT, STEPS = number(int, 0, strict=True), number(int, 0, strict=False)  # >= 1, >= 0
+RATE, AMOUNT = number(float, 0, strict=True), number(float, 0, strict=False)  # > 0, >= 0
+
+
+def fraction(text):
+    """An argparse type: a fraction in [0, 1]."""
+    value = AMOUNT(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be <= 1 (a fraction of the peak), not {text}")
+    return value
+
+
+def decay_rate(text):
+    """An argparse type: a decay in [0, 1) (1 would never move the average)."""
+    value = AMOUNT(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be < 1 (0 = off), not {text}")
+    return value
+
+
+# -----------------------------------------------------------------------------
+# Files written whole or not at all.
+
 def write_atomically(path, write):
     """Write a file whole or not at all: write(f) fills a temporary file next to it (opened
     "wb"), which is flushed to disk and then renamed over `path`. A crash never leaves half a
@@ -63,8 +109,28 @@ def write_atomically(path, write):
         raise
 
 
+def os_error(e):
+    """The operating system's reason behind an exception (e.g. 'No space left on device'), found
+    along its chain of causes; else its own first line."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror + (f": {seen.filename}" if seen.filename else "")
+        seen = seen.__cause__ or seen.__context__
+    return one_line(e)
+
+
+def write_text(path, text, then="free some space or fix the permissions"):
+    """A whole text file at once (write_atomically); a failed write leaves the previous file, or
+    none, and raises MachineError naming the file and what to do `then`."""
+    try:
+        write_atomically(path, lambda f: f.write(text.encode()))
+    except OSError as e:
+        raise MachineError(f"could not write {path} ({os_error(e)}): {then}") from None
+
+
 # -----------------------------------------------------------------------------
-# Output folders: a file is written whole or not at all.
+# Output folders: their files appear whole, or none of them.
 
 def output_folder(path, flag):
     """`path` as a Path, or UserError when it, or the folder it would be created in, is a file."""
@@ -155,10 +221,46 @@ def peak_memory(device):
     return max_resident_bytes(resource.getrusage(resource.RUSAGE_SELF))
 
 
+# Dense bf16 tensor-core peaks (vendor datasheets), by the exact name torch.cuda.get_device_name()
+# gives; unknown devices get no MFU, not a wrong one (an H100 PCIe peaks at 756 TFLOPS, an NVL
+# at 835: a name that merely contains "H100" is not enough).
+PEAK_FLOPS = {"NVIDIA H100 80GB HBM3": 989e12,          # H100 SXM5
+              "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+              "NVIDIA H200": 989e12, "NVIDIA B200": 2250e12,
+              "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12,
+              "NVIDIA A100-PCIE-40GB": 312e12, "NVIDIA A100 80GB PCIe": 312e12}
+
+
+def estimate_mfu(flops_per_token, tokens_per_s, device_name):
+    """Model FLOPs utilization at a throughput (mhar.GPT.flops_per_token() per token), on a device
+    named as by torch.cuda.get_device_name(); None for a device not in PEAK_FLOPS."""
+    peak = PEAK_FLOPS.get(device_name)
+    return None if peak is None else flops_per_token * tokens_per_s / peak
+
+
+@contextmanager
+def memory_for(what, flags):
+    """An allocation that fails inside the block becomes a UserError: what did not fit in memory,
+    how much was asked for, and which flags to lower (the allocator's own message names neither)."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        asked = re.search(r"allocate (\d+ bytes|[\d.]+ [KMGTP]i?B)", str(e), re.IGNORECASE)
+        if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or asked):
+            raise
+        size = asked and asked[1]
+        if size and size.endswith(" bytes"):
+            size = f"{int(size.split()[0]) / 2**30:,.1f} GiB"
+        raise UserError(f"{what} does not fit in memory"
+                        + (f" (could not allocate {size})" if size else "")
+                        + f": lower {flags}") from None
+
+
 # -----------------------------------------------------------------------------
 # Token files: prepare.py's train.bin / val.bin (token ids, uint16 or uint32) and meta.json.
 
 TOKEN_DTYPES = ("uint16", "uint32")
+DEFAULT_CORPUS = "pystdlib"  # data/pystdlib/: the built-in corpus, the standard library's sources
 
 
 @dataclass
@@ -223,6 +325,19 @@ def largest_id(tokens, chunk=1 << 24):
     return max(int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk))
 
 
+def fingerprint(tokens, blocks=16, block=1024):
+    """What a checkpoint remembers of its data: the sizes of train.bin and val.bin and a hash of
+    16 blocks of 1,024 tokens spread over each. Re-prepared data almost surely changes it, and it
+    costs the same at 10B tokens as at 10M."""
+    if tokens is None:
+        return "synthetic"
+    h = hashlib.blake2b(digest_size=8)
+    for split in (tokens.train, tokens.val):
+        for start in np.linspace(0, max(0, len(split) - block), blocks, dtype=np.int64):
+            h.update(np.asarray(split[start:start + block]).tobytes())
+    return f"{len(tokens.train)} + {len(tokens.val)} tokens, blake2b {h.hexdigest()}"
+
+
 def seed_of(*keys):
     """A 64-bit seed hashed from keys such as ("train", seed, step): the same in every process
     and run."""
@@ -250,6 +365,38 @@ CKPT_KEYS = ("model", "optimizer", "step", "config", "args", "evals", "rng")
 SHARDED_KEYS = ("model", "optimizer")
 
 
+def rng_states():
+    """Every random generator's state, in tensors and plain values (weights_only=True loads it)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return dict(torch=torch.get_rng_state(), python=random.getstate(),
+                numpy=(kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def set_rng_states(s):
+    """Restore rng_states(): a resumed run draws what the uninterrupted one would have."""
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    kind, keys, pos, has_gauss, gauss = s["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if s["cuda"] is not None and torch.cuda.is_available():
+        # one state per GPU the saving process saw; a machine with fewer restores those it has
+        for index, state in enumerate(s["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, index)
+
+
+def load_optimizer(optimizer, state):
+    """optimizer.load_state_dict, its tensors copied out of the checkpoint. load_state_dict keeps
+    a tensor already on its parameter's device as it is: on a CPU the Adam moments (and the step
+    counters on any device) would stay views into the memory-mapped ckpt.pt, which would then
+    stay mapped for the whole run, its disk space held after the next save replaces it."""
+    optimizer.load_state_dict(state)
+    for values in optimizer.state.values():
+        for key, value in values.items():
+            if torch.is_tensor(value) and value.device.type == "cpu":
+                values[key] = value.clone()
+
+
 def read_checkpoint(path, keys=CKPT_KEYS):
     """The checkpoint dict, or CheckpointError for a missing, truncated, foreign or incomplete
     file. A sharded checkpoint's model and optimizer stay in their folder: read the model with
@@ -270,7 +417,29 @@ def read_checkpoint(path, keys=CKPT_KEYS):
         raise CheckpointError(f"{path} keeps its model in the folder {ckpt['sharded']} next to "
                               f"it, which is missing or incomplete: copy the folder along with "
                               f"ckpt.pt")
+    for key in ("model", "ema"):
+        if isinstance(ckpt.get(key), dict):
+            ckpt[key] = current_names(ckpt[key])
     return ckpt
+
+
+def current_names(state):
+    """A model state dict in today's names: checkpoints written before a routing site's key
+    norm g had its own name kept it as the weight of an RMSNorm module (sites.j.norm.weight)."""
+    return {re.sub(r"(^|\.)(sites\.\d+)\.norm\.weight$", r"\1\2.norm_weight", k): v
+            for k, v in state.items()}
+
+
+def save_checkpoint(path, ckpt):
+    """Write a checkpoint atomically (write_atomically): a crash never leaves half of one. A
+    failed write (a full disk, no permission) keeps the previous checkpoint and raises
+    MachineError."""
+    try:
+        write_atomically(path, lambda f: torch.save(ckpt, f))
+    except (OSError, RuntimeError) as e:  # torch reports a short write as RuntimeError
+        raise MachineError(f"could not write the checkpoint {path} ({os_error(e)}); the previous "
+                           f"one is kept: free some space or fix the permissions, then "
+                           f"--resume") from None
 
 
 def read_shards(folder, prefix="model."):
@@ -332,6 +501,108 @@ def training_data(ckpt):
     """(the --data a train.py checkpoint was trained on, that folder's meta.json): "synthetic" or a folder,
     train.py's default data/pystdlib when the run named none; the meta is {} for synthetic data or a folder
     that is gone. UserError when the meta.json is broken."""
-    import prepare  # for the default corpus's name; imported here because prepare.py imports this file
-    data = (ckpt.get("args") or {}).get("data") or str(Path("data") / prepare.DEFAULT_NAME)
+    data = (ckpt.get("args") or {}).get("data") or str(Path("data") / DEFAULT_CORPUS)
     return data, ({} if data == "synthetic" else read_meta(data))
+
+
+# -----------------------------------------------------------------------------
+# A training run's safety: one run per output folder, and a clean stop on Ctrl-C or SIGTERM.
+
+@contextmanager
+def claim_out_dir(out, session):
+    """Hold --out_dir for this run (session: a parallel.Session): a second run on it stops with one line before writing
+    anything. The lock is fcntl.flock on out_dir/train.lock, which the operating system releases
+    when the process ends, however it ends: a crashed or killed run leaves no stale lock to clean
+    up, and the next run takes over. flock works across machines on NFSv4 and the cluster file
+    systems that support it (Lustre: mounted with -o flock); where it is refused, the run goes on
+    with a warning. The file also says who holds it (host and pid), for the refusal's message."""
+    held = None
+    if session.master:
+        out.mkdir(parents=True, exist_ok=True)
+        held = lock_file(out / "train.lock")
+    if session.any_rank(held is False):  # every rank stops when rank 0 could not take it
+        if held is False:
+            holder = (out / "train.lock").read_text().strip() or "another process"
+            raise UserError(f"{out} is in use by another run ({holder}): wait for it to end, or "
+                            f"stop it, or choose another --out_dir")
+        sys.exit(2)
+    try:
+        yield
+    finally:
+        if held:
+            held.close()  # releases the lock (the file stays: deleting it would race a newcomer)
+
+
+def lock_file(path):
+    """The open, locked file; False when another process holds the lock; None without locks."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock
+        return None
+    f = open(path, "a+")  # "a+": opening must not erase what the holder wrote
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return False
+    except OSError as e:  # a file system without flock
+        f.close()
+        print(f"train.py: warning: cannot lock {path} ({e.strerror}): make sure no other run "
+              f"uses {path.parent}", file=sys.stderr, flush=True)
+        return None
+    f.seek(0)
+    f.truncate()
+    f.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def logged_until(path, step):
+    """The lines of log.jsonl up to `step`. Its last line may be half-written (the run crashed, or
+    the disk filled up, in the middle of it): it is dropped, like the lines after `step`."""
+    lines = path.read_bytes().decode(errors="replace").splitlines()
+    kept = []
+    for number, line in enumerate(lines, 1):
+        if not line:
+            continue
+        try:
+            entry = json.loads(line)
+            logged = entry["step"]
+        except (ValueError, TypeError, KeyError):
+            if number == len(lines):
+                break
+            raise UserError(f"{path}, line {number}, is not a line train.py wrote "
+                            f"({line[:40]!r}): delete it, then --resume again") from None
+        if logged <= step:
+            kept.append(line)
+    return kept
+
+
+class StopSignals:
+    """Ctrl-C (SIGINT) or SIGTERM (how clusters preempt a job) asks the run to stop after the
+    step in progress, with a checkpoint of it, and to exit with 128 + the signal's number (130,
+    143). A second signal stops at once, without a checkpoint of that step. One second's grace:
+    under torchrun a terminal's Ctrl-C reaches each rank twice, directly and forwarded."""
+
+    def __init__(self, master):
+        self.signum, self.first_at, self.master = 0, 0.0, master
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if not self.signum:
+            self.signum, self.first_at = signum, time.monotonic()
+            if self.master:  # os.write: print() is not safe inside a signal handler
+                os.write(2, f"train.py: {name}: stopping after this step, with a checkpoint "
+                            f"(again to stop at once)\n".encode())
+        elif time.monotonic() - self.first_at > 1.0:
+            os.write(2, f"train.py: {name} again: stopped at once, without a checkpoint of "
+                        f"this step\n".encode())
+            raise SystemExit(128 + signum)

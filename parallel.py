@@ -1,5 +1,11 @@
 """
-Sharded data parallelism for train.py --fsdp, with PyTorch's FSDP2 (fully_shard).
+Ranks and devices for train.py, and sharded data parallelism (--fsdp) with PyTorch's FSDP2
+(fully_shard).
+
+    Session, start_session(args)    this process's rank, world, device and precision (torchrun's
+                                    RANK, WORLD_SIZE, LOCAL_RANK; NCCL on GPUs, gloo on CPUs)
+    start_sharding, set_precision   --fsdp and --dtype on that session
+    wrap_model(gpt, args, session)  DDP and torch.compile around the model, as asked
 
 DDP keeps the whole training state on every GPU: fp32 parameters, gradients and both Adam
 moments, 16 bytes per parameter, 128 GB at 8B before a single activation. Fully sharded data
@@ -17,8 +23,10 @@ those of DDP.
     regather(model)                 forget gathered copies after the shards changed in place
     save(out, step, model, optimizer) / load(folder, model, optimizer)    sharded checkpoints
 """
+import dataclasses
+import os
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -31,8 +39,105 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (FSDPModule, MixedPrecisionPolicy, fully_shard,
                                     register_fsdp_forward_method)
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import mhar
+from common import UserError, pick_device
+
+# -------------------------------------------------------------------------------------------
+# The ranks, the device, precision, the wrapper around the model.
+
+@dataclasses.dataclass
+class Session:
+    """This process's part of the run: its rank among `world` ranks, its device, its precision."""
+    ddp: bool              # the ranks share a process group: torchrun (or --fsdp alone: 1 rank)
+    fsdp: bool             # the model is sharded over the ranks (else DDP copies it)
+    rank: int
+    world: int
+    device: torch.device
+    dtype: torch.dtype     # of the autocast region (float32: none)
+    autocast: object       # the context every forward runs in
+
+    @property
+    def master(self):
+        return self.rank == 0  # logs, evaluates (with the others' help) and saves
+
+    @property
+    def replicated(self):
+        return self.ddp and not self.fsdp  # every rank holds the whole model, in DDP
+
+    def max_over_ranks(self, value):
+        """The largest of an integer over the ranks (without torchrun: the value)."""
+        if not self.ddp:
+            return value
+        t = torch.tensor(value, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def any_rank(self, flag):
+        """Whether `flag` holds on any rank, the same answer on every rank."""
+        return self.max_over_ranks(int(flag)) > 0
+
+
+def start_session(args):
+    """The Session of --device. torchrun sets RANK and WORLD_SIZE; each rank takes its own GPU
+    (LOCAL_RANK), and the ranks talk NCCL on GPUs, gloo on CPUs. float32 until set_precision."""
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
+    device = pick_device(args.device)
+    if device.type == "cuda" and ddp:
+        device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}")
+    elif device.type == "cuda" and device.index is None:   # "cuda": set_device needs an index
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if ddp and not dist.is_initialized():
+        dist.init_process_group(backend(device))
+    return Session(ddp, False, rank, world, device, torch.float32, nullcontext())
+
+
+def backend(device):
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def start_sharding(session, args):
+    """--fsdp (the checkpoint's on --resume): the model will be sharded over the ranks; without
+    torchrun over a process group of this one process (its shards are the whole model)."""
+    if not args.fsdp:
+        return
+    if session.device.type not in ("cuda", "cpu"):
+        raise UserError(f"--fsdp shards over CUDA GPUs (NCCL) or CPU processes (gloo), not "
+                        f"{session.device.type}: pass --device cuda or cpu, or leave --fsdp out")
+    if not session.ddp:
+        dist.init_process_group(backend(session.device), store=dist.HashStore(), rank=0,
+                                world_size=1)
+    session.ddp = session.fsdp = True
+
+
+def set_precision(session, args):
+    """--dtype (the checkpoint's on --resume): bf16 autocast on CUDA by default."""
+    dtype = {"auto": torch.bfloat16 if session.device.type == "cuda" else torch.float32,
+             "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    session.dtype = dtype
+    if dtype != torch.float32:
+        session.autocast = torch.autocast(session.device.type, dtype=dtype)
+
+
+def wrap_model(gpt, args, session):
+    """The model the loop trains: wrapped for data parallelism and compiled as asked (a sharded
+    model is its own wrapper). DDP is compiled, not wrapped around a compiled model: so
+    torch.compile splits the graph at DDP's gradient buckets, and each all-reduce overlaps the
+    rest of the backward (PyTorch's DDP and torch.compile notes)."""
+    model = gpt
+    if session.replicated:
+        device = session.device
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return torch.compile(model) if args.compile else model
+
+
+# -------------------------------------------------------------------------------------------
+# Sharding: FSDP2 units, rank 0's model handed out as shards.
 
 
 def device_mesh(device):

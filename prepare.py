@@ -78,9 +78,9 @@ from typing import Callable
 import numpy as np
 import tiktoken
 
-from common import MachineError, UserError, exit_error, one_line, output_folder, remove_staging
+from common import (DEFAULT_CORPUS, MachineError, UserError, exit_error, one_line, output_folder,
+                    remove_staging)
 
-DEFAULT_NAME = "pystdlib"  # data/pystdlib/: the built-in corpus, the standard library's sources
 VOCAB_SIZE = 50257  # GPT-2's vocabulary; under 2**16, so every id fits in uint16
 EOT = 50256  # GPT-2's <|endoftext|>, the last id; written after every document
 EXTENSIONS = (".txt", ".md", ".py", ".jsonl", ".parquet")
@@ -626,7 +626,7 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
             sources = [str(p) for p in inputs]
         else:  # the built-in corpus
             files = find_files([stdlib_folder()], extensions=(".py",), exclude=("site-packages",))
-            name, skipped = name or DEFAULT_NAME, []
+            name, skipped = name or DEFAULT_CORPUS, []
             sources = [f"python {sys.version.split()[0]} standard library: {stdlib_folder()}/**/*.py, "
                        "without site-packages"]
         documents = read_documents(files, text_field, skipped)
@@ -717,7 +717,7 @@ def main(argv=None):
     parser.add_argument("--tokenizer", metavar="DIR", help="a model folder with tokenizer.json (and config.json "
                                                            "for its end-of-text id), or 'bytes' for the UTF-8 "
                                                            "bytes (257 ids); default: GPT-2's BPE")
-    parser.add_argument("--name", help=f"output folder name (default: {DEFAULT_NAME}, the first input's name, or the dataset's)")
+    parser.add_argument("--name", help=f"output folder name (default: {DEFAULT_CORPUS}, the first input's name, or the dataset's)")
     parser.add_argument("--out", default="data", help="parent folder of the output (default: data)")
     parser.add_argument("--val_fraction", type=float, default=0.005, help="fraction of documents for val (default: 0.005)")
     parser.add_argument("--max_tokens", type=int, help="stop after this many tokens, train and val together")

@@ -22,14 +22,13 @@ data, the optimizer schedule and evaluation, checkpoints, the parallel setup, an
 """
 import argparse
 import dataclasses
-import hashlib
+import functools
+import inspect
 import json
 import math
 import os
-import random
 import re
 import signal
-import socket
 import sys
 import time
 from contextlib import contextmanager, nullcontext, suppress
@@ -43,15 +42,20 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile ends as it does once the
     import numpy as np
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import head
     import hf
     import mhar
+    import midtrain
     import parallel
     import prepare
-    from common import (CheckpointError, UserError, exit_error, largest_id, one_line,
-                        peak_memory, pick_device, read_checkpoint, read_tokens, sample_rows,
-                        unwrapped, write_atomically)
+    from common import (DEFAULT_CORPUS, CheckpointError, MachineError, StopSignals, UserError,
+                        AMOUNT, COUNT, RATE, STEPS, claim_out_dir, decay_rate, estimate_mfu,
+                        exit_error, fingerprint, fraction, largest_id, load_optimizer,
+                        logged_until, memory_for, one_line, os_error, peak_memory,
+                        read_checkpoint, read_tokens, rng_states, sample_rows, save_checkpoint,
+                        set_rng_states, unwrapped, write_text)
+    from parallel import Session, set_precision, start_session, start_sharding, wrap_model
 except KeyboardInterrupt:
     print("train.py: error: interrupted before training started", file=sys.stderr, flush=True)
     sys.exit(130)
@@ -70,7 +74,7 @@ PAPER_RUN = dict(max_steps=20_000, warmup_steps=1000, eval_interval=500, eval_ba
 # path (1b: use --compile or --fused). small is the `python train.py` demo: 200 steps of 2k
 # tokens (4k tokens per micro-step are slower per token on a CPU: the 50k-vocabulary logits
 # outgrow the caches); tiny is for tests.
-BYTES_DATA = Path("data") / f"{prepare.DEFAULT_NAME}-bytes"  # the built-in corpus as UTF-8 bytes
+BYTES_DATA = Path("data") / f"{DEFAULT_CORPUS}-bytes"  # the built-in corpus as UTF-8 bytes
 RUNS = {
     "tiny": dict(batch_size=8, global_batch=8, max_steps=200, warmup_steps=20, eval_interval=50,
                  eval_batches=4, lr=3e-3),
@@ -85,7 +89,7 @@ RUNS = {
     "1b": dict(batch_size=1, global_batch=32, **PAPER_RUN),
 }
 DEFAULT_PRESET = "small"
-DEFAULT_DATA = Path("data") / prepare.DEFAULT_NAME  # a preset's corpus, unless its row of RUNS names one
+DEFAULT_DATA = Path("data") / DEFAULT_CORPUS  # a preset's corpus, unless its row of RUNS names one
 # The built-in corpora (this Python's standard library), prepared when missing: folder -> prepare.py's
 # --tokenizer (None: GPT-2's BPE)
 BUILT_IN_DATA = {DEFAULT_DATA: None, BYTES_DATA: prepare.BYTES}
@@ -111,88 +115,25 @@ ROUTING = "routing"  # as RUN, but --init_from chooses it anew (a baseline has n
 SETTING = "setting"  # the checkpoint's unless given: may change between sessions of a run
 MACHINE = "machine"  # this session's alone: never taken from a checkpoint
 
-# mhar.Config fields a conversion chooses anew, and those that say how to compute rather than what
-ROUTING_FIELDS = ("residual", "route_heads", "route_block", "delta", "hc_streams", "query_init_std",
-                  "route_temperature")
-COMPUTE_FIELDS = ("fused", "fused_group", "checkpointing")
-FIELD_HELP = {
-    "vocab_size": "model vocabulary; default: meta.json's vocab_size padded to a multiple of 64, "
-                  "or the preset's for synthetic data",
-    "seq_len": "tokens per sequence",
-    "n_layer": "blocks, each an attention and an MLP sublayer",
-    "n_embd": "model width d",
-    "n_head": "attention heads",
-    "n_kv_head": "key/value heads (grouped-query attention)",
-    "ffn_hidden": "SwiGLU hidden width",
-    "route_heads": "routing heads H of mhar; 0 = n_kv_head",
-    "route_block": "sublayers per routing block; 1 = full routing",
-    "delta": "delta routing: the baseline's residual plus a gated route",
-    "hc_streams": "residual streams of --residual hyper",
-    "rope_theta": "rotary embedding base",
-    "norm_eps": "RMSNorm epsilon",
-    "residual": "residual mode: baseline, hyper, attnres or mhar",
-    "fused": "route with the Triton kernels of kernel.py",
-    "fused_group": "fused: sites per shared read of the sources; 0 = automatic, 1 = one pass each",
-    "head_dim": "attention head width; 0 = n_embd / n_head",
-    "tie_embeddings": "share the input embedding and the LM head",
-    "query_init_std": "std of the routing queries at init; 0 = zeros (uniform routing at start)",
-    "route_temperature": "divide every routing logit by this (the route with q / tau); 1 = the "
-                         "paper's route, H with --residual attnres: the temperature of H heads",
-    "checkpointing": "activation checkpointing: recompute each block in backward",
-}
+# What a model flag says beyond its mhar.Config field's comment (its help, see add_model_flags)
+FLAG_NOTES = {"vocab_size": "default: meta.json's vocab_size padded to a multiple of 64, or the "
+                            "preset's for synthetic data"}
 CONFIG_FIELDS = [f.name for f in dataclasses.fields(mhar.Config)]
 
 
-def number(kind, minimum, strict):
-    """An argparse type: a finite `kind` (int or float) > minimum (strict) or >= minimum."""
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number of type {kind.__name__}")
-        if not (math.isfinite(value) and (value > minimum if strict else value >= minimum)):
-            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {minimum}, "
-                                             f"not {text}")
-        return value
-    return parse
-
-
-COUNT, STEPS = number(int, 0, strict=True), number(int, 0, strict=False)  # >= 1, >= 0
-RATE, AMOUNT = number(float, 0, strict=True), number(float, 0, strict=False)  # > 0, >= 0
-
-
-def fraction(text):
-    """An argparse type: a fraction in [0, 1]."""
-    value = AMOUNT(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"must be <= 1 (a fraction of the peak), not {text}")
-    return value
-
-
-def decay_rate(text):
-    """An argparse type: a decay in [0, 1) (1 would never move the average)."""
-    value = AMOUNT(text)
-    if value >= 1:
-        raise argparse.ArgumentTypeError(f"must be < 1 (0 = off), not {text}")
-    return value
-
-
 class Flags(argparse.ArgumentParser):
-    """argparse that remembers each flag's role, and can leave out every default (then the
-    namespace holds exactly the flags given on the command line)."""
+    """argparse that remembers each flag's role."""
 
-    def __init__(self, defaults=True):
+    def __init__(self):
         super().__init__(prog="train.py", description=__doc__.split("\n\n")[0].strip(),
                          allow_abbrev=False)
-        self.defaults, self.roles, self.group = defaults, {}, self
+        self.roles, self.group = {}, self
 
     def section(self, title):
         """The flags defined next are listed under `title` in --help."""
         self.group = self.add_argument_group(title)
 
     def flag(self, name, role, help, **kwargs):
-        if not self.defaults:
-            kwargs["default"] = argparse.SUPPRESS
         self.group.add_argument(f"--{name}", help=help, **kwargs)
         self.roles[name] = role
 
@@ -214,8 +155,16 @@ def preset_values(field):
     return "per preset: " + ", ".join(f"{name} {value}" for name, value in values.items())
 
 
-def build_parser(defaults=True):
-    p = Flags(defaults)
+def build_parser():
+    p = Flags()
+    add_run_flags(p)
+    add_optimizer_flags(p)
+    add_machine_flags(p)
+    add_model_flags(p)
+    return p
+
+
+def add_run_flags(p):
     p.section("the run")
     p.flag("preset", RUN, default=DEFAULT_PRESET, choices=list(mhar.PRESETS),
            help=f"model shape and run size (default {DEFAULT_PRESET})")
@@ -255,6 +204,9 @@ def build_parser(defaults=True):
     p.flag("tail_evals", SETTING, type=COUNT, default=11,
            help="the summary's tail-mean covers the last K evaluations (default 11)")
 
+
+
+def add_optimizer_flags(p):
     p.section("the optimizer: AdamW, linear warmup, cosine decay")
     p.flag("lr", RUN, type=RATE, default=None,
            help=f"peak learning rate ({per_preset('lr')})")
@@ -280,6 +232,9 @@ def build_parser(defaults=True):
     p.flag("grad_clip", RUN, type=AMOUNT, default=1.0,
            help="clip the gradient norm at this; 0 = off (default 1.0)")
 
+
+
+def add_machine_flags(p):
     p.section("the machine")
     p.flag("device", MACHINE, default="auto",
            help="auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps (default auto)")
@@ -293,18 +248,19 @@ def build_parser(defaults=True):
     p.flag("wandb", SETTING, nargs="?", const="mhar", default=None,
            help="also log to Weights & Biases (project name, default mhar)")
 
-    add_model_flags(p)
-    return p
-
 
 def add_model_flags(p):
-    """A flag for every field of mhar.Config, so a new field is a flag without a line here."""
+    """A flag for every field of mhar.Config, so a new field is a flag without a line here; its
+    help is the field's comment in mhar.py, written once there."""
     p.section("the model: mhar.Config's fields (default: the preset's)")
+    comments = dict(re.findall(r"^    (\w+): [^#\n]*#\s*(.+)$", inspect.getsource(mhar.Config),
+                               re.MULTILINE))
     for field in dataclasses.fields(mhar.Config):
         name = field.name
-        role = ROUTING if name in ROUTING_FIELDS else SETTING if name in COMPUTE_FIELDS else RUN
-        what = FIELD_HELP.get(name, f"mhar.Config.{name}")
-        default = "" if name == "vocab_size" else f" ({preset_values(name)})"
+        role = (ROUTING if name in mhar.Config.ROUTING else
+                SETTING if name in mhar.Config.RUNTIME else RUN)
+        what = comments.get(name, f"mhar.Config.{name}")
+        default = f"; {FLAG_NOTES[name]}" if name in FLAG_NOTES else f" ({preset_values(name)})"
         kind = {"int": int, "float": float, "str": str, "bool": bool}.get(
             getattr(field.type, "__name__", field.type), str)
         if kind is bool:
@@ -314,13 +270,19 @@ def add_model_flags(p):
             p.flag(name, role, type=kind, default=None, help=what + default)
 
 
-ROLES = build_parser().roles
+PARSER = build_parser()
+ROLES = PARSER.roles
 
 
 def parse_args(argv=None):
-    """(the flags, every default filled in; the names of the flags given on the command line)."""
-    args = build_parser().parse_args(argv)
-    given = set(vars(build_parser(defaults=False).parse_args(argv)))
+    """(the flags, every default filled in; the names of the flags given on the command line).
+    argparse fills in a default only where the namespace has no value yet: every flag starts as
+    `unset`, so those still unset after parsing were not given."""
+    unset = object()
+    args = PARSER.parse_args(argv, argparse.Namespace(**dict.fromkeys(PARSER.roles, unset)))
+    given = {name for name, value in vars(args).items() if value is not unset}
+    for name in PARSER.roles.keys() - given:
+        setattr(args, name, PARSER.get_default(name))
     return args, given
 
 
@@ -328,11 +290,8 @@ def parse_args(argv=None):
 # Resuming and converting: what the checkpoint decides, what the command line may change.
 
 def load_checkpoint(path):
-    """read_checkpoint for a run to resume or convert: its error is the run's one line."""
-    try:
-        ckpt = read_checkpoint(path)
-    except CheckpointError as e:
-        die(str(e))
+    """read_checkpoint for a run to resume or convert, its shards' folder found from here."""
+    ckpt = read_checkpoint(path)
     if "sharded" in ckpt:  # a --fsdp run's: its shards lie in a folder next to it
         ckpt["sharded"] = Path(path).parent / ckpt["sharded"]
     return ckpt
@@ -402,7 +361,7 @@ def resolve_flags(args, given, world):
         args.init_from = ckpt["args"].get("init_from")
     elif args.init_from and pretrained_directory(args.init_from):
         source = take_pretrained_flags(args, given)
-        fill_run_sizes(args, world, sizes=MIDTRAIN_RUN)
+        fill_run_sizes(args, world, sizes=midtrain.RUN)
         return args, ckpt, source
     elif args.init_from:
         source = load_checkpoint(args.init_from)
@@ -417,23 +376,6 @@ def resolve_flags(args, given, world):
     return args, ckpt, source
 
 
-# --init_from DIR: the run sizes the recipe does not fix. The global batch is the paper's; the
-# micro-batch is the machine's (raise --batch_size as memory allows: fewer, larger micro-steps);
-# an evaluation every 500 steps on 20 batches as in the from-scratch recipe (PAPER_RUN).
-MIDTRAIN_RUN = dict(batch_size=1, global_batch=hf.MIDTRAIN["global_batch"][0],
-                    max_steps=hf.MIDTRAIN["max_steps"][0], lr=hf.MIDTRAIN["lr"][0],
-                    warmup_steps=hf.MIDTRAIN["warmup_steps"][0],
-                    eval_interval=PAPER_RUN["eval_interval"],
-                    eval_batches=PAPER_RUN["eval_batches"])
-# The recipe's values that are flags (hf.MIDTRAIN says where each comes from), run sizes aside.
-# Its dtype, bfloat16, is --dtype auto's on GPUs (bf16 autocast over float32 weights), and its
-# decay shape is train.py's only one; weight decay spares what is not a matrix.
-MIDTRAIN_FLAGS = dict({k: hf.MIDTRAIN[k][0] for k in ("residual", "min_lr_ratio", "weight_decay",
-                                                     "grad_clip", "seq_len", "ema", "z_loss")},
-                      decay_on="matrices")
-MIDTRAIN_ROUTING = ("delta", "route_block", "route_heads")  # for a routed --residual alone
-
-
 def pretrained_directory(init_from):
     """Whether --init_from names a Hugging Face model (a directory, or a hub id such as
     Qwen/Qwen3-0.6B) rather than a checkpoint of this project (a file)."""
@@ -443,59 +385,13 @@ def pretrained_directory(init_from):
 
 
 def take_pretrained_flags(args, given):
-    """--init_from DIR: the model's shape from DIR/config.json (a flag that contradicts it is an
-    error), the mid-training recipe for every flag left out; returns DIR (a hub id: its local
-    snapshot)."""
-    try:
-        directory = hf.local_dir(args.init_from)
-        hf_config = hf.read_json(directory / "config.json")
-        shape = hf.config_from_hf(hf_config, directory / "config.json")
-    except CheckpointError as e:
-        die(str(e))
-    if shape["residual"] != "baseline":
-        die(f"{directory} is this project's {shape['residual']} export, not a Qwen3 checkpoint: "
-            f"--init_from DIR converts a Qwen3 checkpoint (continue a run of ours with --resume)")
-    del shape["residual"], shape["seq_len"]  # a conversion chooses them (seq_len: any length)
-    for name, value in shape.items():
-        if name in given and getattr(args, name) != value:
-            die(f"{directory}/config.json fixes --{name} at {value}, not {getattr(args, name)}: "
-                f"drop the flag")
-        setattr(args, name, value)
-    for name, value in MIDTRAIN_FLAGS.items():
-        if name not in given:
-            setattr(args, name, value)
-    # a routed residual converts as delta routing, which starts as the model; --residual baseline
-    # is the paper's control (the same recipe, no routing): its routing flags are the preset's
-    routed = args.residual in ("attnres", "mhar")
-    for name in MIDTRAIN_ROUTING:
-        if name not in given:
-            setattr(args, name, hf.MIDTRAIN[name][0] if routed else None)
+    """--init_from DIR: the model's shape from DIR/config.json, the mid-training recipe for every
+    flag left out (midtrain.take_flags); returns DIR (a hub id: its local snapshot)."""
+    directory = hf.local_dir(args.init_from)
+    shape = hf.config_from_hf(hf.read_json(directory / "config.json"), directory / "config.json")
+    midtrain.take_flags(args, given, directory, shape)
     args.init_from = str(directory)
     return directory
-
-
-def check_tokenizer(tokens, directory, vocab_size):
-    """--init_from DIR reads token ids of DIR's own tokenizer. prepare.py --tokenizer records the
-    SHA-256 of the tokenizer.json it used: when the data names a tokenizer and DIR has a
-    tokenizer.json, they must be the same file (GPT-2 ids in a Qwen3 model would train it on
-    nonsense without a complaint). Token files of another tool (no tokenizer recorded) or a DIR
-    without tokenizer.json are checked by their ids alone: every id one the model has, and the
-    vocabulary prepare.py saw in the tokenizer's config.json, if any, the model's."""
-    if tokens is None:
-        return
-    meta, tokenizer = tokens.meta, directory / "tokenizer.json"
-    name = meta.get("tokenizer")
-    redo = f"prepare the corpus with python prepare.py --tokenizer {directory}"
-    if tokenizer.is_file() and name not in (None, "none"):
-        if meta.get("tokenizer_sha256") != hashlib.sha256(tokenizer.read_bytes()).hexdigest():
-            die(f"{tokens.folder} was tokenized with {name}, not with the tokenizer.json of "
-                f"{directory}: {redo}")
-    vocab = meta.get("vocab_size") or 1 + max(largest_id(tokens.train), largest_id(tokens.val))
-    recorded = meta.get("model_vocab_size")  # the vocabulary of the tokenizer's own model
-    if vocab > vocab_size or recorded not in (None, vocab_size):
-        die(f"{tokens.folder} holds ids of a vocabulary of {vocab} "
-            + (f"(its tokenizer's model: {recorded}) " if recorded else "")
-            + f"and {directory} has {vocab_size}: {redo}")
 
 
 def check_same_data(ckpt, data, args):
@@ -523,18 +419,6 @@ def carry_optimizer_state(saved, optimizer):
     load_optimizer(optimizer, state)
 
 
-def load_optimizer(optimizer, state):
-    """optimizer.load_state_dict, its tensors copied out of the checkpoint. load_state_dict keeps
-    a tensor already on its parameter's device as it is: on a CPU the Adam moments (and the step
-    counters on any device) would stay views into the memory-mapped ckpt.pt, which would then
-    stay mapped for the whole run, its disk space held after the next save replaces it."""
-    optimizer.load_state_dict(state)
-    for values in optimizer.state.values():
-        for key, value in values.items():
-            if torch.is_tensor(value) and value.device.type == "cpu":
-                values[key] = value.clone()
-
-
 # -----------------------------------------------------------------------------
 # Data: prepare.py's token files, or uniform random tokens (--data synthetic).
 
@@ -553,10 +437,7 @@ def open_data(args, rank, ddp):
                 die(f"preparing the built-in corpus {path} failed: {e}")
         if ddp:
             dist.barrier()
-    try:
-        return read_tokens(path)
-    except UserError as e:
-        die(str(e))
+    return read_tokens(path)
 
 
 def model_config(args, meta):
@@ -590,19 +471,6 @@ def check_data(tokens, config):
         if len(split_tokens) <= config.seq_len + 1:
             die(f"{split}.bin has {len(split_tokens)} tokens, not one sequence of --seq_len "
                 f"{config.seq_len}")
-
-
-def fingerprint(tokens, blocks=16, block=1024):
-    """What a checkpoint remembers of its data: the sizes of train.bin and val.bin and a hash of
-    16 blocks of 1,024 tokens spread over each. Re-prepared data almost surely changes it, and it
-    costs the same at 10B tokens as at 10M."""
-    if tokens is None:
-        return "synthetic"
-    h = hashlib.blake2b(digest_size=8)
-    for split in (tokens.train, tokens.val):
-        for start in np.linspace(0, max(0, len(split) - block), blocks, dtype=np.int64):
-            h.update(np.asarray(split[start:start + block]).tobytes())
-    return f"{len(tokens.train)} + {len(tokens.val)} tokens, blake2b {h.hexdigest()}"
 
 
 def unigram_entropy(tokens, limit=50_000_000):
@@ -659,8 +527,8 @@ def evaluate(model, val, args, rank, world, device, autocast):
     for k in range(-(-args.eval_batches // world)):  # the same count on every rank: FSDP's
         i = rank + k * world                           # forwards are collectives
         with autocast:
-            loss = model(*to_device(val_batch(val, args, min(i, args.eval_batches - 1)),
-                                    device), logits=False)[1].float()
+            loss = model(*to_device(val_batch(val, args, min(i, args.eval_batches - 1)), device),
+                         loss_fn=head.linear_cross_entropy)[1].float()
         total += loss if i < args.eval_batches else 0
     if world > 1:
         dist.all_reduce(total)
@@ -668,234 +536,10 @@ def evaluate(model, val, args, rank, world, device, autocast):
     return total.item() / args.eval_batches
 
 
-# -----------------------------------------------------------------------------
-# Checkpoints: everything needed to continue the run exactly, loadable with weights_only=True.
-
-def rng_states():
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return dict(torch=torch.get_rng_state(), python=random.getstate(),
-                numpy=(kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
-                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-
-
-def set_rng_states(s):
-    torch.set_rng_state(s["torch"])
-    random.setstate(s["python"])
-    kind, keys, pos, has_gauss, gauss = s["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    if s["cuda"] is not None and torch.cuda.is_available():
-        # one state per GPU the saving process saw; a machine with fewer restores those it has
-        for index, state in enumerate(s["cuda"][:torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(state, index)
-
-
-def save_checkpoint(path, ckpt):
-    """Write the checkpoint atomically (write_atomically): a crash never leaves half of one. A
-    failed write (a full disk, no permission) keeps the previous checkpoint and ends the run with
-    one line."""
-    try:
-        write_atomically(path, lambda f: torch.save(ckpt, f))
-    except (OSError, RuntimeError) as e:  # torch reports a short write as RuntimeError
-        fail(f"could not write the checkpoint {path} ({os_error(e)}); the previous one is "
-             f"kept: free some space or fix the permissions, then --resume")
-
-
-def os_error(e):
-    """The operating system's reason behind an exception (e.g. 'No space left on device'), found
-    along its chain of causes; else its own first line."""
-    seen = e
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.strerror:
-            return seen.strerror + (f": {seen.filename}" if seen.filename else "")
-        seen = seen.__cause__ or seen.__context__
-    return one_line(e)
-
-
-# -----------------------------------------------------------------------------
-# One run per output folder, and a clean stop on Ctrl-C or SIGTERM.
-
-@contextmanager
-def claim_out_dir(out, session):
-    """Hold --out_dir for this run: a second run on it stops with one line before writing
-    anything. The lock is fcntl.flock on out_dir/train.lock, which the operating system releases
-    when the process ends, however it ends: a crashed or killed run leaves no stale lock to clean
-    up, and the next run takes over. flock works across machines on NFSv4 and the cluster file
-    systems that support it (Lustre: mounted with -o flock); where it is refused, the run goes on
-    with a warning. The file also says who holds it (host and pid), for the refusal's message."""
-    held = None
-    if session.master:
-        out.mkdir(parents=True, exist_ok=True)
-        held = lock_file(out / "train.lock")
-    if any_rank(held is False, session):  # every rank stops when rank 0 could not take it
-        if held is False:
-            holder = (out / "train.lock").read_text().strip() or "another process"
-            die(f"{out} is in use by another run ({holder}): wait for it to end, or stop it, or "
-                f"choose another --out_dir")
-        sys.exit(2)
-    try:
-        yield
-    finally:
-        if held:
-            held.close()  # releases the lock (the file stays: deleting it would race a newcomer)
-
-
-def lock_file(path):
-    """The open, locked file; False when another process holds the lock; None without locks."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no flock
-        return None
-    f = open(path, "a+")  # "a+": opening must not erase what the holder wrote
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        return False
-    except OSError as e:  # a file system without flock
-        f.close()
-        print(f"train.py: warning: cannot lock {path} ({e.strerror}): make sure no other run "
-              f"uses {path.parent}", file=sys.stderr, flush=True)
-        return None
-    f.seek(0)
-    f.truncate()
-    f.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
-    f.flush()
-    return f
-
-
-class StopSignals:
-    """Ctrl-C (SIGINT) or SIGTERM (how clusters preempt a job) asks the run to stop after the
-    step in progress, with a checkpoint of it, and to exit with 128 + the signal's number (130,
-    143). A second signal stops at once, without a checkpoint of that step. One second's grace:
-    under torchrun a terminal's Ctrl-C reaches each rank twice, directly and forwarded."""
-
-    def __init__(self, master):
-        self.signum, self.first_at, self.master = 0, 0.0, master
-
-    def __enter__(self):
-        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-    def handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if not self.signum:
-            self.signum, self.first_at = signum, time.monotonic()
-            if self.master:  # os.write: print() is not safe inside a signal handler
-                os.write(2, f"train.py: {name}: stopping after this step, with a checkpoint "
-                            f"(again to stop at once)\n".encode())
-        elif time.monotonic() - self.first_at > 1.0:
-            os.write(2, f"train.py: {name} again: stopped at once, without a checkpoint of "
-                        f"this step\n".encode())
-            raise SystemExit(128 + signum)
-
-
-def any_rank(flag, session):
-    """Whether `flag` holds on any rank, the same answer on every rank (all-reduced)."""
-    return max_over_ranks(int(flag), session) > 0
-
-
-def max_over_ranks(value, session):
-    """The largest of an integer over the ranks (without torchrun: the value)."""
-    if not session.ddp:
-        return value
-    t = torch.tensor(value, device=session.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
-# -----------------------------------------------------------------------------
-# The parallel setup, in one place: ranks, the device, precision, the wrapper around the model.
-
-@dataclasses.dataclass
-class Session:
-    """This process's part of the run: its rank among `world` ranks, its device, its precision."""
-    ddp: bool              # the ranks share a process group: torchrun (or --fsdp alone: 1 rank)
-    fsdp: bool             # the model is sharded over the ranks (else DDP copies it)
-    rank: int
-    world: int
-    device: torch.device
-    dtype: torch.dtype     # of the autocast region (float32: none)
-    autocast: object       # the context every forward runs in
-
-    @property
-    def master(self):
-        return self.rank == 0  # logs, evaluates (with the others' help) and saves
-
-    @property
-    def replicated(self):
-        return self.ddp and not self.fsdp  # every rank holds the whole model, in DDP
-
-
-def start_session(args):
-    """The Session. torchrun sets RANK and WORLD_SIZE; each rank takes its own GPU (LOCAL_RANK),
-    and the ranks talk NCCL on GPUs, gloo on CPUs. bf16 autocast on CUDA, float32 elsewhere."""
-    ddp = int(os.environ.get("RANK", -1)) != -1
-    rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
-    try:
-        device = pick_device(args.device)
-    except UserError as e:
-        die(str(e))
-    if device.type == "cuda" and ddp:
-        device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}")
-    elif device.type == "cuda" and device.index is None:   # "cuda": set_device needs an index
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    if ddp and not dist.is_initialized():
-        dist.init_process_group(backend(device))
-    return Session(ddp, False, rank, world, device, torch.float32, nullcontext())
-
-
-def backend(device):
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def start_sharding(session, args):
-    """--fsdp (the checkpoint's on --resume): the model will be sharded over the ranks; without
-    torchrun over a process group of this one process (its shards are the whole model)."""
-    if not args.fsdp:
-        return
-    if session.device.type not in ("cuda", "cpu"):
-        die(f"--fsdp shards over CUDA GPUs (NCCL) or CPU processes (gloo), not "
-            f"{session.device.type}: pass --device cuda or cpu, or leave --fsdp out")
-    if not session.ddp:
-        dist.init_process_group(backend(session.device), store=dist.HashStore(), rank=0,
-                                world_size=1)
-    session.ddp = session.fsdp = True
-
-
-def set_precision(session, args):
-    """--dtype (the checkpoint's on --resume): bf16 autocast on CUDA by default."""
-    dtype = {"auto": torch.bfloat16 if session.device.type == "cuda" else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    session.dtype = dtype
-    if dtype != torch.float32:
-        session.autocast = torch.autocast(session.device.type, dtype=dtype)
-
-
-# torch.compile works for a while before the first step, in silence: measured on a shared 2-core
-# CPU, 36 s for the tiny preset's first step and 55 s for the small preset's (their next steps:
-# 10 ms and 0.6 s).
+# torch.compile works for a while before the first step, in silence (docs/training.md: how long)
 COMPILE_NOTE = ("--compile: the first step compiles the model, and the first evaluation its "
                 "evaluation graph: on a CPU about a minute for the small preset, longer for "
                 "larger models")
-
-
-def wrap_model(gpt, args, session):
-    """The model the loop trains: wrapped for data parallelism and compiled as asked (a sharded
-    model is its own wrapper). DDP is compiled, not wrapped around a compiled model: so torch.compile
-    splits the graph at DDP's gradient buckets, and each all-reduce overlaps the rest of the
-    backward (PyTorch's DDP and torch.compile notes)."""
-    model = gpt
-    if session.replicated:
-        device = session.device
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    return torch.compile(model) if args.compile else model
 
 
 # -----------------------------------------------------------------------------
@@ -923,7 +567,7 @@ def build_model(args, config, ckpt, source, session):
         with memory_for(f"the model on {device}", MODEL_SIZE_FLAGS), \
                 torch.device("meta") if shape_only else nullcontext():
             if pretrained and not shape_only:  # its weights, routing added with closed gates
-                gpt = mhar.GPT.from_pretrained(source, **dataclasses.asdict(config))
+                gpt = hf.load(source, **dataclasses.asdict(config))
             elif source and not pretrained:  # the baseline's weights, routing with closed gates
                 gpt = mhar.GPT.from_baseline(unwrapped(source["model"]), config)
             else:
@@ -939,7 +583,7 @@ def build_model(args, config, ckpt, source, session):
         progress = Progress(source["step"], [], source.get("tokens", 0))
     if source and not shape_only:  # the model before conversion, to check that it is exact
         if pretrained:
-            baseline = mhar.GPT.from_pretrained(source, seq_len=config.seq_len)
+            baseline = hf.load(source, seq_len=config.seq_len)
         else:
             baseline = mhar.GPT(mhar.Config(**source["config"]))
             baseline.load_state_dict(unwrapped(source["model"]))
@@ -970,29 +614,12 @@ def build_model(args, config, ckpt, source, session):
 MODEL_SIZE_FLAGS = "--n_embd, --n_layer, --ffn_hidden or --vocab_size (or a smaller --preset)"
 
 
-@contextmanager
-def memory_for(what, flags):
-    """An allocation that fails inside the block as one line: what did not fit in memory, how
-    much was asked for, and which flags to lower (the allocator's own message names neither)."""
-    try:
-        yield
-    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        asked = re.search(r"allocate (\d+ bytes|[\d.]+ [KMGTP]i?B)", str(e), re.IGNORECASE)
-        if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or asked):
-            raise
-        size = asked and asked[1]
-        if size and size.endswith(" bytes"):
-            size = f"{int(size.split()[0]) / 2**30:,.1f} GiB"
-        die(f"{what} does not fit in memory" + (f" (could not allocate {size})" if size else "")
-            + f": lower {flags}")
-
-
 def make_optimizer(gpt, args, device_type):
     """AdamW over mhar.GPT.param_groups (weight decay on all parameters), or with --decay_on
-    matrices over hf.midtrain_param_groups (the mid-training recipe: not the embedding, norms,
+    matrices over midtrain.param_groups (the mid-training recipe: not the embedding, norms,
     routing); the routing group at --routing_lr."""
     if args.decay_on == "matrices":
-        groups = hf.midtrain_param_groups(gpt, args.lr, args.weight_decay)
+        groups = midtrain.param_groups(gpt, args.lr, args.weight_decay)
         optimizer = torch.optim.AdamW(groups, betas=BETAS, eps=ADAM_EPS,
                                       fused=device_type == "cuda")
     else:
@@ -1153,36 +780,6 @@ class Run:
     ema: object = None     # WeightAverage of gpt's weights (--ema), or None
 
 
-def logged_until(path, step):
-    """The lines of log.jsonl up to `step`. Its last line may be half-written (the run crashed, or
-    the disk filled up, in the middle of it): it is dropped, like the lines after `step`."""
-    lines = path.read_bytes().decode(errors="replace").splitlines()
-    kept = []
-    for number, line in enumerate(lines, 1):
-        if not line:
-            continue
-        try:
-            entry = json.loads(line)
-            logged = entry["step"]
-        except (ValueError, TypeError, KeyError):
-            if number == len(lines):
-                break
-            die(f"{path}, line {number}, is not a line train.py wrote ({line[:40]!r}): delete "
-                f"it, then --resume again")
-        if logged <= step:
-            kept.append(line)
-    return kept
-
-
-def write_text(path, text, then="free some space or fix the permissions"):
-    """A whole file at once (write_atomically): a failed write leaves the previous file, or none,
-    and ends the run with one line that names it and says what to do `then`."""
-    try:
-        write_atomically(path, lambda f: f.write(text.encode()))
-    except OSError as e:
-        fail(f"could not write {path} ({os_error(e)}): {then}")
-
-
 def start_outputs(run):
     """The output folder: log.jsonl cut back to the checkpoint's step (a new run: emptied),
     config.json, and the header on the console."""
@@ -1298,7 +895,7 @@ def log_step(run, loss_sum, lr, timer, device_name):
         dist.all_reduce(loss_sum)  # summed over the ranks, divided below
     loss = loss_sum.item() / (args.grad_accum * s.world)
     ms, tok_s = timer.lap(args.global_batch * args.seq_len)
-    mfu = run.gpt.estimate_mfu(tok_s / s.world, device_name)  # None on CPUs and unknown GPUs
+    mfu = estimate_mfu(run.gpt.flops_per_token(), tok_s / s.world, device_name)  # None: unknown
     run.report.record(dict(step=p.step, loss=loss, lr=lr, ms=ms, tokens_per_s=tok_s,
                            tokens=p.tokens, peak_mem=peak_memory(s.device),
                            **({"mfu": mfu} if mfu is not None else {})))
@@ -1309,17 +906,18 @@ def log_step(run, loss_sum, lr, timer, device_name):
         die(f"the loss is {loss} at step {p.step}: lower --lr, or check the data")
 
 
-def train_step(model, optimizer, xs, ys, args, session):
+def train_step(model, optimizer, xs, ys, args, session, loss_fn):
     """One optimizer step over grad_accum micro-batches; returns the summed micro-batch losses.
     DDP synchronizes the gradients on the last micro-step only; FSDP reduce-scatters them after
-    every micro-step, so that no rank ever holds more than its shard of them."""
+    every micro-step, so that no rank ever holds more than its shard of them. loss_fn: the
+    chunked head's loss (head.linear_cross_entropy) with the run's z-loss, which is in the
+    gradient alone."""
     loss_sum = torch.zeros((), device=xs.device)
     for micro in range(args.grad_accum):
         last = micro == args.grad_accum - 1
         with model.no_sync() if session.replicated and not last else nullcontext():
-            with session.autocast:  # the loss alone, its logits a chunk at a time; the z-loss
-                _, loss = model(xs[micro], ys[micro], logits=False,  # is in its gradient only
-                                z_loss=args.z_loss)
+            with session.autocast:
+                _, loss = model(xs[micro], ys[micro], loss_fn=loss_fn)
             (loss / args.grad_accum).backward()
         loss_sum += loss.detach()
     if args.grad_clip > 0:
@@ -1344,7 +942,7 @@ def train(args, given=frozenset()):
         check_same_data(ckpt, data, args)
     config = model_config(args, data.meta if data else {})
     if isinstance(source, Path):
-        check_tokenizer(data, source, config.vocab_size)
+        midtrain.check_tokenizer(data, source, config.vocab_size)
     check_data(data, config)
 
     # the model, its optimizer, and where the run stands
@@ -1369,12 +967,14 @@ def train(args, given=frozenset()):
         device_name = s.device.type if s.device.type != "cuda" else torch.cuda.get_device_name()
         if args.compile:
             run.report.print(COMPILE_NOTE)
+        # one object for the whole run: a new one each step would make torch.compile recompile
+        loss_fn = functools.partial(head.linear_cross_entropy, z_loss=args.z_loss)
         timer, stop_signal = Timer(), 0
         while progress.step < args.stop_step and not stop_signal:
             scale = lr_factor(progress.step, args.warmup_steps, args.max_steps, args.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = group["initial_lr"] * scale
-            loss_sum = train_step(run.model, optimizer, *to_device(rows, s.device), args, s)
+            loss_sum = train_step(run.model, optimizer, *to_device(rows, s.device), args, s, loss_fn)
             if ema:
                 ema.update()
             progress.step += 1
@@ -1386,7 +986,7 @@ def train(args, given=frozenset()):
             if progress.step % args.eval_interval == 0 and progress.step < args.max_steps:
                 with timer.paused():  # evaluation is not training time
                     evaluate_and_save(run)
-            stop_signal = max_over_ranks(stop.signum, s)  # every rank stops after the same step
+            stop_signal = s.max_over_ranks(stop.signum)  # every rank stops after the same step
         return finish(run, timer, t_start, stop_signal)
 
 
@@ -1480,6 +1080,10 @@ def main(argv=None):
     try:
         args, given = parse_args(argv)
         summary = train(args, given)
+    except UserError as e:  # bad input: a flag, a file, a folder in use
+        die(str(e))
+    except MachineError as e:  # a full disk
+        fail(str(e))
     except OSError as e:  # making the output folder or its lock: a read-only folder
         fail(f"could not write {e.filename or 'the outputs'}: {e.strerror or one_line(e)}")
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save

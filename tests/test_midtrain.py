@@ -1,5 +1,6 @@
 """train.py --init_from DIR: a Hugging Face Qwen3 directory converted and mid-trained with the
-paper's recipe (hf.MIDTRAIN), checked against transformers and a hand-written loop."""
+paper's recipe (midtrain.py), checked against transformers and a hand-written loop."""
+import functools
 import json
 import shutil
 
@@ -8,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import head
 import hf
+import midtrain
 import train
 from helpers import save_tiny_qwen3
-from mhar import GPT
 from test_train import assert_same_state, error_of, load, read_log
 
 transformers = pytest.importorskip("transformers")  # the oracle; optional for users
@@ -37,6 +39,22 @@ def tokens(tmp_path_factory):
         rng.integers(0, VOCAB, n).astype(np.uint16).tofile(folder / f"{split}.bin")
     (folder / "meta.json").write_text(json.dumps({"tokenizer": "none", "vocab_size": VOCAB}))
     return folder
+
+
+def test_the_recipe_matches_the_paper_and_its_groups_decay_the_matrices_alone(qwen3):
+    values = {k: v for k, (v, _) in midtrain.RECIPE.items()}
+    assert values["lr"] * values["min_lr_ratio"] == pytest.approx(4e-6)           # 4e-4 -> 4e-6
+    assert values["route_block"] == 2 * 4                                        # 4 layers
+    assert values["global_batch"] * values["seq_len"] == 1_048_576               # ~1.05M tokens
+    model = hf.load(qwen3[0], residual="mhar", route_block=8, route_heads=8)
+    groups = midtrain.param_groups(model, lr=4e-4)
+    params = [id(p) for g in groups for p in g["params"]]
+    assert sorted(params) == sorted(id(p) for p in model.parameters())           # each exactly once
+    decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    named = dict(model.named_parameters())
+    assert {n for n, p in named.items() if id(p) in decayed} == {
+        n for n, p in named.items() if p.dim() == 2 and n != "embed.weight"}
+    assert all(g["weight_decay"] == 0.05 for g in groups if g["weight_decay"] > 0)
 
 
 def flags(directory, tokens, out, *extra):
@@ -84,12 +102,12 @@ def test_the_run_converts_and_its_first_loss_is_the_unconverted_models(qwen3, to
 
 
 def reference_midtraining(directory, tokens, steps, lr, z, decay, warmup=2, max_steps=5):
-    """The recipe by hand: the converted model, AdamW over hf.midtrain_param_groups, cross-entropy
-    plus z x the z-loss (the chunked head's; tests/test_head.py checks it against mhar.squared_log_z), clip
+    """The recipe by hand: the converted model, AdamW over midtrain.param_groups, cross-entropy
+    plus z x the z-loss (the chunked head's; tests/test_head.py checks it against head.squared_log_z), clip
     1.0, and the weight average of every parameter, step by step."""
     model = hf.load(directory, residual="mhar", route_block=8, route_heads=8,
                                 seq_len=32)
-    optimizer = torch.optim.AdamW(hf.midtrain_param_groups(model, lr, 0.05), betas=(0.9, 0.95),
+    optimizer = torch.optim.AdamW(midtrain.param_groups(model, lr, 0.05), betas=(0.9, 0.95),
                                   eps=1e-8)
     average = {name: p.detach().clone() for name, p in model.named_parameters()}
     args = train.parse_args(["--seq_len", "32", "--batch_size", "2"])[0]
@@ -99,7 +117,8 @@ def reference_midtraining(directory, tokens, steps, lr, z, decay, warmup=2, max_
         for group in optimizer.param_groups:
             group["lr"] = lr * train.lr_factor(step, warmup, max_steps, 0.01)
         rows = train.train_batch(train_tokens, args, step, 0)[0]
-        _, loss = model(rows[:, :-1], rows[:, 1:], logits=False, z_loss=z)
+        _, loss = model(rows[:, :-1], rows[:, 1:],
+                        loss_fn=functools.partial(head.linear_cross_entropy, z_loss=z))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

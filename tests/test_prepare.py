@@ -178,7 +178,7 @@ def test_prepare_writes_the_documented_split_byte_for_byte(tmp_path, seed):
 
 def test_prepare_max_tokens_is_exact_and_ends_in_eot(tmp_path):
     folder = prepare.prepare(out=tmp_path, max_tokens=50_000, quiet=True)  # the built-in corpus, cut short
-    assert folder == tmp_path / prepare.DEFAULT_NAME
+    assert folder == tmp_path / prepare.DEFAULT_CORPUS
     meta = json.loads((folder / "meta.json").read_text())
     assert meta["tokens"]["train"] + meta["tokens"]["val"] == 50_000
     assert meta["documents"]["val"] >= 1 and meta["max_tokens"] == 50_000

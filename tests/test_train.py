@@ -2,6 +2,7 @@
 resume, signals, the output folder's lock, failed saves, logs, bad input, DDP (tiny preset, the
 64-token corpus of the `data` fixture, a few steps each)."""
 import builtins
+import dataclasses
 import errno
 import io
 import json
@@ -18,9 +19,10 @@ import numpy as np
 import pytest
 import torch
 
+import head
 import mhar
 import train
-from common import sample_rows, seed_of
+from common import load_model, sample_rows, seed_of
 from helpers import ROOT, VOCAB, error_line, sigint_as_in_a_terminal
 
 
@@ -135,7 +137,8 @@ def reference_training(data, config, steps, lr=1e-2, warmup=2, max_steps=8, accu
         total = 0.0
         for m in range(accum):
             chunk = rows[m * micro:(m + 1) * micro]
-            _, loss = model(chunk[:, :-1], chunk[:, 1:], logits=logits)
+            _, loss = model(chunk[:, :-1], chunk[:, 1:],
+                            loss_fn=None if logits else head.linear_cross_entropy)
             (loss / accum).backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -294,6 +297,25 @@ def test_resume_refuses_data_prepared_anew(data, tmp_path, capsys):
     resume = ["--resume", "--out_dir", str(tmp_path / "out")]
     assert "not the data this checkpoint was trained on" in error_of(capsys, resume)
     assert train.main([*resume, "--allow_data_change"])["step"] == 8
+
+
+def test_checkpoint_of_the_old_layout_loads(tmp_path):
+    """Checkpoints written before the sites' g was renamed (sites.j.norm.weight) load unchanged:
+    common.read_checkpoint renames the key, for --resume and common.load_model alike."""
+    torch.manual_seed(0)
+    config = mhar.Config(vocab_size=VOCAB, seq_len=16, n_layer=2, n_embd=32, n_head=2,
+                         n_kv_head=1, ffn_hidden=64, delta=True)
+    model = mhar.GPT(config)
+    with torch.no_grad():
+        for site in model.sites:
+            site.norm_weight.uniform_(0.5, 1.5)
+    old = {key.replace(".norm_weight", ".norm.weight"): value
+           for key, value in model.state_dict().items()}
+    assert "sites.0.norm.weight" in old and "sites.0.norm_weight" not in old
+    torch.save({"model": old, "config": dataclasses.asdict(config)}, tmp_path / "ckpt.pt")
+    loaded, _ = load_model(tmp_path / "ckpt.pt")  # strict: every key found
+    for a, b in zip(loaded.sites, model.sites):
+        assert torch.equal(a.norm_weight, b.norm_weight)
 
 
 # -----------------------------------------------------------------------------
