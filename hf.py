@@ -47,9 +47,8 @@ hf.load reads it too, and the layout written before it: mhar.safetensors with th
 Qwen3 names above plus "mhar.<name>" for what routing adds, no code (transformers refuses it).
 
 Only safetensors is needed here (and huggingface_hub to fetch a model by its hub id);
-transformers, the tests' oracle, is imported by the CPU demonstration alone (python hf.py). The
-end of the file holds the paper's 8B mid-training recipe, for train.py --init_from DIR, and that
-demonstration.
+transformers, the tests' oracle, is imported by the CPU demonstration alone (python hf.py), at the
+end of the file; the paper's 8B mid-training recipe, for train.py --init_from DIR, is midtrain.py.
 """
 import dataclasses
 import json
@@ -470,59 +469,6 @@ def save(model, directory, source=None, dtype=None, max_shard_size=MAX_SHARD_SIZ
 
 
 # ----------------------------------------------------------------------------------------------
-# The mid-training recipe: train.py --init_from DIR continues a pretrained model as delta MHAR.
-#
-# The paper (Luo, Cai, Hu, 2026, "Multi-Head Attention Residuals", section Mid-training and
-# appendix Training and reproducibility details) converts Marin-8B, a Llama-3.1-8B model at its
-# pre-decay plateau, and trains it 9,500 steps on an anneal corpus against a schedule-matched
-# plain continued-pretraining control. Its from-scratch recipe (train.py's defaults) differs in
-# several places; each flag below says where its value comes from, and "ours" marks a choice the
-# paper leaves open. The recipe also implies, for train.py: the step count and the schedule start
-# at 0 (a new run); AdamW starts cold ("we cold-start AdamW": the checkpoint has no moments), with
-# betas (0.9, 0.95) and eps 1e-8 as from scratch ("the settings below are common to every method
-# and scale unless noted"); weight decay on the matrices alone (midtrain_param_groups).
-MIDTRAIN = {  # train.py flag: (default, where it comes from)
-    "residual": ("mhar", "'We convert with the delta (additive-stream) form of attention "
-                         "residuals'"),
-    "delta": (True, "'adds the routed term to the intact residual stream ... closing the gate "
-                    "therefore leaves the pretrained computation untouched'"),
-    "route_block": (8, "'one delta per block of four consecutive layers': 4 layers = 8 sublayers"),
-    "route_heads": (8, "'each routing site attends over at most nine sources with H=8 heads'"),
-    "lr": (4e-4, "'cools from peak 4e-4 to 4e-6 over 9,500 steps'"),
-    "min_lr_ratio": (0.01, "the same line: 4e-6 / 4e-4"),
-    "max_steps": (9500, "the same line"),
-    "warmup_steps": (100, "'a short linear re-warmup (0 -> peak) to rebuild the second moment "
-                          "before decaying'; no length given. Ours: 5 time constants of "
-                          "beta2 = 0.95 (1 / (1 - 0.95) = 20 steps), about 1% of the run"),
-    "schedule": ("cosine", "the decay shape is not named ('the same peak rate, decay shape, "
-                           "batch'). Ours: train.py's cosine, which ends at min_lr_ratio x peak"),
-    "weight_decay": (0.05, "'weight decay 0.05 (excluding embeddings, norms, biases)'; from "
-                           "scratch it is 0.1 on all parameters"),
-    "grad_clip": (1.0, "'Gradients are clipped to global norm 1.0' (common to every run)"),
-    "seq_len": (4096, "'sequence length 4096'"),
-    "global_batch": (256, "'a global batch of about 1.05M tokens': 256 x 4096 = 1,048,576"),
-    "dtype": ("bfloat16", "'Training uses FSDP full-shard, bfloat16, and activation "
-                          "checkpointing'"),
-    "ema": (0.999, "'weight-EMA (beta = 0.999, evaluated)': the EMA weights are evaluated and "
-                   "released"),
-    "z_loss": (1e-4, "'a logit z-loss (1e-4)'"),
-}
-
-
-def midtrain_param_groups(model, lr, weight_decay=MIDTRAIN["weight_decay"][0]):
-    """AdamW parameter groups of the recipe: weight decay on the matrices alone.
-
-    The paper excludes embeddings, norms and biases (this decoder has no biases). The parameters
-    routing adds (queries, gates, null source, key norms) are vectors and scalars like those; the
-    paper does not name them, and decay would pull the zero-initialized gates back shut, so they
-    are not decayed either. An untied LM head is a matrix (GPT.param_groups) and is decayed.
-    """
-    return [{"name": name, "params": params, "lr": lr,
-             "weight_decay": weight_decay if name == "matrices" else 0.0}
-            for name, params in model.param_groups().items() if params]
-
-
-# ----------------------------------------------------------------------------------------------
 # The CPU demonstration: python hf.py [DIR]. transformers saves a tiny random Qwen3 into DIR (no
 # download); it is read, converted, trained five steps with the recipe's groups, written back and
 # run by transformers.
@@ -571,7 +517,8 @@ def demo(directory, steps=5):
         print(f"converted (mhar, delta, H 8, one delta per 4 layers): max |logit difference| to "
               f"the baseline {max_diff(model(x)[0], baseline(x)[0]):g}")
         first_baseline_loss = baseline(x, y)[1].item()
-    groups = midtrain_param_groups(model, lr=MIDTRAIN["lr"][0])
+    import midtrain  # the recipe's optimizer groups
+    groups = midtrain.param_groups(model, lr=midtrain.RECIPE["lr"][0])
     optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-8)
     for step in range(steps):
         _, loss = model(rows[step, :, :-1], rows[step, :, 1:])
