@@ -1,5 +1,5 @@
 """
-The LM head's cost, the full logits against the chunked loss (GPT.forward(..., logits=False)),
+The LM head's cost, the full logits against the chunked loss (head.py, GPT.forward(loss_fn=...)),
 side by side: the peak memory and the time of one training step (forward, backward, AdamW). The
 two heads alternate step by step in one process, so that a busy machine slows both alike; the
 process's CPU time per step is printed beside the wall time, as a busy machine inflates it less.
@@ -20,6 +20,7 @@ data) and its maximum resident set (the kernel's count: a process's peak never c
 the children); on CUDA, the allocator's peak of each step.
 """
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -33,6 +34,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 import mhar  # noqa: E402
+from head import linear_cross_entropy, squared_log_z  # noqa: E402
 from common import UserError, max_resident_bytes, peak_memory, pick_device  # noqa: E402
 
 QWEN3_4K = dict(vocab_size=151936, seq_len=4096, n_embd=128, n_head=4, n_kv_head=2, ffn_hidden=384)
@@ -56,9 +58,15 @@ def setup(case, device):
 
 
 def step(model, optimizer, x, y, head, z_loss):
-    """One training step with the full logits or the chunked loss; its loss."""
-    _, loss = model(x, y, logits=head == "full", z_loss=z_loss)
-    loss.backward()
+    """One training step with the full logits or the chunked loss, the z-loss in the gradient of
+    either; its loss (the cross-entropy)."""
+    if head == "full":
+        logits, loss = model(x, y)
+        objective = loss + z_loss * squared_log_z(logits) if z_loss else loss
+    else:
+        _, loss = model(x, y, loss_fn=functools.partial(linear_cross_entropy, z_loss=z_loss))
+        objective = loss
+    objective.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.item()

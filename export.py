@@ -8,7 +8,7 @@ Export a train.py checkpoint as a Hugging Face directory.
 A baseline becomes a Qwen3 checkpoint (config.json, model.safetensors) that transformers loads
 with the same logits; a routed model (attnres, mhar, hyper) becomes a checkpoint with its code,
 which transformers runs with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
-and mhar.GPT.from_pretrained reads back, both exactly (hf.py says how). Tensors past
+and hf.load reads back, both exactly (hf.py says how). Tensors past
 --max_shard_size (default 5GB) are split into shards and an index, as transformers writes them.
 --tokenizer copies the tokenizer files and special token ids of a Hugging Face model directory;
 by default those of the directory the run was initialized from, when there is one. A run that
@@ -19,6 +19,7 @@ import argparse
 import shutil
 from pathlib import Path
 
+import hf
 from common import UserError, exit_error, load_model, one_line, output_folder
 
 
@@ -52,7 +53,7 @@ def main(argv=None):
         source = args.tokenizer or (init_from if from_dir else None)
         out = output_folder(args.out_dir, "out_dir")
         created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
-        model.save_pretrained(out, source=source, dtype=args.dtype, max_shard_size=args.max_shard_size)
+        hf.save(model, out, source=source, dtype=args.dtype, max_shard_size=args.max_shard_size)
     except Exception as e:
         if created:  # the folders this export made hold nothing worth keeping
             shutil.rmtree(created[-1], ignore_errors=True)
@@ -67,7 +68,7 @@ def main(argv=None):
         how = "a Qwen3 checkpoint: transformers.AutoModelForCausalLM.from_pretrained"
     else:
         how = (f"{model.config.residual} routing with its code: transformers.AutoModelForCausalLM"
-               f".from_pretrained(..., trust_remote_code=True), or mhar.GPT.from_pretrained")
+               f".from_pretrained(..., trust_remote_code=True), or hf.load")
     tokenizer = f"tokenizer from {source}" if source else "no tokenizer files (pass --tokenizer DIR)"
     weights = "the weight average (--raw: the trained weights)" if averaged else "the weights"
     print(f"wrote {out}: {how}({str(out)!r}); {model.num_params():,} parameters, {weights}; "

@@ -47,15 +47,15 @@ from torch.utils.checkpoint import checkpoint
 @dataclass
 class Config:
     vocab_size: int = 50304      # GPT-2's 50257 tokens padded to a multiple of 128
-    seq_len: int = 1024
+    seq_len: int = 1024          # tokens per sequence, the longest the model reads
     n_layer: int = 12            # blocks; each block is two sublayers (attention, MLP)
-    n_embd: int = 768
-    n_head: int = 12
+    n_embd: int = 768            # model width d
+    n_head: int = 12             # attention heads
     n_kv_head: int = 4           # grouped-query attention: n_head / n_kv_head queries share a key
     head_dim: int = 0            # head width, 0 = n_embd // n_head (Qwen3-0.6B: 128, not 1024/16)
     ffn_hidden: int = 2048       # SwiGLU hidden width
-    rope_theta: float = 1e4      # Qwen3 checkpoints use 1e6
-    norm_eps: float = 1e-6
+    rope_theta: float = 1e4      # rotary embedding base (Qwen3 checkpoints: 1e6)
+    norm_eps: float = 1e-6       # RMSNorm epsilon
     tie_embeddings: bool = True  # the LM head is the input embedding (untied from Qwen3-4B up)
     residual: str = "mhar"       # "attnres" | "mhar" | "baseline" | "hyper"
     route_heads: int = 0         # mhar's heads H, 0 = n_kv_head (attnres: H = 1; others: unused)

@@ -614,23 +614,8 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
         raise PrepareError(f"--max_tokens must be at least 2, got {max_tokens}")
 
     # where the documents come from; everything that can fail early fails before we write
-    skipped = None
-    if hf:
-        name = name or "-".join(part for part in (hf.split("/")[-1], hf_config) if part)
-        sources = [f"huggingface:{hf}" + (f" config={hf_config}" if hf_config else "") + f" split={hf_split}"]
-        documents, total_bytes = _hf_documents(open_hf(hf, hf_config, hf_split), hf, text_field), None
-    else:
-        if inputs:
-            files = find_files(inputs)
-            name = name or _name_of(str(inputs[0]))
-            sources = [str(p) for p in inputs]
-        else:  # the built-in corpus
-            files = find_files([stdlib_folder()], extensions=(".py",), exclude=("site-packages",))
-            name, skipped = name or DEFAULT_CORPUS, []
-            sources = [f"python {sys.version.split()[0]} standard library: {stdlib_folder()}/**/*.py, "
-                       "without site-packages"]
-        documents = read_documents(files, text_field, skipped)
-        total_bytes = sum(p.stat().st_size for p in files)
+    name, sources, documents, total_bytes, skipped = corpus(inputs, name, hf, hf_config, hf_split,
+                                                            text_field)
     if not name or Path(name).name != name or name in (".", ".."):
         raise PrepareError(f"--name must be a plain folder name, got {name!r}")
     tok = (bytes_tokenizer() if tokenizer == BYTES else hf_tokenizer(tokenizer) if tokenizer
@@ -654,23 +639,12 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
         if counts["train"]["documents"] == 0:
             raise PrepareError("only one document: the train/val split is by document, so give at least two "
                                "(more files, or a .jsonl with one document per line)")
-        meta = {
-            "tokenizer": tok.name,
-            "tokenizer_source": tok.source,
-            "vocab_size": tok.vocab_size,
-            "eot": tok.eot,
-            "dtype": tok.dtype,
-            **tok.meta,
-            "sources": sources,
-            "text_field": text_field,
-            "documents": {split: c["documents"] for split, c in counts.items()},
-            "tokens": {split: c["tokens"] for split, c in counts.items()},
-            "input_bytes": round(nbytes),
-            "skipped_not_utf8": skipped or [],
-            "seed": seed,
-            "val_fraction": val_fraction,
-            "max_tokens": max_tokens,
-        }
+        meta = dict(tokenizer=tok.name, tokenizer_source=tok.source, vocab_size=tok.vocab_size,
+                    eot=tok.eot, dtype=tok.dtype, **tok.meta, sources=sources, text_field=text_field,
+                    documents={split: c["documents"] for split, c in counts.items()},
+                    tokens={split: c["tokens"] for split, c in counts.items()},
+                    input_bytes=round(nbytes), skipped_not_utf8=skipped or [], seed=seed,
+                    val_fraction=val_fraction, max_tokens=max_tokens)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         final = out / name
         final.mkdir(exist_ok=True)
@@ -684,23 +658,48 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
                                f"space or choose another --out") from None
         raise
 
-    if not quiet:  # what was made, nanoGPT style
-        seconds = time.time() - start
-        tokens = sum(c["tokens"] for c in counts.values())
-        documents = sum(c["documents"] for c in counts.values())
-        print(f"{name}: {documents:,} documents, {nbytes / 1e6:,.1f} MB of text, from {'; '.join(sources)}")
-        if skipped:
-            print(f"skipped {len(skipped)} files that are not UTF-8: {', '.join(Path(p).name for p in skipped)}")
-        width = len(str(final / "train.bin"))
-        for split in ("train", "val"):
-            path = final / f"{split}.bin"
-            c = counts[split]
-            print(f"{str(path):<{width}} {c['documents']:>9,} documents {c['tokens']:>13,} tokens "
-                  f"{path.stat().st_size:>14,} bytes")
-        print(f"{str(final / 'meta.json'):<{width}} tokenizer {tok.name} ({tok.source}), "
-              f"{tok.vocab_size:,} ids as {tok.dtype}, end-of-text {tok.eot}")
-        print(f"done in {seconds:.1f} s, {tokens / seconds / 1e6:.2f}M tokens/s on {_cores()} cores")
+    if not quiet:
+        report(name, final, counts, nbytes, sources, skipped, tok, time.time() - start)
     return final
+
+
+def corpus(inputs, name, hf, hf_config, hf_split, text_field):
+    """(name, sources, documents, total bytes or None, files skipped or None) of the input: a
+    Hugging Face dataset, files and folders, or the built-in corpus."""
+    if hf:
+        name = name or "-".join(part for part in (hf.split("/")[-1], hf_config) if part)
+        sources = [f"huggingface:{hf}" + (f" config={hf_config}" if hf_config else "") + f" split={hf_split}"]
+        return name, sources, _hf_documents(open_hf(hf, hf_config, hf_split), hf, text_field), None, None
+    skipped = None
+    if inputs:
+        files = find_files(inputs)
+        name = name or _name_of(str(inputs[0]))
+        sources = [str(p) for p in inputs]
+    else:  # the built-in corpus
+        files = find_files([stdlib_folder()], extensions=(".py",), exclude=("site-packages",))
+        name, skipped = name or DEFAULT_CORPUS, []
+        sources = [f"python {sys.version.split()[0]} standard library: {stdlib_folder()}/**/*.py, "
+                   "without site-packages"]
+    documents = read_documents(files, text_field, skipped)
+    return name, sources, documents, sum(p.stat().st_size for p in files), skipped
+
+
+def report(name, final, counts, nbytes, sources, skipped, tok, seconds):
+    """What was made, nanoGPT style."""
+    tokens = sum(c["tokens"] for c in counts.values())
+    documents = sum(c["documents"] for c in counts.values())
+    print(f"{name}: {documents:,} documents, {nbytes / 1e6:,.1f} MB of text, from {'; '.join(sources)}")
+    if skipped:
+        print(f"skipped {len(skipped)} files that are not UTF-8: {', '.join(Path(p).name for p in skipped)}")
+    width = len(str(final / "train.bin"))
+    for split in ("train", "val"):
+        path = final / f"{split}.bin"
+        c = counts[split]
+        print(f"{str(path):<{width}} {c['documents']:>9,} documents {c['tokens']:>13,} tokens "
+              f"{path.stat().st_size:>14,} bytes")
+    print(f"{str(final / 'meta.json'):<{width}} tokenizer {tok.name} ({tok.source}), "
+          f"{tok.vocab_size:,} ids as {tok.dtype}, end-of-text {tok.eot}")
+    print(f"done in {seconds:.1f} s, {tokens / seconds / 1e6:.2f}M tokens/s on {_cores()} cores")
 
 
 # -----------------------------------------------------------------------------

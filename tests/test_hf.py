@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import hf
+import midtrain
 from common import CheckpointError
 from helpers import ROOT, error_line, files_in, foreign_model, one_error_line, rel_err, run_script, save_tiny_qwen3, tiny
-from mhar import GPT
+from mhar import GPT, Config
 
 transformers = pytest.importorskip("transformers")  # installed in CI (.ci/run); optional for users
 
@@ -251,7 +252,7 @@ def test_conversion_in_bf16_is_exact_too(qwen3):
     directory = qwen3["untied-hd32"][0]
     baseline = hf.load(directory, dtype="bfloat16")
     converted = hf.load(directory, dtype="bfloat16", residual="mhar", route_heads=8,
-                                    route_block=8)
+                        route_block=8)
     assert converted.sites[0].gate.dtype == torch.bfloat16
     assert torch.equal(logits_of(converted, tokens()), logits_of(baseline, tokens()))
 
@@ -288,7 +289,7 @@ def test_a_routed_model_round_trips_and_transformers_asks_to_trust_its_code(qwen
     torch.manual_seed(0)
     if kind == "converted-mhar":
         model = hf.load(qwen3["untied-hd32"][0], residual="mhar", route_heads=8,
-                                    route_block=4)
+                        route_block=4)
     else:
         name, _, tau = kind.partition("-T")   # attnres-T4: at route_temperature 4
         residual, _, block = name.partition("-S")
@@ -322,7 +323,7 @@ def write_earlier_export(model, directory):
     hf.save(model, directory)
     config = json.loads((directory / "config.json").read_text())
     del config["auto_map"], config["use_cache"]
-    config["mhar"] = {k: config["mhar"][k] for k in hf.ROUTING}
+    config["mhar"] = {k: config["mhar"][k] for k in Config.ROUTING}
     (directory / "config.json").write_text(json.dumps(config))
     for file in [*directory.glob("model*.safetensors*"), *(directory / n for n in hf.REMOTE_CODE)]:
         file.unlink()
@@ -334,7 +335,7 @@ def write_earlier_export(model, directory):
 
 def test_an_earlier_export_still_loads(qwen3, tmp_path):
     model = open_routing(hf.load(qwen3["untied-hd32"][0], residual="mhar",
-                                             route_heads=8, route_block=4))
+                                 route_heads=8, route_block=4))
     write_earlier_export(model, tmp_path)
     assert hf.layout(json.loads((tmp_path / "config.json").read_text())) == "mhar"
     loaded = hf.load(tmp_path)
@@ -395,30 +396,13 @@ def test_tokenizer_files_and_token_ids_travel_with_the_model(qwen3, tmp_path):
 # ----------------------------------------------------------------------------------------------
 # The mid-training recipe
 
-def test_midtrain_recipe_matches_the_paper_and_its_groups_decay_the_matrices_alone(qwen3):
-    values = {k: v for k, (v, _) in hf.MIDTRAIN.items()}
-    assert values["lr"] * values["min_lr_ratio"] == pytest.approx(4e-6)           # 4e-4 -> 4e-6
-    assert values["route_block"] == 2 * 4                                        # 4 layers
-    assert values["global_batch"] * values["seq_len"] == 1_048_576               # ~1.05M tokens
-    model = hf.load(qwen3["untied-hd32"][0], residual="mhar", route_block=8,
-                                route_heads=8)
-    groups = hf.midtrain_param_groups(model, lr=4e-4)
-    params = [id(p) for g in groups for p in g["params"]]
-    assert sorted(params) == sorted(id(p) for p in model.parameters())           # each exactly once
-    decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
-    named = dict(model.named_parameters())
-    assert {n for n, p in named.items() if id(p) in decayed} == {
-        n for n, p in named.items() if p.dim() == 2 and n != "embed.weight"}
-    assert all(g["weight_decay"] == 0.05 for g in groups if g["weight_decay"] > 0)
-
-
 def test_a_converted_qwen3_trains_from_the_baselines_loss(qwen3):
     """Five AdamW steps with the recipe's groups on random tokens: the first loss is the
     unconverted model's, the gates open."""
     directory = qwen3["untied-hd32"][0]
     baseline = hf.load(directory)
     model = hf.load(directory, residual="mhar", route_block=8, route_heads=8)
-    optimizer = torch.optim.AdamW(hf.midtrain_param_groups(model, lr=1e-2), betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(midtrain.param_groups(model, lr=1e-2), betas=(0.9, 0.95))
     batches = torch.randint(0, 100, (5, 4, 33), generator=torch.Generator().manual_seed(1))
     losses = []
     for rows in batches:
@@ -580,7 +564,7 @@ for name, directory in args["dirs"].items():
                                                 dtype=torch.bfloat16).eval()
     with torch.no_grad():
         result["logits-bf16"] = bf16(idx).logits
-    hf.save(model, f"{directory}-resaved")  # as after fine-tuning with transformers
+    model.save_pretrained(f"{directory}-resaved")  # as after fine-tuning with transformers
     refused = []  # what the model cannot honour is an error, not ignored
     padded = torch.ones_like(idx)
     padded[0, 0] = 0
