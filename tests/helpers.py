@@ -201,7 +201,7 @@ def save_tiny_qwen3(directory, tied=True, head_dim=16, n_kv_head=2, rope_theta=1
 
 
 def foreign_model(folder, kind):
-    """A directory GPT.from_pretrained refuses, folder/kind: "llama", a Llama model that transformers saves;
+    """A directory hf.load refuses, folder/kind: "llama", a Llama model that transformers saves;
     "broken", a Qwen3 config.json cut short. Returns (directory, a fragment of the refusal)."""
     needs("transformers")
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config

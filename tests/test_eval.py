@@ -252,7 +252,7 @@ def test_a_tokenizer_json_answers_as_gpt2(run, tmp_path):
 
 
 def test_a_hugging_face_directory_answers_as_transformers(tmp_path):
-    """A Qwen3 directory (GPT.from_pretrained, its own tokenizer.json with fewer ids than the
+    """A Qwen3 directory (hf.load, its own tokenizer.json with fewer ids than the
     model's vocabulary): loglikelihoods, rolling sums and greedy text equal those computed from
     transformers' Qwen3ForCausalLM, an independent implementation, in float64."""
     needs("lm_eval"), needs("transformers"), needs("tokenizers")

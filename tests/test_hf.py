@@ -80,7 +80,7 @@ def test_the_tiny_checkpoints_are_what_they_say(qwen3):
 
 
 @pytest.mark.parametrize("name", QWEN3S)
-def test_from_pretrained_gives_transformers_logits(qwen3, name):
+def test_load_gives_transformers_logits(qwen3, name):
     directory, reference = qwen3[name]
     model = hf.load(directory)
     idx = tokens()
@@ -89,7 +89,7 @@ def test_from_pretrained_gives_transformers_logits(qwen3, name):
     assert (model.lm_head.weight is model.embed.weight) == model.config.tie_embeddings
 
 
-def test_from_pretrained_in_bf16_is_as_close_as_transformers_bf16(qwen3):
+def test_load_in_bf16_is_as_close_as_transformers_bf16(qwen3):
     directory, reference = qwen3["untied-hd32"]
     idx = tokens(T=48)
     truth = logits_of(reference, idx)                                          # float32
@@ -316,7 +316,7 @@ def test_a_routed_model_round_trips_and_transformers_asks_to_trust_its_code(qwen
 
 
 def write_earlier_export(model, directory):
-    """A routed model as save_pretrained wrote it before it wrote remote code: config.json with
+    """A routed model as hf.save wrote it before it wrote remote code: config.json with
     the routing alone in its "mhar" section, Qwen3's names and "mhar.<name>" in
     mhar.safetensors."""
     from safetensors.torch import save_file
@@ -725,7 +725,7 @@ def test_the_model_refuses_what_it_cannot_honour(fresh):
 @pytest.mark.parametrize("name", ROUTED)
 def test_what_transformers_saves_loads_here(fresh, name):
     """transformers' own save_pretrained of the model (after fine-tuning with it, say) writes a
-    directory GPT.from_pretrained reads: the same tensors and logits."""
+    directory hf.load reads: the same tensors and logits."""
     resaved = hf.load(fresh.dirs[name].with_name(f"{name}-resaved"))
     model = fresh.models[name]
     assert resaved.config == model.config.__class__(**{**dataclasses.asdict(model.config),
@@ -741,7 +741,7 @@ def test_autotokenizer_reads_the_directorys_tokenizer(fresh):
 
 
 def test_lm_evals_hf_model_gives_eval_pys_loglikelihoods(fresh):
-    """lm-eval's own hf model (transformers, the directory's code) and eval.py (GPT.from_pretrained)
+    """lm-eval's own hf model (transformers, the directory's code) and eval.py (hf.load)
     on the same directory and offline tasks: request by request, the same log-likelihoods."""
     if fresh.samples is None:
         pytest.skip("lm-eval's hf model needs lm-eval and accelerate: pip install lm-eval "

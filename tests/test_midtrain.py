@@ -84,7 +84,8 @@ def test_the_run_converts_and_its_first_loss_is_the_unconverted_models(qwen3, to
         logits = qwen3[1](rows[:, :-1]).logits
     theirs = F.cross_entropy(logits.reshape(-1, VOCAB), rows[:, 1:].reshape(-1)).item()
     first = [e for e in log if "loss" in e][0]
-    assert first["step"] == 1 and first["loss"] == theirs
+    # equal up to fp32 rounding: the chunked head sums its matmuls in another order than one matmul
+    assert first["step"] == 1 and first["loss"] == pytest.approx(theirs, rel=1e-6)
     # the recipe's conversion: delta MHAR, H 8, a delta per 8 sublayers; the gates opened
     config = ckpt["config"]
     assert (config["residual"], config["delta"], config["route_heads"], config["route_block"]) == (
