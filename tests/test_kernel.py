@@ -9,9 +9,11 @@ import sys
 import pytest
 import torch
 
+import bench_kernel
 import kernel
 import mhar
 from helpers import gpt_pair, interpreted, rel_err, route_and_grads, route_inputs
+from bench_kernel import HEADS
 from kernel import FusedHistory, fused_route
 
 DEVICE = "cuda" if torch.cuda.is_available() and not kernel.INTERPRETED else "cpu"
@@ -169,8 +171,8 @@ def test_fused_history_matches_readable(nan_outputs, case):
     width, heads, block, delta, group, dtype = case
     sites = 5
     s0, layers, queries, norms, null = network_parameters(sites, width, dtype, delta)
-    fused = outputs_and_grads(FusedHistory(queries, norms, heads, 1e-6, block, group, null),
-                              s0, layers, queries, norms, null)
+    history = mhar.depth_history(queries, norms, heads, 1e-6, block, null)
+    fused = outputs_and_grads(FusedHistory(history, group), s0, layers, queries, norms, null)
     readable = outputs_and_grads(ReadableHistory(queries, norms, heads, block, null),
                                  s0, layers, queries, norms, null)
     # fp32: the acceptance bound; bf16: a few roundings to 8 bits along the chain (both paths round)
@@ -182,7 +184,8 @@ def test_fused_history_matches_readable(nan_outputs, case):
 def test_groups_leave_a_partial_last_group():
     """The depth above is one at which the explicit groups of the cases do not tile the sites."""
     for group in (2, 3):
-        sizes = [launch.sites for launch in kernel.schedule(5, group) if launch.phase == 1]
+        launches = kernel.schedule(bench_kernel.site_reads(5), group)
+        sizes = [launch.sites for launch in launches if launch.phase == 1]
         assert sizes[-1] < group, sizes
 
 
@@ -193,7 +196,7 @@ def test_fused_history_bitwise_deterministic(monkeypatch):
     runs = []
     for _ in range(2):
         s0, layers, queries, norms, null = network_parameters(5, 24, positions=8)
-        history = FusedHistory(queries, norms, 2, group=3)
+        history = FusedHistory(mhar.depth_history(queries, norms, 2, 1e-6), group=3)
         runs.append(outputs_and_grads(history, s0, layers, queries, norms, null))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
@@ -202,7 +205,7 @@ def test_fused_history_bitwise_deterministic(monkeypatch):
 def test_fused_history_without_grad():
     s0, layers, queries, norms, _ = network_parameters(3, 24)
     with torch.no_grad():
-        fused = network(FusedHistory(queries, norms, 2, group=2), s0, layers)
+        fused = network(FusedHistory(mhar.depth_history(queries, norms, 2, 1e-6), group=2), s0, layers)
         reference = network(ReadableHistory(queries, norms, 2), s0, layers)
     assert rel_err(fused, reference) < 1e-5
 
@@ -212,11 +215,11 @@ def test_second_backward_and_checkpointed_sublayers_give_the_same_gradients():
     gradients again, and checkpointed sublayers recompute without touching the history."""
     from torch.utils.checkpoint import checkpoint
     s0, layers, queries, norms, _ = network_parameters(3, 24)
-    out = network(FusedHistory(queries, norms, 2, group=2), s0, layers)
+    out = network(FusedHistory(mhar.depth_history(queries, norms, 2, 1e-6), group=2), s0, layers)
     first = torch.autograd.grad(out.sum(), queries, retain_graph=True)
     second = torch.autograd.grad(out.sum(), queries)
     checkpointed = [lambda h, layer=layer: checkpoint(layer, h, use_reentrant=False) for layer in layers]
-    out = network(FusedHistory(queries, norms, 2, group=2), s0, checkpointed)
+    out = network(FusedHistory(mhar.depth_history(queries, norms, 2, 1e-6), group=2), s0, checkpointed)
     third = torch.autograd.grad(out.sum(), queries)
     for a, b, c in zip(first, second, third):
         assert torch.equal(a, b) and torch.equal(a, c)
@@ -224,7 +227,7 @@ def test_second_backward_and_checkpointed_sublayers_give_the_same_gradients():
 
 def test_fused_history_refuses_misuse():
     s0, layers, queries, norms, _ = network_parameters(2, 24)
-    history = FusedHistory(queries, norms, 2)
+    history = FusedHistory(mhar.depth_history(queries, norms, 2, 1e-6))
     history.append(s0)
     with pytest.raises(ValueError, match="right after"):
         history.read(1)                                                 # site 1's source is not there yet
@@ -232,7 +235,8 @@ def test_fused_history_refuses_misuse():
     with pytest.raises(RuntimeError, match="checkpoint the sublayers"):
         history.append(s0)                                              # a third source for two sites
     with pytest.raises(ValueError, match="fused_group"):
-        FusedHistory([torch.zeros(1280)] * 9, [torch.ones(1280)] * 9, 8, group=8)  # would spill
+        FusedHistory(mhar.depth_history([torch.zeros(1280)] * 9, [torch.ones(1280)] * 9, 8, 1e-6),
+                     group=8)  # would spill
     with pytest.raises(ValueError, match="fused_group"):
         mhar.Config(fused_group=-1)
 
@@ -291,18 +295,18 @@ def previous_kernels_bytes(n_layer, d, heads, positions, source_bytes=2):
 
 def test_previous_kernels_bytes_reproduce_their_count():
     """The formula above gives the 11.4 / 19.9 / 53.1 GB counted for those kernels (H = n_kv_head)."""
-    for (preset, d, L, B, T), kv_heads in zip(kernel.KERNEL_TABLE, (4, 8, 8)):
+    for (preset, d, L, B, T), kv_heads in zip(bench_kernel.KERNEL_TABLE, (4, 8, 8)):
         counted = previous_kernels_bytes(L, d, kv_heads, B * T) / 1e9
-        assert counted == pytest.approx(kernel.PREVIOUS_GB[preset], rel=0.01)
+        assert counted == pytest.approx(bench_kernel.PREVIOUS_GB[preset], rel=0.01)
 
 
 def test_grouped_moves_under_a_third_at_the_kernel_table_shapes():
-    for preset, d, L, B, T in kernel.KERNEL_TABLE:
+    for preset, d, L, B, T in bench_kernel.KERNEL_TABLE:
         moved = {group: sum(part for way in ("forward", "backward")
-                            for part in kernel.traffic(L, d, kernel.HEADS, B * T, group)[way].values())
+                            for part in bench_kernel.traffic(L, d, HEADS, B * T, group)[way].values())
                  for group in (0, 1)}
-        assert moved[0] <= kernel.PREVIOUS_GB[preset] * 1e9 / 3, (preset, moved[0] / 1e9)
-        assert moved[0] < moved[1] < kernel.PREVIOUS_GB[preset] * 1e9, (preset, moved)
+        assert moved[0] <= bench_kernel.PREVIOUS_GB[preset] * 1e9 / 3, (preset, moved[0] / 1e9)
+        assert moved[0] < moved[1] < bench_kernel.PREVIOUS_GB[preset] * 1e9, (preset, moved)
 
 
 METERED = {   # id: (n_layer, width, heads, B·T, group, block, delta)
@@ -323,12 +327,12 @@ def test_meter_counts_what_the_model_predicts(case):
     norms = [torch.nn.Parameter(1 + 0.1 * torch.randn(d)) for _ in range(sites)]
     null = torch.nn.Parameter(torch.randn(d)) if delta else None
     s0 = torch.randn(1, positions, d, dtype=torch.bfloat16, requires_grad=True)
-    with kernel.count_bytes() as forward:
-        history = FusedHistory(queries, norms, heads, block=block, group=group, null=null)
+    with bench_kernel.count_bytes() as forward:
+        history = FusedHistory(mhar.depth_history(queries, norms, heads, 1e-6, block, null), group=group)
         out = network(history, s0, [torch.sin] * (sites - 1))
-    with kernel.count_bytes() as backward:
+    with bench_kernel.count_bytes() as backward:
         out.backward(torch.ones_like(out))
-    model = kernel.traffic(n_layer, d, heads, positions, group, block, delta, source_bytes=2, target=None)
+    model = bench_kernel.traffic(n_layer, d, heads, positions, group, block, delta, source_bytes=2, target=None)
     assert forward["load"] + forward["store"] == model["forward"]["kernels"]
     assert backward["load"] + backward["store"] == model["backward"]["kernels"]
     if case == METERED["grouped-12-layers"]:
@@ -337,9 +341,9 @@ def test_meter_counts_what_the_model_predicts(case):
 
 
 def test_traffic_table(capsys):
-    assert kernel.main(["--traffic"]) == 0
+    assert bench_kernel.main(["--traffic"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    for preset, *_ in kernel.KERNEL_TABLE:
+    for preset, *_ in bench_kernel.KERNEL_TABLE:
         assert sum(line.startswith(preset + " ") for line in lines) == 2
 
 
@@ -351,20 +355,20 @@ def test_benchmark_code_runs_on_the_cpu(capsys):
     def call_once(fn, grad_to_none=None):
         fn()
         return 1.0
-    routing = kernel._benchmark("cpu", [("tiny", 24, 2, 1, 3)], call_once, "eager", torch.float32)
+    routing = bench_kernel._benchmark("cpu", [("tiny", 24, 2, 1, 3)], call_once, "eager", torch.float32)
     assert set(routing) == {("tiny", "fused 1"), ("tiny", "fused G")}
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in lines[1:]] == ["eager", "compile", "fused", "fused", "fused",
                                                         "fused", "fused"]          # G = 1 .. 5
-    kernel._step_benchmark(routing, "cpu", [("tiny", 1, 3)], call_once, vocab_size=128)
+    bench_kernel._step_benchmark(routing, "cpu", [("tiny", 1, 3)], call_once, vocab_size=128)
     assert "tiny" in capsys.readouterr().out.splitlines()[-1]
 
 
 @interpreted
 def test_host_cost_runs_on_the_cpu(capsys):
-    """The host-time measurement of docs/kernels.md (python kernel.py --host), at a tiny shape."""
-    ratios = kernel.host_cost([("tiny", 24, 2, 1, 3)], repeats=1)
-    assert set(ratios) == {("tiny", 1), ("tiny", kernel.auto_group(5, 24, kernel.HEADS))}
+    """The host-time measurement of docs/kernels.md (python bench_kernel.py --host), at a tiny shape."""
+    ratios = bench_kernel.host_cost([("tiny", 24, 2, 1, 3)], repeats=1)
+    assert set(ratios) == {("tiny", 1), ("tiny", bench_kernel.auto_group(5, 24, HEADS))}
     assert all(ratio > 0 for ratio in ratios.values())
 
 
@@ -381,7 +385,7 @@ def test_check_available_without_gpu_or_interpreter(monkeypatch):
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         fused_route(V, q, g, 2)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        FusedHistory([q], [g], 2).append(V[0])
+        FusedHistory(mhar.depth_history([q], [g], 2, 1e-6)).append(V[0])
 
 
 def test_import_without_triton(monkeypatch):
@@ -397,6 +401,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+import bench_kernel
 import kernel
 assert not kernel.INTERPRETED
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -435,10 +440,10 @@ def compile_launch(args):
     return results
 
 launches = []
-for name, d, L, B, T in kernel.KERNEL_TABLE:
-    G = kernel.auto_group(2 * L + 1, d, kernel.HEADS)
+for name, d, L, B, T in bench_kernel.KERNEL_TABLE:
+    G = bench_kernel.auto_group(2 * L + 1, d, bench_kernel.HEADS)
     # one pass per site; phase 1 of a group; phase 2 (one site continuing a partial state)
-    launches += [(name, d, kernel.HEADS, sites, init, torch.bfloat16)
+    launches += [(name, d, bench_kernel.HEADS, sites, init, torch.bfloat16)
                  for sites, init in ((1, False), (G, False), (1, True))]
 launches += [("1b", 1280, 8, 4, False, torch.float32), ("odd", 24, 3, 2, True, torch.float32)]  # fp32; H = 3
 with ProcessPoolExecutor(2) as pool:
@@ -500,8 +505,8 @@ def test_fused_bf16_is_as_close_to_float64_as_the_readable_path():
     pass per site, and grouped) than on the readable one, which routes in fp32 and rounds each
     site's output and gradients to bf16; the output within 5 % (both round it once)."""
     paths = {"readable": lambda q, g: ReadableHistory(q, g, 4),
-             "one-pass": lambda q, g: FusedHistory(q, g, 4, group=1),
-             "grouped": lambda q, g: FusedHistory(q, g, 4, group=0)}
+             "one-pass": lambda q, g: FusedHistory(mhar.depth_history(q, g, 4, 1e-6), group=1),
+             "grouped": lambda q, g: FusedHistory(mhar.depth_history(q, g, 4, 1e-6), group=0)}
     errors = {name: torch.zeros(4, dtype=torch.float64) for name in paths}
     for seed in range(2):
         exact = chain_grads(paths["readable"], torch.float64, seed)
@@ -548,7 +553,8 @@ def test_fused_bf16_gradients_round_once_on_a_long_chain(group, sources_bound, q
     state's output gradient is rounded to bf16 once more (1.44× the floor is measured); q ⊙ g's
     gradients are fp32, and one pass per site rounds nothing on their way."""
     exact = routed_chain(None, torch.float64, 25, seed=0)
-    fused = routed_chain(lambda q, g, heads: FusedHistory(q, g, heads, group=group), torch.bfloat16, 25, seed=0)
+    fused = routed_chain(lambda q, g, heads: FusedHistory(mhar.depth_history(q, g, heads, 1e-6), group=group),
+                         torch.bfloat16, 25, seed=0)
     ratios = [rel_err(a, b) / rel_err(b.bfloat16(), b) for a, b in zip(fused, exact)]
     print(f"error / floor: outputs {ratios[0]:.2f}, sources {ratios[1]:.2f}, q and g {ratios[2]:.3f}")
     assert ratios[0] <= 1.1 and ratios[1] <= sources_bound and ratios[2] <= qg_bound, ratios

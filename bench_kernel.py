@@ -1,0 +1,467 @@
+"""
+Checks and benchmarks of the fused routing kernels of kernel.py: the kernels against mhar.route,
+the bytes they move (the traffic model, and the Triton interpreter's count of every load and
+store), their time on a GPU and the host's (Python's) time per routing site.
+
+    python bench_kernel.py              # with CUDA: parity check, then the routing and whole-step benchmarks
+    python bench_kernel.py              # without: the parity check in the Triton interpreter (CPU, slow)
+    python bench_kernel.py --traffic    # the bytes both algorithms move at the paper's kernel-table shapes
+    python bench_kernel.py --host       # Python's time per routing site, launches stubbed (CPU)
+
+docs/kernels.md reports what they print.
+"""
+import os
+import sys
+import time
+from contextlib import contextmanager
+
+import torch
+
+if __name__ == "__main__" and (not torch.cuda.is_available() or "--host" in sys.argv):
+    # without a GPU (and for --host anywhere) the kernels run in Triton's interpreter, which
+    # triton.jit consults when it decorates them: switch it on before kernel.py imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kernel  # noqa: E402
+import mhar  # noqa: E402
+from kernel import FusedHistory, fused_route  # noqa: E402
+
+# The paper's kernel table: all 2L+1 sites forward + backward for one microbatch, bf16 sources,
+# (preset, d, L, B, T). H = 8 at every scale, as in the paper's later version (the earlier one
+# used n_kv_head: 4 at 100M, 8 at 350M and 1B).
+KERNEL_TABLE = [("100m", 512, 12, 2, 2048), ("350m", 1024, 24, 1, 1024), ("1b", 1280, 36, 1, 1024)]
+HEADS = 8
+PAPER_MS = {"100m": (30.2, 5.7), "350m": (53.1, 11.4), "1b": (153.2, 42.4)}  # torch.compile, fused
+# What the first version of these kernels (one pass per site, a two-pass backward) moved at those
+# shapes with H = n_kv_head, counted as traffic() counts: every byte loaded or stored.
+PREVIOUS_GB = {"100m": 11.4, "350m": 19.9, "1b": 53.1}
+HBM = {"H100": 3.35e12, "H200": 4.8e12}         # bytes/s, vendor datasheets (H100 SXM, H200 SXM)
+
+
+def site_reads(n_sites, block=1, delta=False):
+    """What each of n_sites sites reads, as mhar's histories say: ((committed, partial), ...)."""
+    history = mhar.depth_history([], [], 1, 0.0, block, torch.zeros(0) if delta else None)
+    return tuple(history.reads(site) for site in range(n_sites))
+
+
+def auto_group(n_sites, width, heads, block=1, delta=False):
+    """kernel.auto_group's G for a network of n_sites sites."""
+    return kernel.auto_group(site_reads(n_sites, block, delta), width, heads)
+
+
+# %% Traffic: the bytes a forward and backward move
+#
+# kernel.launch_bytes mirrors the kernels' loads and stores term by term (auto_group picks G by
+# it); count_bytes counts what the interpreter actually loads and stores, and a test checks that
+# the two agree exactly. The torch ops around the kernels are modeled only.
+
+def torch_bytes(launch, positions, width, heads, source_bytes, target=None):
+    """A model of the bytes the torch ops around one launch move: (forward, backward), its address
+    tables. (q ⊙ g is made once per forward, and its gradient summed once: see traffic.)"""
+    N, G = launch.hi - launch.lo + launch.partial, launch.sites
+    init = launch.phase == 2
+    return 8 * (N + G * (6 if init else 3)), 8 * (N + G * (8 if init else 5))
+
+
+def traffic(n_layer, width, heads, positions, group=0, block=1, delta=False, source_bytes=2,
+            target=kernel.PROGRAMS):
+    """Bytes a fused forward and backward through all 2L+1 sites move, for `group` (0: auto_group;
+    1: one pass per site): {"forward"|"backward": {"kernels": bytes, "torch": bytes}, "saved":
+    bytes}, where "saved" is what the routing keeps for backward besides the sources (bf16
+    remainders, lse), in eager code (traced, the partial states are kept whole). The kernels
+    launched as `target` programs: a GPU's by default, None: this process's."""
+    n_sites = 2 * n_layer + 1
+    reads = site_reads(n_sites, block, delta)
+    group = group or kernel.auto_group(reads, width, heads)
+    kernel.layout(width, heads, group)                                      # raises if the group cannot be fused
+    launches = kernel.schedule(reads, group)
+    kernels = [kernel.launch_bytes(launch, positions, width, heads, source_bytes, target) for launch in launches]
+    around = [torch_bytes(launch, positions, width, heads, source_bytes, target) for launch in launches]
+    E = positions * width * source_bytes                             # bytes of one (B, T, d) source
+    # block and delta routing: each output that extends a partial block sum is added to it (read
+    # two, write one); backward accumulates the previous sum's gradient when a site read that sum
+    extends = [site for site in range(1, n_sites) if (site - 1) % block != 0]
+    sums_forward = 3 * E * len(extends)
+    sums_backward = 3 * E * sum(reads[site - 1][1] for site in extends)
+    null = (E + 4 * width) if delta else 0                           # delta's null: expanded, summed back
+    # q ⊙ g of all S sites: two stacks and a product forward; backward the product's gradient and
+    # the stacks' (views), from the launches' per-program partials: each buffer summed over
+    # programs, phase 2's rows added to a copy of phase 1's sum
+    qg = 4 * n_sites * width
+    programs = kernel._programs(positions, target)[1]
+    again = any(launch.phase == 2 for launch in launches)
+    phase2 = 4 * width * sum(launch.phase == 2 for launch in launches)    # rows of q ⊙ g with a phase 2
+    gathered = (programs * (qg + phase2) + qg + phase2 + again * (2 * qg + 3 * phase2)
+                + 2 * qg * (n_sites % group != 0))                   # the last group's, joined
+    qg_forward, qg_backward = 7 * qg, 6 * qg + gathered
+    rest = E if source_bytes == 2 else 0                             # a bf16 output's remainder
+    # kept for backward (eager): each site's remainder and lse, and the lse of each partial state
+    # phase 2 continued (its output and remainder it frees)
+    lse = positions * heads * 4
+    saved = n_sites * (rest + lse) + sum(launch.phase == 2 for launch in launches) * lse
+    return {"forward": {"kernels": sum(f for f, _ in kernels),
+                        "torch": sum(f for f, _ in around) + sums_forward + null + qg_forward},
+            "backward": {"kernels": sum(b for _, b in kernels),
+                         "torch": sum(b for _, b in around) + sums_backward + null + qg_backward},
+            "saved": saved}
+
+
+def count_bytes():
+    """A context manager counting the bytes the interpreted kernels load and store (every
+    masked-in element of every tl.load and tl.store): `with count_bytes() as counted: ...`, then
+    counted["load"], counted["store"]."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if not kernel.INTERPRETED:
+        raise RuntimeError("count_bytes counts in the Triton interpreter: set TRITON_INTERPRET=1 "
+                           "before triton is imported")
+    builder = interpreter.InterpreterBuilder
+
+    def elements(ptrs, mask):
+        return int(np.broadcast_to(mask.data, ptrs.data.shape).sum())
+
+    def itemsize(ptrs):
+        return np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
+
+    @contextmanager
+    def counting():
+        counted = {"load": 0, "store": 0}
+        load, store = builder.create_masked_load, builder.create_masked_store
+
+        def counted_load(self, ptrs, mask, other, *args):
+            counted["load"] += elements(ptrs, mask) * itemsize(ptrs)
+            return load(self, ptrs, mask, other, *args)
+
+        def counted_store(self, ptrs, value, mask, *args):
+            counted["store"] += elements(ptrs, mask) * itemsize(ptrs)
+            return store(self, ptrs, value, mask, *args)
+        builder.create_masked_load, builder.create_masked_store = counted_load, counted_store
+        try:
+            yield counted
+        finally:
+            builder.create_masked_load, builder.create_masked_store = load, store
+    return counting()
+
+
+# %% Checks
+
+def stacked_network(route):
+    """A network of sites over full routing, stacking each site's sources as the readable path
+    does: network(s0, qs, gs, heads, sublayer), where `sublayer` turns site j's output into
+    source j+1."""
+    def network(s0, qs, gs, heads, sublayer):
+        sources = [s0]
+        h = route(torch.stack(sources), qs[0], gs[0], heads)
+        for q, g in zip(qs[1:], gs[1:]):
+            sources.append(sublayer(h))
+            h = route(torch.stack(sources), q, g, heads)
+        return h
+    return network
+
+
+def fused_network(group):
+    """The same network through a FusedHistory that groups `group` sites (0: automatic)."""
+    def network(s0, qs, gs, heads, sublayer):
+        history = FusedHistory(mhar.depth_history(qs, gs, heads, 1e-6), group=group)
+        history.append(s0)
+        h = history.read(0)
+        for site in range(1, len(qs)):
+            history.append(sublayer(h))
+            h = history.read(site)
+        return h
+    return network
+
+
+def _relative_error(a, b):
+    # clamped: with one source the softmax is constant and dq = dg = 0 exactly on both sides
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _check(device, routes, networks):
+    """fused_route and FusedHistory (one pass per site and grouped) against mhar.route: the output
+    and every gradient, fp32 and bf16 (compared with the float32 reference on the same rounded
+    inputs). routes: (N, B, T, d, H) each; networks: (sites, B, T, d, H) each."""
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}      # bf16: outputs rounded to 8 bits
+    # Along a chain of sites the two paths' roundings compound, and dq, dg come from a cancellation
+    # (<dout, V_n> − c) that magnifies them: a few 1e-6 in fp32, a few % in bf16.
+    chain_tolerance = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+    failed = False
+    for dtype in kernel.SOURCE_TYPES:
+        for N, B, T, d, heads in routes:
+            V = torch.randn(N, B, T, d, device=device).to(dtype)
+            q, g = 0.3 * torch.randn(d, device=device), 1 + 0.1 * torch.randn(d, device=device)
+            dout = torch.randn(B, T, d, device=device).to(dtype)
+            results = []
+            for route, inputs in ((fused_route, (V, q, g)), (mhar.route, (V.float(), q, g))):
+                inputs = [x.clone().requires_grad_() for x in inputs]
+                out = route(*inputs, heads)
+                out.backward(dout.to(out.dtype))
+                results.append([out] + [x.grad for x in inputs])
+            errors = [_relative_error(a, b) for a, b in zip(*results)]
+            failed |= max(errors) > tolerance[dtype]
+            print(f"fused_route   {str(dtype)[6:]:8} N={N:<3} B·T={B * T:<4} d={d:<4} H={heads:<2}      "
+                  + "  ".join(f"{name} {e:.1e}" for name, e in zip(("out", "dV", "dq", "dg"), errors)))
+        for sites, B, T, d, heads in networks:
+            s0 = torch.randn(B, T, d, device=device).to(dtype)
+            qs = [0.3 * torch.randn(d, device=device) for _ in range(sites)]
+            gs = [1 + 0.1 * torch.randn(d, device=device) for _ in range(sites)]
+            dout = torch.randn(B, T, d, device=device).to(dtype)
+            # The sublayer: a fixed random projection and tanh. (An identity, or sin, would make the
+            # later sources nearly equal to earlier ones: in bf16 the coupling c, taken from the
+            # rounded output, then loses most of its digits to the cancellation; see docs/kernels.md.)
+            projection = torch.randn(d, d, device=device) / d ** 0.5
+
+            def sublayer(h):
+                return torch.tanh(h.float() @ projection).to(h.dtype)
+            for group in (1, 0):
+                results = []
+                for network in (fused_network(group), stacked_network(mhar.route)):
+                    leaves = [x.clone().requires_grad_() for x in [s0, *qs, *gs]]
+                    out = network(leaves[0], leaves[1:sites + 1], leaves[sites + 1:], heads, sublayer)
+                    out.backward(dout.to(out.dtype))
+                    # dq and dg of all sites as one vector each (site 0 reads one source: exactly zero)
+                    results.append([out, leaves[0].grad, torch.cat([x.grad for x in leaves[1:sites + 1]]),
+                                    torch.cat([x.grad for x in leaves[sites + 1:]])])
+                errors = [_relative_error(a, b) for a, b in zip(*results)]
+                failed |= max(errors) > chain_tolerance[dtype]
+                G = group or auto_group(sites, d, heads)
+                print(f"FusedHistory  {str(dtype)[6:]:8} {sites} sites B·T={B * T:<4} d={d:<4} H={heads:<2} "
+                      f"G={G:<2} "
+                      + "  ".join(f"{name} {e:.1e}" for name, e in zip(("out", "ds0", "dq", "dg"), errors)))
+    print("check FAILED" if failed else "check passed")
+    return not failed
+
+
+def print_traffic():
+    """Bytes and bandwidth-bound time of both algorithms at the kernel-table shapes (traffic())."""
+    print("A fused forward + backward through all 2L+1 sites, bf16 sources, H = 8: the bytes the "
+          "kernels load and store, and the torch ops around them (traffic()); time at HBM bandwidth, "
+          "datasheet figures: H100 SXM 3.35 TB/s, H200 4.8 TB/s.")
+    print(f"{'shape':6} {'B·T':>5} {'algorithm':18} {'G':>2} {'kernels GB':>10} {'torch GB':>8} "
+          f"{'vs first':>8} {'H100 ms':>7} {'H200 ms':>7} {'saved MB':>8}")
+    for preset, d, L, B, T in KERNEL_TABLE:
+        for name, group in (("one pass per site", 1), ("grouped", 0)):
+            moved = traffic(L, d, HEADS, B * T, group)
+            kernels = moved["forward"]["kernels"] + moved["backward"]["kernels"]
+            total = kernels + moved["forward"]["torch"] + moved["backward"]["torch"]
+            G = group or auto_group(2 * L + 1, d, HEADS)
+            print(f"{preset:6} {B * T:5} {name:18} {G:2} {kernels / 1e9:10.2f} "
+                  f"{(total - kernels) / 1e9:8.3f} "
+                  f"{total / 1e9 / PREVIOUS_GB[preset]:7.2f}x {total / HBM['H100'] * 1e3:7.2f} "
+                  f"{total / HBM['H200'] * 1e3:7.2f} {moved['saved'] / 1e6:8.0f}")
+    print("vs first: total bytes over those of the first version of these kernels (11.4 / 19.9 / "
+          "53.1 GB). saved: the routing's activations kept for backward besides the sources (each "
+          "output's bf16 remainder and lse; grouped: also the lse of each partial state).")
+
+
+def _benchmark(device="cuda", shapes=KERNEL_TABLE, timer=None, compile_backend="inductor",
+               dtype=torch.bfloat16):
+    """Route every site of a network (identity sublayers: only the routing is timed), forward +
+    backward: readable, torch.compile'd, fused one pass per site, fused grouped at every group
+    size that fits (auto_group's marked *). Prints ms, achieved GB/s (the modeled bytes over the
+    time) and % of the copy bandwidth; returns {(preset, "fused 1" | "fused G"): ms}, G auto_group's."""
+    timer = timer or _do_bench
+    bandwidth = _copy_bandwidth(timer) if device == "cuda" else None
+    if bandwidth:
+        print(f"\n{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
+    compiled = torch.compile(mhar.route, dynamic=True, backend=compile_backend)
+    identity = torch.nn.Identity()
+    routing = {}
+    print(f"{'shape':6} {'method':8} {'G':>2} {'fwd+bwd ms':>10} {'host ms':>7} {'GB/s':>6} "
+          f"{'% of copy':>9}   (paper, H100: torch.compile, fused)")
+    for preset, d, L, B, T in shapes:
+        sites = 2 * L + 1
+        s0 = torch.randn(B, T, d, device=device, dtype=dtype, requires_grad=True)
+        qs = [(0.02 * torch.randn(d, device=device)).requires_grad_() for _ in range(sites)]
+        gs = [torch.ones(d, device=device, requires_grad=True) for _ in range(sites)]
+        dout = torch.randn(B, T, d, device=device, dtype=dtype)
+        chosen = auto_group(sites, d, HEADS)
+        methods = {"eager": (stacked_network(mhar.route), None),
+                   "compile": (stacked_network(compiled), None), "fused 1": (fused_network(1), 1),
+                   **{f"fused {G}" + ("*" if G == chosen else ""): (fused_network(G), G)
+                      for G in range(2, sites + 1) if kernel._fits(d, HEADS, G) and G <= 12}}
+        for method, (network, group) in methods.items():
+            def run():
+                network(s0, qs, gs, HEADS, identity).backward(dout)
+            try:
+                ms = timer(run, grad_to_none=[s0, *qs, *gs])
+                host = _host_ms(run, device)
+            except torch.cuda.OutOfMemoryError:
+                print(f"{preset:6} {method:8} {'':2} {'OOM':>10}")
+                continue
+            finally:
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            line = f"{preset:6} {method:8} {group or '':>2} {ms:10.2f} {host:7.2f}"
+            if group:
+                moved = traffic(L, d, HEADS, B * T, group, source_bytes=s0.element_size())
+                moved = sum(sum(moved[way].values()) for way in ("forward", "backward"))
+                per_second = moved / ms * 1e3                              # bytes/s
+                line += f" {per_second / 1e9:6.0f} {100 * per_second / bandwidth if bandwidth else 0:9.0f}"
+                routing.update({(preset, "fused 1"): ms} if group == 1 else {})
+                routing.update({(preset, "fused G"): ms} if group == chosen else {})
+            if preset in PAPER_MS and group == chosen:
+                line += f"   ({PAPER_MS[preset][0]} ms, {PAPER_MS[preset][1]} ms)"
+            print(line)
+    return routing
+
+
+def _step_benchmark(routing, device="cuda", steps=None, timer=None, vocab_size=50304):
+    """A whole training step (forward + backward, bf16 autocast on a GPU, one microbatch of the
+    kernel-table shape): the baseline, MHAR eager and fused (both algorithms), and the grouped
+    routing's share of its step, and the peak memory of the baseline's and the fused step. Speed =
+    baseline ms / fused ms, the tokens/s ratio (the paper: 0.88 / 0.71 / 0.55)."""
+    timer = timer or _do_bench
+    steps = steps or [(preset, B, T) for preset, _, _, B, T in KERNEL_TABLE]
+    print(f"\n{'shape':6} {'baseline ms':>11} {'eager ms':>9} {'fused 1 ms':>10} {'fused G ms':>10} "
+          f"{'speed G':>7} {'routing share G':>15} {'peak GB base/fused G':>20}")
+    for preset, B, T in steps:
+        idx = torch.randint(0, vocab_size, (B, T), device=device)
+        step_ms, peak = {}, {}
+        for name, overrides in (("baseline", dict(residual="baseline")), ("eager", dict(route_heads=HEADS)),
+                                ("fused 1", dict(route_heads=HEADS, fused=True, fused_group=1)),
+                                ("fused G", dict(route_heads=HEADS, fused=True))):
+            model = mhar.GPT(mhar.preset(preset, vocab_size=vocab_size, **overrides)).to(device)
+
+            def step():
+                with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+                    loss = model(idx, idx)[1]
+                loss.backward()
+            try:
+                if device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                step_ms[name] = timer(step, grad_to_none=list(model.parameters()))
+                peak[name] = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else float("nan")
+            except torch.cuda.OutOfMemoryError:
+                step_ms[name] = float("nan")                        # the paper's eager 1B runs out too
+            finally:
+                model = None                                        # frees its memory before the next
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+        share = routing.get((preset, "fused G"), float("nan")) / step_ms["fused G"]
+        print(f"{preset:6} {step_ms['baseline']:11.1f} {step_ms['eager']:9.1f} {step_ms['fused 1']:10.1f} "
+              f"{step_ms['fused G']:10.1f} {step_ms['baseline'] / step_ms['fused G']:6.2f}x "
+              f"{100 * share:14.0f}% {peak.get('baseline', float('nan')):9.1f}/"
+              f"{peak.get('fused G', float('nan')):.1f}")
+
+
+def host_cost(shapes=KERNEL_TABLE, positions=4, repeats=3, heads=HEADS):
+    """Python's share of the fused path: every interpreted launch a no-op, a chain of 2L+1 sites
+    (each source the previous site's output times 1.0) forward then backward, against the same
+    chain with each site one plain op h * q_j; best of `repeats` × 3 runs of each, alternating,
+    one thread, its CPU time. Prints µs per site and the ratio; returns {(preset, group): ratio}.
+    Needs the interpreter (CPU)."""
+    from triton.runtime import interpreter
+
+    if not kernel.INTERPRETED:
+        raise RuntimeError("host_cost stubs the Triton interpreter's launches: set TRITON_INTERPRET=1 "
+                           "before triton is imported (python bench_kernel.py --host does)")
+
+    def best(*runs):
+        """The best of `repeats` × 3 runs of each, alternating, in this thread's CPU time: other
+        processes on the machine weigh on both alike, and hardly at all."""
+        for run in runs:
+            run()                                                   # warm: caches, schedules
+        times = [[] for _ in runs]
+        for _ in range(repeats):
+            for run, kept in zip(runs, times):
+                start = time.thread_time()
+                for _ in range(3):
+                    run()
+                kept.append((time.thread_time() - start) / 3)
+        return [min(kept) for kept in times]
+
+    def fused_chain(s0, qs, gs, group):
+        history = FusedHistory(mhar.depth_history(qs, gs, heads, 1e-6), group=group)
+        history.append(s0)
+        out = history.read(0)
+        for site in range(1, len(qs)):
+            history.append(out * 1.0)
+            out = history.read(site)
+        out.float().sum().backward()
+
+    def plain_chain(s0, qs):
+        h = s0
+        for site, q in enumerate(qs):
+            h = (h * 1.0 if site else h) * q.to(h.dtype)
+        h.float().sum().backward()
+
+    threads, run = torch.get_num_threads(), interpreter.InterpretedFunction.run
+    torch.set_num_threads(1)
+    interpreter.InterpretedFunction.run = lambda *args, **kwargs: None    # launches cost nothing
+    ratios = {}
+    try:
+        print(f"host time per routing site, forward + backward, launches stubbed, {positions} bf16 "
+              f"positions, H = {heads}, one thread; plain: one op h * q_j per site")
+        print(f"{'shape':6} {'d':>5} {'sites':>5} {'G':>3} {'fused µs':>9} {'plain µs':>9} {'ratio':>6}")
+        for preset, d, L, *_ in shapes:
+            sites = 2 * L + 1
+            s0 = torch.randn(1, positions, d).bfloat16().requires_grad_()
+            qs = [torch.zeros(d, requires_grad=True) for _ in range(sites)]
+            gs = [torch.ones(d, requires_grad=True) for _ in range(sites)]
+            for group in (1, auto_group(sites, d, heads)):
+                plain, fused = (t / sites for t in best(lambda: plain_chain(s0, qs),
+                                                        lambda: fused_chain(s0, qs, gs, group)))
+                ratios[preset, group] = fused / plain
+                print(f"{preset:6} {d:5} {sites:5} {group:3} {fused * 1e6:9.0f} {plain * 1e6:9.0f} "
+                      f"{fused / plain:5.1f}x")
+    finally:
+        interpreter.InterpretedFunction.run = run
+        torch.set_num_threads(threads)
+    return ratios
+
+
+def _host_ms(fn, device):
+    """The host's time to issue fn: on a GPU the launches are queued and Python returns before
+    the kernels end, unless something synchronizes; where host ms nears fwd+bwd ms, the host is
+    the bound."""
+    synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    synchronize()
+    start = time.perf_counter()
+    fn()
+    host = time.perf_counter() - start
+    synchronize()
+    return host * 1e3
+
+
+def _do_bench(fn, grad_to_none=None):
+    from triton.testing import do_bench
+    return do_bench(fn, grad_to_none=grad_to_none, return_mode="median")
+
+
+def _copy_bandwidth(timer):
+    x = torch.empty(2**28, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.nbytes / timer(lambda: y.copy_(x)) * 1e3           # bytes/s, read + write
+
+
+def main(argv=None):
+    import argparse
+    parser = argparse.ArgumentParser(description="Check the fused routing against mhar.route; with a "
+                                                 "GPU, benchmark it; --traffic prints the modeled bytes.")
+    parser.add_argument("--traffic", action="store_true", help="the traffic model at the kernel-table shapes")
+    parser.add_argument("--host", action="store_true",
+                        help="the host (Python) time per site with the launches stubbed (CPU, interpreter)")
+    args = parser.parse_args(argv)
+    if args.traffic:
+        print_traffic()
+        return 0
+    if args.host:
+        host_cost()
+        return 0
+    torch.manual_seed(0)
+    if torch.cuda.is_available() and not kernel.INTERPRETED:
+        # (N, B, T, d, H): one source; odd widths; the 1B width; the deepest site of 350M.
+        # Networks: the 100M depth at the 1B width, the 350M depth.
+        routes = [(1, 2, 33, 40, 8), (9, 3, 65, 520, 8), (25, 1, 257, 1280, 8), (49, 1, 129, 1024, 8)]
+        ok = _check("cuda", routes, [(25, 1, 257, 1280, 8), (49, 1, 65, 1024, 8)])
+        _step_benchmark(_benchmark())
+    else:
+        print("no CUDA GPU: checking the kernels in the Triton interpreter on small shapes; no benchmark")
+        ok = _check("cpu", [(1, 1, 3, 24, 2), (9, 3, 5, 40, 4)], [(7, 1, 5, 40, 4)])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
