@@ -267,8 +267,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):
-        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+    def forward(self, x):  # weight in x's dtype (bf16 under autocast): the fused kernel's need
+        return F.rms_norm(x, (x.size(-1),), self.weight.to(x.dtype), self.eps)
 
 
 def rotary_tables(seq_len, head_dim, theta):

@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import common
 import mhar
@@ -900,3 +901,35 @@ def test_conversion_refuses_a_checkpoint_of_another_shape():
         GPT.from_baseline(baseline.state_dict(), tiny("mhar"))
 
 
+
+
+class NormDtypes(torch.overrides.TorchFunctionMode):
+    """The (input, weight) dtypes of every RMSNorm call made while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.rms_norm, F.rms_norm):
+            named = dict(zip(("input", "normalized_shape", "weight", "eps"), args), **(kwargs or {}))
+            self.seen.append((named["input"].dtype, named["weight"].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("overrides", [dict(residual="baseline"), dict(residual="hyper"),
+                                       dict(residual="attnres"), dict(), dict(route_block=2),
+                                       dict(delta=True)],
+                         ids=["baseline", "hyper", "attnres", "mhar", "block", "delta"])
+def test_every_norm_gets_its_weight_in_the_inputs_dtype_under_autocast(overrides):
+    """Under bf16 autocast the routed sublayer inputs are bf16 and the weights fp32: with mixed
+    dtypes torch.rms_norm leaves its fused kernel for several ops, in the routed modes alone, which
+    slows them and biases their comparison with the baseline. Forward and backward, every mode."""
+    torch.manual_seed(0)
+    model = GPT(tiny(**overrides))
+    idx = torch.randint(0, 128, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16), NormDtypes() as norms:
+        model(idx, idx)[1].backward()
+    assert len(norms.seen) >= 4 * model.config.n_layer + 1        # a sublayer, q and k, the final
+    assert all(x == weight for x, weight in norms.seen), set(norms.seen)
+    assert {x for x, _ in norms.seen} >= {torch.bfloat16}
