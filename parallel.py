@@ -57,6 +57,7 @@ class Session:
     device: torch.device
     dtype: torch.dtype     # of the autocast region (float32: none)
     autocast: object       # the context every forward runs in
+    control: object = None  # a gloo group of the ranks, for max_over_ranks
 
     @property
     def master(self):
@@ -67,12 +68,18 @@ class Session:
         return self.ddp and not self.fsdp  # every rank holds the whole model, in DDP
 
     def max_over_ranks(self, value):
-        """The largest of an integer over the ranks (without torchrun: the value)."""
+        """The largest of an integer over the ranks (without torchrun: the value). The loop asks it
+        every step (a signal stops every rank after the same step): a host-side all-reduce over a
+        gloo group, made at the first call (every rank makes it), so that the GPU is never waited
+        for; an NCCL all-reduce's .item() would wait for the step to finish."""
         if not self.ddp:
             return value
-        t = torch.tensor(value, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
+        if self.control is None:
+            gloo = backend(self.device) == "gloo"
+            self.control = dist.group.WORLD if gloo else dist.new_group(backend="gloo")
+        t = torch.tensor(value)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
+        return int(t)
 
     def any_rank(self, flag):
         """Whether `flag` holds on any rank, the same answer on every rank."""

@@ -8,6 +8,7 @@ import torch
 
 import kernel
 import mhar
+import parallel
 import train
 from helpers import gpt_pair, interpreted, rel_err, tiny
 
@@ -161,3 +162,17 @@ def test_cuda_peak_memory_is_reset_after_each_reading(monkeypatch):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: peaks.pop(0))
     cuda = torch.device("cuda", 0)
     assert train.peak_memory(cuda) == 5 and train.peak_memory(cuda) == 3
+
+
+def test_the_per_step_agreement_of_the_ranks_never_waits_for_the_gpu(monkeypatch):
+    """Every step the ranks agree on whether a signal stops them (Session.max_over_ranks): over a
+    gloo group, on CPU tensors, never an NCCL all-reduce of a CUDA tensor whose .item() would wait
+    for the step's kernels. The group is made once, at the first call."""
+    groups, reduced = [], []
+    monkeypatch.setattr(parallel.dist, "new_group", lambda backend: groups.append(backend) or "gloo")
+    monkeypatch.setattr(parallel.dist, "all_reduce",
+                        lambda t, op, group: reduced.append((t.device.type, group)) or t.fill_(7))
+    session = parallel.Session(True, False, 0, 2, torch.device("cuda", 0), torch.bfloat16, None)
+    assert [session.max_over_ranks(0) for _ in range(3)] == [7, 7, 7]
+    assert groups == ["gloo"] and reduced == [("cpu", "gloo")] * 3
+    assert session.any_rank(False)                                   # 7 > 0 on another rank
