@@ -39,7 +39,8 @@ HBM = {"H100": 3.35e12, "H200": 4.8e12}         # bytes/s, vendor datasheets (H1
 
 
 def site_reads(n_sites, block=1, delta=False):
-    """What each of n_sites sites reads, as mhar's histories say: ((committed, partial), ...)."""
+    """What each of n_sites sites reads, as mhar's histories say: ((committed, partial), ...).
+    (It depends on the routing alone: the history needs no parameters to say it.)"""
     history = mhar.depth_history([], [], 1, 0.0, block, torch.zeros(0) if delta else None)
     return tuple(history.reads(site) for site in range(n_sites))
 

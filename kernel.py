@@ -457,7 +457,7 @@ def _route_forward(*, sources, qg, init, heads, eps, addresses=None, lses=None):
     return outs, rests, lses
 
 
-def _route_backward(*, grads, owned, qg_grads, init_grads, sources, qg, outs, rests, douts, lses,
+def _route_backward(grads, owned, qg_grads, init_grads, *, sources, qg, outs, rests, douts, lses,
                     couplings, init_lse, heads, eps, row0, own_lo, fresh_lo, addresses=None):
     """Add the gradients of `sources` into rows row0.. of the fp32 buffer `grads` (in place); write
     the final gradients of sources own_lo.. into `owned` (their dtype), each program's partial
@@ -518,8 +518,9 @@ def _launch_backward(backward, spec, *, sources, qg, outs, rests, lses, init_lse
     (programs, G, d), and the output gradient and coupling of the partial state it continues:
     [] without one). outs, rests, lses: as the forward made them; douts per site (None: no
     gradient); couplings per site (None: a complete site); `backward` runs the kernel
-    (_route_backward or its operator). sources: all of them, or (with their addresses) any list
-    led by the first. qg_grads: where the kernel writes q ⊙ g's partials (None: a new tensor)."""
+    (_route_backward, or the operator through _traced_backward). sources: all of them, or (with
+    their addresses) any list led by the first. qg_grads: where the kernel writes q ⊙ g's partials
+    (None: a new tensor)."""
     like = sources[0]                                    # of the sources' shape and dtype
     douts = [torch.zeros_like(like) if d is None else d.contiguous() for d in douts]
     if spec.last:   # the first launch in backward: no gradient yet, and every row it reads is fresh
@@ -533,11 +534,11 @@ def _launch_backward(backward, spec, *, sources, qg, outs, rests, lses, init_lse
         qg_grads = qg.new_empty((_programs(like.numel() // like.shape[-1])[1], *qg.shape))  # fp32, as qg
     init_lse = [] if init_lse is None else [init_lse]
     init_grads = [torch.empty_like(like), torch.empty_like(init_lse[0])] if init_lse else []
-    where = {} if addresses is None else dict(addresses=addresses)
-    backward(grads=buffer, owned=owned, qg_grads=qg_grads, init_grads=init_grads, sources=sources, qg=qg,
-             outs=outs, rests=rests, douts=douts, lses=lses, couplings=couplings, init_lse=init_lse,
-             heads=spec.heads, eps=spec.eps, row0=spec.row0, own_lo=spec.own_lo, fresh_lo=spec.fresh_lo,
-             **where)
+    # the tensors it writes first, then what it reads (past 15 keyword arguments a call slows down
+    # by about 1 µs: the host pays it at every launch)
+    backward(buffer, owned, qg_grads, init_grads, sources=sources, qg=qg, outs=outs, rests=rests,
+             douts=douts, lses=lses, couplings=couplings, init_lse=init_lse, heads=spec.heads,
+             eps=spec.eps, row0=spec.row0, own_lo=spec.own_lo, fresh_lo=spec.fresh_lo, addresses=addresses)
     return buffer, [owned] if n_owned == 1 else list(owned.unbind(0)), qg_grads, init_grads
 
 
@@ -585,9 +586,14 @@ def route_sites_backward(grads: Tensor, owned: Tensor, qg_grads: Tensor, init_gr
     """Backward of one route_sites launch: adds into the buffer `grads` in place, writes the final
     gradients of sources own_lo.. into `owned`, per-program partial gradients of qg into
     `qg_grads`, and the gradients of the partial state whose lse is `init_lse` into `init_grads`."""
-    _route_backward(grads=grads, owned=owned, qg_grads=qg_grads, init_grads=init_grads, sources=sources,
-                    qg=qg.contiguous(), outs=outs, rests=rests, douts=douts, lses=lses, couplings=couplings,
-                    init_lse=init_lse, heads=heads, eps=eps, row0=row0, own_lo=own_lo, fresh_lo=fresh_lo)
+    _route_backward(grads, owned, qg_grads, init_grads, sources=sources, qg=qg.contiguous(), outs=outs,
+                    rests=rests, douts=douts, lses=lses, couplings=couplings, init_lse=init_lse, heads=heads,
+                    eps=eps, row0=row0, own_lo=own_lo, fresh_lo=fresh_lo)
+
+
+def _traced_backward(grads, owned, qg_grads, init_grads, *, addresses, **reads):
+    """route_sites_backward as _launch_backward calls it: traced code has no addresses."""
+    route_sites_backward(grads, owned, qg_grads, init_grads, **reads)
 
 
 def _setup_route_sites(ctx, inputs, output):
@@ -606,7 +612,7 @@ def _route_sites_backward(ctx, grads):
     couplings = [d.contiguous() if spec.continued >> i & 1 else None
                  for i, d in enumerate(grads[2 * G:3 * G])]
     buffer, owned_grads, qg_grads, init_grads = _launch_backward(
-        route_sites_backward, spec, sources=sources, qg=qg, outs=states[:G], rests=states[G:2 * G],
+        _traced_backward, spec, sources=sources, qg=qg, outs=states[:G], rests=states[G:2 * G],
         lses=states[2 * G:], init_lse=init[2] if init else None, douts=grads[:G], couplings=couplings,
         dcarrier=grads[3 * G])
     carrier_grad = buffer if ctx.needs_input_grad[0] else None
