@@ -145,7 +145,7 @@ def count_bytes():
     return counting()
 
 
-# %% Checks
+# %% Checks and benchmarks
 
 def stacked_network(route):
     """A network of sites over full routing, stacking each site's sources as the readable path
