@@ -48,6 +48,7 @@ TRITON_INTERPRET=1 is set before this file is imported (slow; for tests).
 """
 import array
 import functools
+import sys
 from collections import namedtuple
 from typing import Optional
 
@@ -996,6 +997,7 @@ class FusedHistory:
                 self.outputs[site] = next(finals)
 
 
-if __name__ == "__main__":
-    raise SystemExit("kernel.py is the kernels' library: python bench_kernel.py [--traffic | --host] checks "
-                     "and benchmarks them")
+if __name__ == "__main__":  # a library: its checks and benchmarks are bench_kernel.py's
+    print("kernel.py: error: the kernels' library runs nothing; python bench_kernel.py [--traffic | "
+          "--host] checks and benchmarks them", file=sys.stderr)
+    raise SystemExit(2)

@@ -105,7 +105,7 @@ def parse_hf(argv, monkeypatch):
 
 PARSERS = {"train.py": parse_train, "compare.py": parse_compare, "hf.py": parse_hf,
            **{f"{m}.py": parse_script(m) for m in ("eval", "export", "probe", "sample", "prepare", "bench_head",
-                                                    "kernel", "compromise")}}
+                                                    "bench_kernel", "compromise")}}
 SEPARATORS = {";", "&&", "||", "|", "&", "(", ")", "\n"}
 
 
