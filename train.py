@@ -205,7 +205,6 @@ def add_run_flags(p):
            help="the summary's tail-mean covers the last K evaluations (default 11)")
 
 
-
 def add_optimizer_flags(p):
     p.section("the optimizer: AdamW, linear warmup, cosine decay")
     p.flag("lr", RUN, type=RATE, default=None,
@@ -231,7 +230,6 @@ def add_optimizer_flags(p):
                 "DIR: 0.999)")
     p.flag("grad_clip", RUN, type=AMOUNT, default=1.0,
            help="clip the gradient norm at this; 0 = off (default 1.0)")
-
 
 
 def add_machine_flags(p):
