@@ -318,8 +318,9 @@ INTERPRETED = not isinstance(_route_forward_kernel, triton.runtime.JITFunction)
 # %% Launchers
 
 def memoized(fn):
-    """fn with its results kept by arguments: launches and histories ask at every call. (A plain
-    dict: torch.compile warns at every functools.lru_cache it traces.)"""
+    """fn with its results kept by arguments: launches and histories ask at every call. fn is a
+    pure function of constants, which torch.compile calls rather than traces: traced, the cache's
+    "key not in dict" became a guard that the first fill broke, a recompile."""
     results = {}
 
     @functools.wraps(fn)
@@ -327,7 +328,8 @@ def memoized(fn):
         if args not in results:
             results[args] = fn(*args)
         return results[args]
-    return cached
+    cached.cache_clear = results.clear
+    return torch.compiler.assume_constant_result(cached)
 
 
 @memoized
@@ -840,7 +842,6 @@ def launch_bytes(launch, positions, width, heads, source_bytes, target=None):
     return forward, backward
 
 
-@torch.compiler.assume_constant_result     # a pure function of ints: torch.compile calls it, not traces it
 @memoized                                  # a history is built at every forward
 def auto_group(reads, width, heads):
     """The group size for Config.fused_group = 0: the one whose kernels move the fewest bytes by
@@ -976,7 +977,7 @@ class FusedHistory:
         qg = by_group[launch.site // self.group] if launch.phase == 1 else by_site[launch.site]  # (G, d)
         if self.traced:                          # every state an output of the operator
             init = list(self.partials.pop(launch.site)) if launch.phase == 2 else []
-            *results, self.carrier = route_sites(self.carrier, sources, qg, init, **spec._asdict())
+            *results, self.carrier = route_sites(self.carrier, sources, qg, init, *spec)  # Spec: its ints
             states = list(zip(*[iter(results)] * launch.sites))          # (outs, remainders, lses)
             partials = [state if cont else None for cont, state in zip(plan.continued, zip(*states))]
             finals = [out for cont, out in zip(plan.continued, states[0]) if not cont]

@@ -1,5 +1,6 @@
 """kernel.py: the fused kernels in the Triton interpreter on the CPU (compiled for sm_90, not run, in one
 test). The interpreter is slow: shapes are tiny."""
+import functools
 import importlib.util
 import math
 import os
@@ -275,6 +276,39 @@ def test_gpt_fused_compiles_in_one_graph():
     compiled_loss, compiled_grads = loss_and_grads(compiled, idx, module=fused)
     assert rel_err(compiled_loss, eager_loss) < 1e-6
     assert max(rel_err(compiled_grads[name], eager_grads[name]) for name in eager_grads) < 1e-6
+
+
+def test_compiled_fused_model_compiles_once_for_training_and_once_for_evaluation():
+    """train.py's compiled fused model, its caches cold as in a fresh run: training steps (forward,
+    backward through head.linear_cross_entropy, optimizer) compile at the first step only, no_grad
+    evaluation at its first call only, however the two alternate (dynamo's count of graphs, which
+    every recompile adds to). A recompile of a 1B model costs minutes on a GPU."""
+    from torch._dynamo.utils import counters
+    import head
+    for cache in (fn for fn in vars(kernel).values() if hasattr(fn, "cache_clear")):
+        cache.cache_clear()
+    torch._dynamo.reset()
+    counters.clear()
+    fused, _ = gpt_pair(DEVICE, n_layer=1)
+    compiled = torch.compile(fused, backend="aot_eager")
+    optimizer = torch.optim.AdamW(fused.parameters(), lr=1e-3)
+    loss_fn = functools.partial(head.linear_cross_entropy, z_loss=1e-4)    # made once, as train.py does
+    idx = torch.randint(0, 128, (1, 5), device=DEVICE)
+
+    def train_step():
+        compiled(idx, idx, loss_fn=loss_fn)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def evaluate():
+        with torch.no_grad():
+            compiled(idx, idx, loss_fn=head.linear_cross_entropy)
+
+    graphs = []
+    for step in (train_step, train_step, train_step, evaluate, evaluate, train_step, evaluate):
+        step()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1, 1, 1, 2, 2, 2, 2], graphs
 
 
 # ----------------------------------------------------------------------------------------------
