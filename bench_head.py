@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 import mhar  # noqa: E402
 from head import linear_cross_entropy, squared_log_z  # noqa: E402
-from common import UserError, max_resident_bytes, peak_memory, pick_device  # noqa: E402
+from common import FlagParser, UserError, max_resident_bytes, peak_memory, pick_device  # noqa: E402
 
 QWEN3_4K = dict(vocab_size=151936, seq_len=4096, n_embd=128, n_head=4, n_kv_head=2, ffn_hidden=384)
 CASES = {  # name: (preset, overrides, batch size, z_loss)
@@ -145,7 +145,7 @@ def bench(case, steps, device, peaks):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+    p = FlagParser(prog="bench_head.py", description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {list(CASES)}")
     p.add_argument("--steps", type=int, default=5, help="timed steps of each head (default 5)")

@@ -53,6 +53,14 @@ def exit_error(prog, message, status=2):
     sys.exit(status)
 
 
+class FlagParser(argparse.ArgumentParser):
+    """Every script's argparse: a bad flag is one line and exit status 2, as every other mistake
+    of the user's (argparse itself prints its usage block first)."""
+
+    def error(self, message):
+        exit_error(self.prog, f"{message} (python {self.prog} --help lists the flags)")
+
+
 # argparse types for flags: a value out of range is argparse's one-line error
 def number(kind, minimum, strict):
     """An argparse type: a finite `kind` (int or float) > minimum (strict) or >= minimum."""

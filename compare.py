@@ -61,7 +61,7 @@ from pathlib import Path
 import mhar
 import prepare
 import probe
-from common import UserError, exit_error, one_line, training_data
+from common import FlagParser, UserError, exit_error, one_line, training_data
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("baseline", "hyper", "attnres", "mhar")
@@ -86,7 +86,7 @@ def int_list(text):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="compare.py", description=__doc__.split("\n\n")[0].strip())
+    p = FlagParser(prog="compare.py", description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--methods", help=f"comma-separated residual modes (default {','.join(METHODS)}; with "
                                      "--route_heads: baseline,mhar)")
     p.add_argument("--route_heads", help="comma-separated head counts: train mhar once per H")
@@ -192,8 +192,10 @@ def runs_of(args):
 
 def check_shapes(runs, train_flags):
     """Build every run's mhar.Config (at the preset the runs train) before anything trains: a grid cell that
-    cannot exist (n_kv_head not dividing n_head, ...) stops the comparison at once, with one line."""
-    import train  # its default preset
+    cannot exist (n_kv_head not dividing n_head, ...) stops the comparison at once, with one line; so does a
+    flag train.py does not take, or a bad value of one (train.py's own line)."""
+    import train  # its default preset, its flags
+    train.parse_args([*train_flags, *runs[0].flags])
     preset = argparse.ArgumentParser(add_help=False)
     preset.add_argument("--preset", default=train.DEFAULT_PRESET)
     preset = preset.parse_known_args(train_flags)[0].preset

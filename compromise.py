@@ -86,7 +86,7 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile ends as it does later
     import torch.nn.functional as F
 
     import mhar
-    from common import UserError, exit_error, output_folder, seed_of, write_atomically
+    from common import FlagParser, UserError, exit_error, output_folder, seed_of, write_atomically
     from probe import FIGURE_DPI, pyplot
 except KeyboardInterrupt:
     print("compromise.py: error: interrupted (Ctrl-C): nothing written", file=sys.stderr)
@@ -437,12 +437,6 @@ def plot_depth_maps(plt, results, path):
 # %%
 # The command line.
 
-class Flags(argparse.ArgumentParser):
-    def error(self, message):
-        """A bad flag: one line (argparse would print its usage block too)."""
-        exit_error("compromise.py", f"{message} (python compromise.py --help lists the flags)")
-
-
 def positive(text):
     """An argparse type: an integer >= 1."""
     try:
@@ -468,7 +462,7 @@ def seed_list(text):
 
 def parse_args(argv=None):
     title, examples = __doc__.split("\n\n")[:2]
-    p = Flags(prog="compromise.py", description=title.strip(), epilog=examples,
+    p = FlagParser(prog="compromise.py", description=title.strip(), epilog=examples,
               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--d", type=positive, default=64,
                    help="model width: a multiple of 8, at least 32 (default 64)")

@@ -44,7 +44,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import prepare  # noqa: E402
-from common import (UserError, exit_error, load_model, one_line, pick_device,  # noqa: E402
+from common import (FlagParser, UserError, exit_error, load_model, one_line, pick_device,  # noqa: E402
                     training_data)
 
 try:  # lm-eval is optional: only this file imports it, and main() says how to install it
@@ -398,7 +398,7 @@ def evaluate_run(run_dir, tasks, **options):
 # -----------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="eval.py", description=__doc__.split("\n\n")[0].strip(),
+    p = FlagParser(prog="eval.py", description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--ckpt", default="out/ckpt.pt",

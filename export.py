@@ -20,11 +20,11 @@ import shutil
 from pathlib import Path
 
 import hf
-from common import UserError, exit_error, load_model, one_line, output_folder
+from common import FlagParser, UserError, exit_error, load_model, one_line, output_folder
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="export.py", description=__doc__.split("\n\n")[0].strip())
+    p = FlagParser(prog="export.py", description=__doc__.split("\n\n")[0].strip())
     p.add_argument("ckpt", help="a train.py checkpoint (ckpt.pt)")
     p.add_argument("out_dir", help="the directory to write (created; an earlier export is replaced)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],

@@ -78,7 +78,7 @@ from typing import Callable
 import numpy as np
 import tiktoken
 
-from common import (DEFAULT_CORPUS, MachineError, UserError, exit_error, one_line, output_folder,
+from common import (DEFAULT_CORPUS, FlagParser, MachineError, UserError, exit_error, one_line, output_folder,
                     remove_staging)
 
 VOCAB_SIZE = 50257  # GPT-2's vocabulary; under 2**16, so every id fits in uint16
@@ -705,7 +705,7 @@ def report(name, final, counts, nbytes, sources, skipped, tok, seconds):
 # -----------------------------------------------------------------------------
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="prepare.py", description=__doc__.split("\n\n")[0].strip(),
+    parser = FlagParser(prog="prepare.py", description=__doc__.split("\n\n")[0].strip(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", metavar="PATH",
                         help=f"files, folders, globs ({', '.join(EXTENSIONS)}); default: the Python stdlib")

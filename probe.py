@@ -91,7 +91,7 @@ import numpy as np
 import torch
 
 import mhar
-from common import (MachineError, UserError, exit_error, load_model, output_folder, pick_device, read_tokens,
+from common import (FlagParser, MachineError, UserError, exit_error, load_model, output_folder, pick_device, read_tokens,
                     sample_rows, staged, training_data)
 
 FIGURE_DPI = 110  # README-sized PNGs (tens of KB)
@@ -589,7 +589,7 @@ def report(summary, out_dir):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="probe.py", description=__doc__.split("\n\n")[0].strip(),
+    p = FlagParser(prog="probe.py", description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--ckpt", help="a train.py checkpoint to probe (ckpt.pt)")

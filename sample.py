@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from common import UserError, exit_error, load_model, pick_device, training_data
+from common import FlagParser, UserError, exit_error, load_model, pick_device, training_data
 
 
 class Codec:
@@ -117,7 +117,7 @@ def sample(model, codec, prompt="", num_samples=1, max_new_tokens=200, temperatu
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="sample.py", description=__doc__.split("\n\n")[0].strip(),
+    p = FlagParser(prog="sample.py", description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default="out/ckpt.pt", help="checkpoint written by train.py (default out/ckpt.pt)")
     p.add_argument("--prompt", default="", help="text to continue (default: a new document); token ids "

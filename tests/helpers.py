@@ -41,14 +41,15 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def error_line(capsys, main, argv, status=2):
+def error_line(capsys, main, argv, status=2, prog=None):
     """Run a script's main(argv) on bad input: it exits with `status` and writes one line,
-    "<script>.py: error: ...", and no traceback. Returns that line."""
+    "<script>.py: error: ..." (prog: another script's name, which it runs), and no traceback.
+    Returns that line."""
     with pytest.raises(SystemExit) as exit:
         main([str(a) for a in argv])
     err = capsys.readouterr().err
     assert exit.value.code == status, err
-    script = main.__module__
+    script = prog or main.__module__
     assert err.startswith(f"{script}.py: error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err, err
     return err.strip()
