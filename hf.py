@@ -59,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-from common import CheckpointError, one_line
+from common import CheckpointError, FlagParser, exit_error, one_line
 from mhar import ADDED_BY_RESIDUAL, GPT, Config
 
 # Absent fields take the defaults of transformers' Qwen3Config (transformers 5), as it would.
@@ -482,6 +482,9 @@ DEMO_SHAPE = dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_h
 def demo(directory, steps=5):
     # it writes its models over `directory`, DIR-mhar and DIR-baseline: never over another model
     for folder in (Path(directory), Path(f"{directory}-mhar"), Path(f"{directory}-baseline")):
+        if folder.exists() and not folder.is_dir():
+            raise CheckpointError(f"{folder} is a file: give the demonstration a directory, "
+                                  f"python hf.py DIR")
         if folder.is_dir() and any(folder.iterdir()):
             config = read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
             if any(config.get(k) != DEMO_SHAPE[k] for k in DEMO_SHAPE if k.endswith(("_size", "_heads",
@@ -548,11 +551,31 @@ def demo(directory, steps=5):
               f"difference| {max_diff(exported.eval()(x).logits, truth):g}")
 
 
-if __name__ == "__main__":
-    import sys
-
-    from common import exit_error
+def main(argv=None):
+    p = FlagParser(prog="hf.py", description="The CPU demonstration: a random Qwen3 saved by "
+                   "transformers, loaded here, converted to delta MHAR, trained a few steps, "
+                   "written back and run by transformers.")
+    p.add_argument("directory", nargs="?", default="models/tiny-qwen3",
+                   help="the random Qwen3's folder; DIR-mhar and DIR-baseline go beside it "
+                        "(default models/tiny-qwen3)")
+    directory = Path(p.parse_args(argv).directory)
+    made = [folder for folder in (directory, Path(f"{directory}-mhar"), Path(f"{directory}-baseline"))
+            if not folder.exists()]
     try:
-        demo(sys.argv[1] if len(sys.argv) > 1 else "models/tiny-qwen3")
-    except CheckpointError as e:
-        exit_error("hf.py", str(e))
+        demo(directory)
+    except BaseException as e:  # what this run wrote is of no use half-done: it goes
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
+        if isinstance(e, CheckpointError):
+            exit_error("hf.py", str(e))
+        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else one_line(e)
+            exit_error("hf.py", f"cannot write {directory} ({reason}): free some space or give "
+                                f"another directory", status=1)
+        if isinstance(e, KeyboardInterrupt):
+            exit_error("hf.py", "interrupted; nothing kept", status=130)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -98,13 +98,8 @@ def parse_compare(argv, monkeypatch):
     parse_train(train_flags, monkeypatch)
 
 
-def parse_hf(argv, monkeypatch):
-    """hf.py has no parser: at most one argument, the directory of its demonstration."""
-    assert len(argv) <= 1 and not any(a.startswith("-") for a in argv), f"hf.py takes [DIR], not {argv}"
-
-
-PARSERS = {"train.py": parse_train, "compare.py": parse_compare, "hf.py": parse_hf,
-           **{f"{m}.py": parse_script(m) for m in ("eval", "export", "probe", "sample", "prepare", "bench_head",
+PARSERS = {"train.py": parse_train, "compare.py": parse_compare,
+           **{f"{m}.py": parse_script(m) for m in ("eval", "export", "probe", "sample", "prepare", "bench_head", "hf",
                                                     "bench_kernel", "compromise")}}
 SEPARATORS = {";", "&&", "||", "|", "&", "(", ")", "\n"}
 

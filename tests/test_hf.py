@@ -501,6 +501,35 @@ def test_hf_py_refuses_a_foreign_directory_in_one_line_and_leaves_it(tmp_path, k
     assert not (tmp_path / f"{kind}-mhar").exists() and not (tmp_path / f"{kind}-baseline").exists()
 
 
+def test_hf_py_takes_a_directory_and_nothing_else(tmp_path, capsys):
+    """--help is help, not a folder named --help; a file, or a second argument, is one line."""
+    p = run_script("hf.py", "--help")
+    assert p.returncode == 0 and p.stdout.startswith("usage: hf.py") and not (ROOT / "--help").exists()
+    (tmp_path / "notes.txt").write_text("mine")
+    assert "notes.txt is a file" in error_line(capsys, hf.main, [tmp_path / "notes.txt"])
+    assert "unrecognized arguments" in error_line(capsys, hf.main, [tmp_path / "a", tmp_path / "b"])
+    assert files_in(tmp_path) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("error", [OSError(30, "Read-only file system"), KeyboardInterrupt()],
+                         ids=["read-only", "ctrl-c"])
+def test_hf_py_that_cannot_finish_leaves_nothing_it_made(tmp_path, capsys, monkeypatch, error):
+    """A demonstration stopped half-way (a read-only folder, a full disk, Ctrl-C): one line, status
+    1 (the machine's) or 130, and the folders it made are gone; one that was there stays."""
+    (tmp_path / "demo-baseline").mkdir()
+
+    def half_done(directory):
+        for folder in (directory, directory.with_name("demo-mhar")):
+            folder.mkdir()
+            (folder / "config.json").write_text("")
+        raise error
+    monkeypatch.setattr(hf, "demo", half_done)
+    line = error_line(capsys, hf.main, [tmp_path / "demo"], status=1 if isinstance(error, OSError)
+                      else 130)
+    assert "Read-only file system" in line if isinstance(error, OSError) else "interrupted" in line
+    assert files_in(tmp_path) == ["demo-baseline"]
+
+
 @pytest.mark.parametrize("kind", ["llama", "broken"])
 def test_train_init_from_a_foreign_directory_is_one_line(tmp_path, kind):
     directory, message = foreign_model(tmp_path, kind)

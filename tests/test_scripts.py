@@ -7,7 +7,7 @@ import pytest
 
 from helpers import error_line
 
-SCRIPTS = ["bench_head", "compare", "compromise", "eval", "export", "prepare", "probe", "sample",
+SCRIPTS = ["bench_head", "compare", "compromise", "eval", "export", "hf", "prepare", "probe", "sample",
            "train"]
 
 
