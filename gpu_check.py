@@ -1,0 +1,499 @@
+"""
+The GPU check: one run, at most five minutes on one H200, that answers what a first GPU is for,
+on the machine's own packages (the repository copied, nothing installed).
+
+    python gpu_check.py                # on a CUDA GPU: the whole check, about 4.5 min on an H200
+    python gpu_check.py --budget 200   # start nothing expected to end past 200 s (default 290)
+    python gpu_check.py --tiny         # the same code at tiny shapes on this machine: the kernels in
+                                       # Triton's interpreter, compiled configurations traced with
+                                       # aot_eager, the GPU's own timings faked (the suite runs it)
+
+It prints, as it goes:
+  1. parity: the readable path, the fused kernels and both under torch.compile, in fp32 and bf16,
+     each against the readable path in float64 (relative error of the output, ds0, dq, dg; bf16
+     passes when no error is over 1.25x the readable bf16 path's);
+  2. routing, at each shape of bench_kernel.KERNEL_TABLE (100m, 350m, 1b): all 2L+1 sites forward
+     and backward, fused, automatic G, bf16: the GPU's kernel time from torch.profiler (the Triton
+     routing kernels, then every kernel), the host's time to issue it, and the bandwidth: the
+     traffic model's bytes over the kernel time, against the device's measured copy bandwidth;
+  3. train.py's own step (train.train_step: synthetic tokens, the chunked head, AdamW, bf16
+     autocast, the preset's micro-batch, one micro-step per step) at 100m and 350m for baseline,
+     readable MHAR, compiled, fused, compiled + fused and captured (--compile --fused
+     --compile_mode reduce-overhead): its first step's time (compiling), tokens/s over the next
+     steps, peak memory, dynamo's graphs and the recompiles after the first step;
+then one table of it all, headed by the device, the versions and the date. The run's expected
+time per part (EXPECTED_S, from docs/kernels.md's estimate) is what --budget weighs: a part that
+would end past the budget is skipped and its row says so; the table still comes.
+"""
+import argparse
+import contextlib
+import datetime
+import functools
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    # the kernels run in Triton's interpreter, which triton.jit consults when it decorates them
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kernel  # noqa: E402
+import mhar  # noqa: E402
+from bench_kernel import HEADS, KERNEL_TABLE, auto_group, fused_network, stacked_network, traffic  # noqa: E402
+
+# (sites, B, T, d, H) of the parity chain: the GPU's at a production width; --tiny's
+PARITY = {"gpu": (13, 2, 64, 1024, 8), "tiny": (5, 1, 4, 40, 4)}
+TINY_ROUTING = [("tiny", 64, 2, 1, 4)]                     # (preset, d, L, B, T), as KERNEL_TABLE
+STEP_PRESETS = {"gpu": ("100m", "350m"), "tiny": ("tiny",)}
+TINY_FLAGS = ["--n_layer", "1", "--seq_len", "8", "--batch_size", "1", "--vocab_size", "256", "--device", "cpu"]
+CONFIGS = {  # name: train.py's flags beyond --preset P --data synthetic --grad_accum 1
+    "baseline": ["--residual", "baseline"],
+    "readable": [],
+    "compiled": ["--compile"],
+    "fused": ["--fused"],
+    "compiled+fused": ["--compile", "--fused"],
+    "captured": ["--compile", "--fused", "--compile_mode", "reduce-overhead"],
+}
+# A bf16 path passes when each error is at most BF16_SLACK x the readable bf16 path's: a wrong
+# kernel errs by O(1); the fine bound (1.1x, averaged over seeds) is tests/test_kernel.py's.
+BF16_SLACK = 2
+FP32_TOLERANCE = 1e-4      # relative, along a chain of sites (bench_kernel._check's)
+# Expected seconds on one H200 (docs/kernels.md, "GPU check": how each was estimated); --budget
+# skips a part whose expected end is past it. Keys: part, or (preset, config) of a step.
+EXPECTED_S = {"start": 10, "parity": 25, "routing": 20,
+              **{("100m", c): s for c, s in zip(CONFIGS, (4, 4, 35, 6, 35, 20))},
+              **{("350m", c): s for c, s in zip(CONFIGS, (4, 4, 35, 5, 35, 20))}}
+
+
+# %% Clocks: the GPU's (profiler, allocator), or a fake one where there is no GPU
+
+class CudaClock:
+    """Kernel time from torch.profiler's CUDA activity, the allocator's peak, the copy bandwidth."""
+    fake = False
+
+    def sync(self):
+        torch.cuda.synchronize()
+
+    def kernel_ms(self, fn, reps, prefix="_route"):
+        """(ms of the kernels whose name starts with `prefix`, ms of every kernel) per call of fn."""
+        from torch.profiler import ProfilerActivity, profile
+        self.sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            self.sync()
+        named = every = 0.0
+        for event in prof.events():
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = getattr(event, "device_time", None) or getattr(event, "cuda_time", 0.0)
+            every += us
+            named += us if event.name.startswith(prefix) else 0.0
+        return named / reps / 1e3, every / reps / 1e3
+
+    def copy_bandwidth(self):
+        """Bytes/s of a 1 GiB device-to-device copy (read + write), the best of 10."""
+        x = torch.empty(2**28, device="cuda")
+        y = torch.empty_like(x)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        best = float("inf")
+        for _ in range(10):
+            start.record()
+            y.copy_(x)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end))
+        return 2 * x.nbytes / best * 1e3
+
+    def reset_peak(self):
+        torch.cuda.reset_peak_memory_stats()
+
+    def peak_bytes(self):
+        return torch.cuda.max_memory_allocated()
+
+
+class FakeClock(CudaClock):
+    """Where no GPU measures: every kernel measure 1 ms (the routing kernels' half of it), a copy
+    bandwidth of 1 TB/s, the process's maximum resident set for the peak; so the arithmetic and
+    the table run, and a test can check them."""
+    fake = True
+    KERNEL_MS, BANDWIDTH = 1.0, 1e12
+
+    def sync(self):
+        pass
+
+    def kernel_ms(self, fn, reps, prefix="_route"):
+        for _ in range(reps):
+            fn()
+        return self.KERNEL_MS / 2, self.KERNEL_MS
+
+    def copy_bandwidth(self):
+        return self.BANDWIDTH
+
+    def reset_peak(self):
+        pass
+
+    def peak_bytes(self):
+        from common import peak_memory
+        return peak_memory(torch.device("cpu"))
+
+
+def host_ms(fn, clock):
+    """The host's time to issue fn (the GPU still working when Python returns), in ms."""
+    clock.sync()
+    start = time.perf_counter()
+    fn()
+    host = time.perf_counter() - start
+    clock.sync()
+    return host * 1e3
+
+
+@contextlib.contextmanager
+def compile_backend(backend):
+    """torch.compile with `backend` (train.py's too): on a CPU inductor's C++ compile of a model
+    takes minutes, aot_eager traces the same graphs (a mode other than inductor's is left out)."""
+    if backend == "inductor":
+        yield
+        return
+    original = torch.compile
+
+    def compile(model=None, **kwargs):
+        kwargs.pop("mode", None)
+        return original(model, **{**kwargs, "backend": backend})
+    torch.compile = compile
+    try:
+        yield
+    finally:
+        torch.compile = original
+
+
+# %% 1. Parity: readable, fused, compiled, against float64
+
+@contextlib.contextmanager
+def rounded_to_nearest():
+    """Triton's interpreter rounds fp32 to bf16 toward zero (its casts pass no rounding mode);
+    compiled kernels and torch round to nearest even. Interpreted, they round as compiled here, so
+    that bf16 parity on a CPU is the GPU's (tests/conftest.py does the same for the suite)."""
+    if not kernel.INTERPRETED:
+        yield
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+    convert = interpreter._convert_float
+
+    def to_nearest(values, source, target, rounding_mode):
+        if (source, target) != (tl.float32, tl.bfloat16):
+            return convert(values, source, target, rounding_mode)
+        rounded = torch.from_numpy(np.ascontiguousarray(values).view(np.float32)).bfloat16()
+        return rounded.view(torch.int16).numpy().view(np.uint16)
+    interpreter._convert_float = to_nearest
+    try:
+        yield
+    finally:
+        interpreter._convert_float = convert
+
+def chain(network, dtype, shape, seed=0, device="cpu"):
+    """[out, ds0, dq, dg] of `network` (bench_kernel's stacked_network or fused_network) over a
+    chain of sites whose sublayers are tanh(h W), W fixed: distinct sources. The inputs are
+    rounded to bf16 on every path, so that only the arithmetic differs."""
+    sites, B, T, d, heads = shape
+    gen = torch.Generator().manual_seed(seed)
+    parameter = torch.float64 if dtype == torch.float64 else torch.float32
+    s0 = torch.randn(B, T, d, generator=gen).bfloat16().to(device, dtype).requires_grad_()
+    qs = [(0.5 * torch.randn(d, generator=gen)).to(device, parameter).requires_grad_()
+          for _ in range(sites)]
+    gs = [(1 + 0.1 * torch.randn(d, generator=gen)).to(device, parameter).requires_grad_()
+          for _ in range(sites)]
+    weight = (torch.randn(d, d, generator=gen) / d ** 0.5).bfloat16().to(device, dtype)
+    dout = torch.randn(B, T, d, generator=gen).bfloat16().to(device)
+    out = network(s0, qs, gs, heads, lambda h: torch.tanh(h @ weight.to(h.dtype)))
+    out.backward(dout.to(out.dtype))
+    return [out, s0.grad, torch.cat([q.grad for q in qs]), torch.cat([g.grad for g in gs])]
+
+
+def relative_error(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def parity(shape, device, backend):
+    """Rows (dtype, path, [errors of out, ds0, dq, dg against float64], passed)."""
+    readable, fused = stacked_network(mhar.route), fused_network(0)
+    paths = {"readable": readable, "fused": fused,
+             "compiled": torch.compile(readable, backend=backend),
+             "compiled fused": torch.compile(fused, backend=backend)}
+    exact = chain(readable, torch.float64, shape, device=device)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        with rounded_to_nearest():
+            errors = {name: [relative_error(a, b) for a, b in zip(chain(net, dtype, shape, device=device), exact)]
+                      for name, net in paths.items()}
+        for name, e in errors.items():
+            ok = (max(e) <= FP32_TOLERANCE if dtype == torch.float32 else
+                  all(x <= BF16_SLACK * r for x, r in zip(e, errors["readable"])))
+            rows.append((str(dtype)[6:], name, e, ok))
+    return rows
+
+
+def print_parity(rows, shape):
+    sites, B, T, d, heads = shape
+    print(f"1. parity: {sites} sites, B·T = {B * T}, d = {d}, H = {heads}; relative error against "
+          f"the readable path in float64 (bf16: at most {BF16_SLACK}x the readable bf16 path's)")
+    print(f"   {'dtype':8} {'path':15} {'out':>8} {'ds0':>8} {'dq':>8} {'dg':>8}  ok")
+    for dtype, name, e, ok in rows:
+        print(f"   {dtype:8} {name:15} " + " ".join(f"{x:8.1e}" for x in e) + f"  {'yes' if ok else 'NO'}")
+
+
+# %% 2. Routing: the fused path's kernel time, host time and bandwidth per shape
+
+def routing(shape, clock, device, reps, warm=2):
+    """{"G", "route ms", "kernel ms", "host ms", "GB/s", "% copy"} of all 2L+1 sites forward and
+    backward, fused at the automatic G, bf16, identity sublayers (only the routing runs)."""
+    preset, d, L, B, T = shape
+    sites = 2 * L + 1
+    s0 = torch.randn(B, T, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    qs = [(0.02 * torch.randn(d, device=device)).requires_grad_() for _ in range(sites)]
+    gs = [torch.ones(d, device=device, requires_grad=True) for _ in range(sites)]
+    dout = torch.randn(B, T, d, device=device, dtype=torch.bfloat16)
+    network, identity = fused_network(0), torch.nn.Identity()
+
+    def run():
+        for leaf in (s0, *qs, *gs):
+            leaf.grad = None
+        network(s0, qs, gs, HEADS, identity).backward(dout)
+    for _ in range(warm):                                           # compiled, caches filled
+        run()
+    route, every = clock.kernel_ms(run, reps)
+    host = statistics.median(host_ms(run, clock) for _ in range(reps))
+    moved = traffic(L, d, HEADS, B * T, 0, source_bytes=2)
+    moved = sum(sum(moved[way].values()) for way in ("forward", "backward"))
+    per_second = moved / every * 1e3
+    return {"G": auto_group(sites, d, HEADS), "route ms": route, "kernel ms": every, "host ms": host,
+            "GB/s": per_second / 1e9, "% copy": 100 * per_second / clock.copy_bandwidth()}
+
+
+def print_routing(results, clock):
+    print(f"2. routing, fused, automatic G, bf16, all 2L+1 sites forward + backward per micro-batch; "
+          f"copy bandwidth {clock.copy_bandwidth() / 1e9:.0f} GB/s" + (" (fake)" if clock.fake else ""))
+    print(f"   {'shape':6} {'G':>2} {'route ms':>8} {'kernel ms':>9} {'host ms':>8} {'GB/s':>6} {'% copy':>6}")
+    for preset, r in results.items():
+        if isinstance(r, str):
+            print(f"   {preset:6} {r}")
+        else:
+            print(f"   {preset:6} {r['G']:2} {r['route ms']:8.2f} {r['kernel ms']:9.2f} "
+                  f"{r['host ms']:8.2f} {r['GB/s']:6.0f} {r['% copy']:6.0f}")
+
+
+# %% 3. train.py's step
+
+def step_config(preset, config, tiny):
+    """train.py's flags of one step configuration."""
+    flags = ["--preset", preset, "--data", "synthetic", "--grad_accum", "1", *CONFIGS[config]]
+    return flags + (TINY_FLAGS if tiny else [])
+
+
+def train_steps(flags, clock, steps, warm=2):
+    """Build train.py's run from its flags and take steps with its own train_step: the first
+    (compiling), `warm` more (reduce-overhead records its CUDA graph in these), `steps` timed:
+    {"first s", "tok/s", "peak GiB", "graphs", "recompiles", "cudagraph skips"}."""
+    import head
+    import parallel
+    import train
+    from torch._dynamo.utils import counters
+    try:
+        with contextlib.redirect_stderr(None):  # argparse's usage: the row says it in a line
+            args, given = train.parse_args(flags)
+    except SystemExit:
+        raise RuntimeError(f"this train.py does not take {' '.join(flags)}") from None
+    session = parallel.start_session(args)
+    args, _, _ = train.resolve_flags(args, given, session.world)
+    parallel.set_precision(session, args)
+    config = train.model_config(args, {})
+    torch._dynamo.reset()
+    counters.clear()
+    gpt, optimizer, _, _ = train.build_model(args, config, None, None, session)
+    model = parallel.wrap_model(gpt, args, session)
+    loss_fn = functools.partial(head.linear_cross_entropy, z_loss=args.z_loss)
+    xs, ys = train.to_device(train.train_batch(None, args, 0, 0), session.device)
+
+    def step():
+        train.train_step(model, optimizer, xs, ys, args, session, loss_fn)
+    clock.sync()
+    start = time.perf_counter()
+    step()
+    clock.sync()
+    first, graphs = time.perf_counter() - start, counters["stats"]["unique_graphs"]
+    for _ in range(warm):
+        step()
+    clock.reset_peak()
+    clock.sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    clock.sync()
+    seconds = time.perf_counter() - start
+    return {"first s": first, "tok/s": steps * args.batch_size * args.seq_len / seconds,
+            "peak GiB": clock.peak_bytes() / 2**30, "graphs": graphs,
+            "recompiles": counters["stats"]["unique_graphs"] - graphs,
+            "cudagraph skips": counters["inductor"]["cudagraph_skips"]}
+
+
+def measured(what, fn, *args):
+    """fn(*args), or a one-line reason in its place: one failure must not cost the rest of the run."""
+    try:
+        return fn(*args)
+    except torch.OutOfMemoryError:
+        return "out of memory"
+    except SystemExit as e:                 # train.py's die(): its message
+        return f"train.py refused: {e}"
+    except Exception as e:                  # noqa: BLE001 -- reported in the table, not raised
+        return f"{what} failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def print_step(preset, config, r):
+    if isinstance(r, str):
+        print(f"   {preset:5} {config:15} {r}")
+    else:
+        print(f"   {preset:5} {config:15} {r['first s']:8.1f} {r['tok/s']:9.0f} {r['peak GiB']:8.2f} "
+              f"{r['graphs']:6} {r['recompiles']:10} {r['cudagraph skips']:15}")
+
+
+# %% The run and its table
+
+class Budget:
+    """Seconds since the start; whether a part expected to take `EXPECTED_S[key]` still fits."""
+
+    def __init__(self, seconds, enforce):
+        self.seconds, self.enforce, self.start = seconds, enforce, time.perf_counter()
+
+    def elapsed(self):
+        return time.perf_counter() - self.start
+
+    def fits(self, key):
+        return not self.enforce or self.elapsed() + EXPECTED_S.get(key, 0) <= self.seconds
+
+
+def versions():
+    import triton
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU (CPU, interpreter)"
+    return (f"{device}, torch {torch.__version__}, triton {triton.__version__}, Python "
+            f"{sys.version.split()[0]}, {datetime.date.today()}")
+
+
+TABLE_COLUMNS = ("shape", "config", "first s", "tok/s", "x base", "peak GiB", "graphs", "recompiles",
+                 "route ms", "kernel ms", "host ms", "% copy")
+
+
+def table(parity_rows, routed, stepped):
+    """The check's rows, each a dict of TABLE_COLUMNS (absent values empty): per shape, a row per
+    step configuration, the routing's measures on the fused row (on a row of their own at a
+    shape with no steps); the parity's verdict last."""
+    rows = []
+    shapes = list(dict.fromkeys([p for p, _ in stepped] + list(routed)))
+    for preset in shapes:
+        base = stepped.get((preset, "baseline"))
+        configs = [c for p, c in stepped if p == preset] or ["routing"]
+        for config in configs:
+            row = {"shape": preset, "config": config}
+            r = stepped.get((preset, config))
+            if isinstance(r, dict):
+                row.update({k: r[k] for k in ("first s", "tok/s", "peak GiB", "graphs", "recompiles")})
+                if isinstance(base, dict):
+                    row["x base"] = r["tok/s"] / base["tok/s"]
+            elif r is not None:
+                row["note"] = r
+            if config in ("fused", "routing") and preset in routed:
+                if isinstance(routed[preset], dict):
+                    row.update({k: routed[preset][k] for k in ("route ms", "kernel ms", "host ms", "% copy")})
+                else:
+                    row["note"] = routed[preset]
+            rows.append(row)
+    failed = [f"{dtype} {name}" for dtype, name, _, ok in parity_rows if not ok]
+    verdict = ("parity: every path within its tolerance" if parity_rows and not failed
+               else f"parity FAILED: {', '.join(failed)}" if failed else "parity: not run")
+    return rows, verdict
+
+
+def print_table(rows, verdict, clock, elapsed):
+    print(f"\nThe GPU check: {versions()}" + (" -- timings FAKE (no GPU)" if clock.fake else ""))
+    cells = [[cell(row.get(column, ""), column) for column in TABLE_COLUMNS] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(TABLE_COLUMNS)]
+    print(" ".join(f"{c:>{w}}" for c, w in zip(TABLE_COLUMNS, widths)))
+    for row, line in zip(rows, cells):
+        print(" ".join(f"{c:>{w}}" for c, w in zip(line, widths))
+              + (f"  ({row['note']})" if "note" in row else ""))
+    print(f"{verdict}; {elapsed:.0f} s in all")
+
+
+def cell(value, column):
+    if isinstance(value, float):
+        return f"{value:.0f}" if column == "tok/s" or value >= 100 else f"{value:.2f}"
+    return str(value)
+
+
+# (parity shape, routing shapes, step presets, timed steps, warm-up calls, profiled calls)
+SIZES = {"gpu": (PARITY["gpu"], KERNEL_TABLE, STEP_PRESETS["gpu"], 5, 2, 5),
+         "tiny": (PARITY["tiny"], TINY_ROUTING, STEP_PRESETS["tiny"], 1, 0, 1)}
+
+
+def run_check(tiny=False, budget=290.0):
+    """The whole check; returns (table rows, the parity's verdict). tiny: --tiny's shapes, clock
+    and backend, so that the suite runs it on a CPU."""
+    on_gpu = torch.cuda.is_available() and not kernel.INTERPRETED and not tiny
+    clock, device = (CudaClock(), "cuda") if on_gpu else (FakeClock(), "cpu")
+    backend = "inductor" if on_gpu else "aot_eager"
+    shape, routes, presets, steps, warm, reps = SIZES["gpu" if on_gpu else "tiny"]
+    time_left = Budget(budget, enforce=on_gpu)
+    print(f"GPU check: {versions()}; budget {budget:.0f} s" + ("" if on_gpu else " (not enforced)"))
+    torch.manual_seed(0)
+    parity_rows = measured("parity", parity, shape, device, backend) if time_left.fits("parity") else []
+    if isinstance(parity_rows, str):
+        print(f"1. {parity_rows}")
+        parity_rows = []
+    print_parity(parity_rows, shape)
+    print(f"   ({time_left.elapsed():.0f} s so far)")
+    routed = {route[0]: (measured("routing", routing, route, clock, device, reps, max(warm, 1))
+                         if time_left.fits("routing") else "skipped: over the budget")
+              for route in routes}
+    print_routing(routed, clock)
+    print(f"   ({time_left.elapsed():.0f} s so far)")
+    print(f"3. train.py's step: the first, {warm} more, then {steps} timed; recompiles after the first")
+    print(f"   {'shape':5} {'config':15} {'first s':>8} {'tok/s':>9} {'peak GiB':>8} {'graphs':>6} "
+          f"{'recompiles':>10} {'cudagraph skips':>15}")
+    stepped = {}
+    with compile_backend(backend):
+        for preset in presets:
+            for config in CONFIGS:
+                stepped[preset, config] = (
+                    measured(f"{config} step", train_steps, step_config(preset, config, not on_gpu),
+                             clock, steps, warm)
+                    if time_left.fits((preset, config)) else "skipped: over the budget")
+                print_step(preset, config, stepped[preset, config])
+    rows, verdict = table(parity_rows, routed, stepped)
+    print_table(rows, verdict, clock, time_left.elapsed())
+    return rows, verdict
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny shapes, the interpreter, aot_eager and fake GPU timings (any machine)")
+    p.add_argument("--budget", type=float, default=290.0,
+                   help="seconds: start no part expected to end past them (default 290)")
+    args = p.parse_args(argv)
+    if not args.tiny and not torch.cuda.is_available():
+        p.error("no CUDA GPU here: the check measures one; --tiny runs its code at tiny shapes")
+    _, verdict = run_check(args.tiny, args.budget)
+    return 1 if "FAILED" in verdict else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
