@@ -44,8 +44,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import prepare  # noqa: E402
-from common import (FlagParser, UserError, exit_error, load_model, one_line, pick_device,  # noqa: E402
-                    training_data)
+from common import (FlagParser, MachineError, UserError, exit_error, load_model, one_line,  # noqa: E402
+                    output_folder, pick_device, training_data, write_atomically)
 
 try:  # lm-eval is optional: only this file imports it, and main() says how to install it
     from lm_eval.api.model import TemplateLM
@@ -282,10 +282,14 @@ def generation_settings(gen_kwargs):
     kwargs = dict(gen_kwargs)
     until = kwargs.pop("until", None) or []
     until = [until] if isinstance(until, str) else list(until)
-    max_new = int(kwargs.pop("max_gen_toks", kwargs.pop("max_new_tokens", DEFAULT_MAX_GEN_TOKS)))
     do_sample = kwargs.pop("do_sample", None)
-    temperature = float(kwargs.pop("temperature", 1.0 if do_sample else 0.0))
-    top_k = kwargs.pop("top_k", None) or None
+    try:
+        max_new = int(kwargs.pop("max_gen_toks", kwargs.pop("max_new_tokens", DEFAULT_MAX_GEN_TOKS)))
+        temperature = float(kwargs.pop("temperature", 1.0 if do_sample else 0.0))
+        top_k = int(kwargs.pop("top_k", None) or 0) or None
+    except (TypeError, ValueError) as e:
+        raise UserError(f"generation settings {dict(gen_kwargs)}: {one_line(e)}; max_gen_toks and "
+                        f"top_k are integers, temperature a number") from None
     if do_sample is False or temperature <= 0:  # greedy: nothing to sample, nothing to truncate
         temperature, top_k = 0.0, None
         kwargs.pop("top_p", None)
@@ -295,7 +299,7 @@ def generation_settings(gen_kwargs):
         raise UserError(f"generation settings {unsupported} are not supported: eval.py decodes "
                         f"greedily, or samples (do_sample, temperature, top_k), until a stop "
                         f"string or max_gen_toks")
-    return Generation(tuple(until), max_new, temperature, int(top_k) if top_k else None)
+    return Generation(tuple(until), max_new, temperature, top_k)
 
 
 def cut(text, stops):
@@ -345,6 +349,12 @@ def evaluate(ckpt, tasks, output=None, device="auto", batch_size=8, max_length=N
         raise UserError("no tasks given: e.g. --tasks hellaswag,lambada_openai")
     if gen_kwargs:  # checked before anything runs
         generation_settings(simple_parse_args_string(gen_kwargs))
+    folder = Path(ckpt) if Path(ckpt).is_dir() else Path(ckpt).parent
+    output = Path(output) if output else folder / "eval.json"
+    if output.is_dir():
+        raise UserError(f"--output {output} is a folder: give the results file's name, e.g. "
+                        f"{output / 'eval.json'}")
+    output_folder(output.parent, "--output")
     manager = manager or task_manager(tasks, include_path)
     model, tok, info = load(ckpt, pick_device(device), tokenizer)
     lm = MHARLM(model, tok, batch_size, max_length, info)
@@ -358,12 +368,13 @@ def evaluate(ckpt, tasks, output=None, device="auto", batch_size=8, max_length=N
                         f"tasks download theirs from the Hugging Face Hub; go online, or define "
                         f"the task over local files (--include_path)") from None
     results["tasks"] = tasks  # a name can stand for several tasks (a group, a tag)
-    folder = Path(ckpt) if Path(ckpt).is_dir() else Path(ckpt).parent
-    output = Path(output) if output else folder / "eval.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(output.name + ".tmp")  # written whole, then renamed: never half
-    partial.write_text(json.dumps(results, indent=2, default=handle_non_serializable) + "\n")
-    os.replace(partial, output)
+    text = json.dumps(results, indent=2, default=handle_non_serializable) + "\n"
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(output, lambda f: f.write(text.encode()))
+    except OSError as e:
+        raise MachineError(f"cannot write {output} ({e.strerror or one_line(e)}): free some space "
+                           f"or give another --output; the evaluation itself finished") from None
     results["output"] = str(output)
     return results
 
@@ -434,6 +445,8 @@ def main(argv=None):
         results = evaluate(**vars(args))  # every flag is an argument of evaluate()
     except UserError as e:
         exit_error("eval.py", e)
+    except MachineError as e:
+        exit_error("eval.py", e, status=1)
     from lm_eval.utils import make_table
     info = results["config"]
     print(f"{info['checkpoint']}: {info['parameters']:,} parameters, tokenizer "

@@ -6,8 +6,10 @@ request by request against log-probabilities (float64) and greedy decoding compu
 model's logits.
 """
 import dataclasses
+import errno
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import types
@@ -22,7 +24,7 @@ import head
 import mhar
 import prepare
 from common import UserError
-from helpers import ROOT, foreign_model, needs, one_error_line, run_script, save_tiny_qwen3, write_task
+from helpers import ROOT, files_in, foreign_model, needs, one_error_line, run_script, save_tiny_qwen3, write_task
 
 SEQ_LEN = 64
 GPT2_VOCAB = 50257      # ids 0..50256 are text; 50257..50303 pad the vocabulary to 50304
@@ -346,6 +348,14 @@ def test_bad_input_is_one_line_and_status_2(run, tmp_path, capsys, monkeypatch):
                     args={"data": str(tmp_path)}, step=0), tmp_path / "ids.pt")
     assert "without a text tokenizer" in error("--ckpt", str(tmp_path / "ids.pt"), *tasks)
     assert "not supported" in error("--ckpt", str(run.folder), *tasks, "--gen_kwargs", "beams=2")
+    assert "are integers" in error("--ckpt", str(run.folder), *tasks, "--gen_kwargs", "max_gen_toks=abc")
+    # --output a folder, or inside a file: refused before anything runs, nothing written
+    (tmp_path / "notes.txt").write_text("mine")
+    before = files_in(tmp_path)
+    assert "is a folder" in error("--ckpt", str(run.folder), *tasks, "--output", str(tmp_path))
+    assert "is a file, not a folder" in error("--ckpt", str(run.folder), *tasks, "--output",
+                                              str(tmp_path / "notes.txt" / "eval.json"))
+    assert files_in(tmp_path) == before
     # a task that asks for more new tokens than the model's window holds
     assert "max_gen_toks" in error("--ckpt", str(run.folder), "--tasks", "tiny_next", "--limit",
                                    "1", "--include_path", str(run.folder), "--gen_kwargs",
@@ -357,6 +367,22 @@ def test_bad_input_is_one_line_and_status_2(run, tmp_path, capsys, monkeypatch):
                         task_manager(include_path=include_path, include_defaults=False))
     assert "unknown task nope" in error("--ckpt", str(run.folder), "--tasks", "tiny_choice,nope",
                                         "--include_path", str(run.folder))
+
+
+def test_results_that_cannot_be_written_are_one_line_and_status_1(run, tmp_path, capsys,
+                                                                   monkeypatch):
+    """A full disk or a read-only folder when the results are written: one line naming the file,
+    exit status 1 (the machine's, not the user's), no half-written results or temporary file."""
+    def full_disk(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full_disk)  # write_atomically's flush to disk
+    output = tmp_path / "results" / "eval.json"
+    with pytest.raises(SystemExit) as exit:
+        eval.main(["--ckpt", str(run.folder), "--tasks", "tiny_choice", "--include_path",
+                   str(run.folder), "--limit", "2", "--output", str(output)])
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert exit.value.code == 1 and last.startswith(f"eval.py: error: cannot write {output} (No space")
+    assert files_in(tmp_path) == ["results"]
 
 
 @pytest.mark.parametrize("script,command", [
