@@ -864,8 +864,8 @@ lse of the forward."""
 
 @memoized
 def _plans(reads, group, heads, eps):
-    """(site -> the Plans its read launches, the number of lse all the launches write, the sites
-    with a phase 2)."""
+    """(per site the Plans its read launches, the number of lse all the launches write, the sites
+    with a phase 2). Tuples: torch.compile reads them as constants (a dict's .get it cannot)."""
     plans, rows, first = {}, reads[-1][0], 0
     for launch in schedule(reads, group):
         spec = Spec(heads=heads, eps=eps, rows=rows, row0=launch.lo, own_lo=launch.own_lo,
@@ -875,7 +875,7 @@ def _plans(reads, group, heads, eps):
         first += launch.sites
     continued_sites = tuple(site for site, entries in plans.items()
                             for plan in entries if plan.launch.phase == 2)
-    return plans, first, continued_sites
+    return tuple(tuple(plans.get(site, ())) for site in range(len(reads))), first, continued_sites
 
 
 # %% FusedHistory: a readable history, routed by the kernels
@@ -959,7 +959,7 @@ class FusedHistory:
         if site != self.appended - 1:
             raise ValueError(f"FusedHistory.read({site}): site j is read right after the (j+1)-th "
                              f"append, and the history holds {self.appended} sources")
-        for plan in self.plans.get(site, ()):
+        for plan in self.plans[site]:
             self._launch(plan)
         return self.outputs[site]
 
