@@ -61,7 +61,7 @@ from pathlib import Path
 import mhar
 import prepare
 import probe
-from common import FlagParser, UserError, exit_error, one_line, training_data
+from common import FlagParser, UserError, exit_error, one_line, training_data, write_atomically
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("baseline", "hyper", "attnres", "mhar")
@@ -480,11 +480,17 @@ def main(argv=None):
     metrics = list(metrics)
     results = report(rows, metrics, args.versus)
     print("\n" + results)
-    (out_dir / "results.md").write_text(results + "\n")
-    (out_dir / "results.json").write_text(json.dumps(dict(
+    tables = {"results.md": results + "\n", "results.json": json.dumps(dict(
         rows=with_deltas(rows), pairs=with_metrics(paired(rows), rows, metrics),
         versus={v: paired(versus(rows, v)) for v in args.versus}, train_flags=train_flags,
-        eval_tasks=args.eval_tasks), indent=2))
+        eval_tasks=args.eval_tasks), indent=2)}
+    for name, text in tables.items():  # each whole or not at all: a full disk leaves the previous
+        try:
+            write_atomically(out_dir / name, lambda f: f.write(text.encode()))
+        except OSError as e:
+            exit_error("compare.py", f"cannot write {out_dir / name} ({e.strerror or one_line(e)}): "
+                                     f"free some space and run the same command again (the trained "
+                                     f"runs are reused)", status=1)
     plt = probe.pyplot()
     if plt is None:
         print("loss curves: pip install matplotlib, then run this command again (the trained runs are reused)")

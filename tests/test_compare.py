@@ -1,6 +1,8 @@
 """compare.py: the runs of a comparison or a grid, their pairing with the baseline, the tables; then tiny real runs."""
+import errno
 import json
 import math
+import os
 import random
 
 import pytest
@@ -307,6 +309,26 @@ def test_a_rerun_reuses_runs_and_evaluations(compared, monkeypatch):
     asked.clear()
     compare.main(argv)
     assert asked == [("mhar-s0", None)]
+
+
+def test_tables_that_cannot_be_written_keep_the_previous_ones(compared, monkeypatch, capsys):
+    """A full disk when the tables are written: one line, exit status 1, results.md and results.json
+    as they were (written whole or not at all), no temporary file; the runs are kept for a rerun."""
+    import eval
+    out, argv, _ = compared
+    before = {name: (out / name).read_text() for name in ("results.md", "results.json")}
+    monkeypatch.setattr(eval, "evaluate", lambda folder, tasks, **options: json.loads(
+        (folder / "eval.json").read_text()))                    # what the runs' evaluations said
+
+    def full_disk(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(SystemExit) as exit:
+        compare.main(argv)
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert exit.value.code == 1 and last.startswith("compare.py: error: cannot write") and "No space" in last
+    assert {name: (out / name).read_text() for name in before} == before
+    assert not list(out.glob("*.tmp"))
 
 
 def test_paired_metric_columns_on_hand_made_scores():
