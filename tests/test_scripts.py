@@ -1,6 +1,6 @@
 """What every script does with a mistake in its command line: one line, "<script>.py: error: ...",
-and exit status 2, never argparse's usage block (the README's "Errors" promise, one style for
-every script)."""
+and exit status 2, never argparse's usage block (one style for every script, as the README's
+"Files" section says)."""
 import importlib
 
 import pytest
