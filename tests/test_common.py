@@ -1,0 +1,81 @@
+"""common.py's pieces that every script leans on, where a bug would go unnoticed elsewhere: token
+files longer than meta.json says, the peak resident set's unit, a write interrupted half-way, a
+staged write into folders it made, which weights a checkpoint gives."""
+import json
+import resource
+
+import numpy as np
+import pytest
+import torch
+
+import common
+import mhar
+from helpers import files_in, tiny
+
+
+def token_folder(folder, train, val, recorded):
+    """A prepare.py-style folder: train.bin and val.bin of uint16 ids, meta.json's token counts."""
+    folder.mkdir()
+    for split, n in (("train", train), ("val", val)):
+        np.arange(n, dtype=np.uint16).tofile(folder / f"{split}.bin")
+    (folder / "meta.json").write_text(json.dumps(dict(vocab_size=64, dtype="uint16", tokens=recorded)))
+    return folder
+
+
+@pytest.mark.parametrize("train", [99, 101], ids=["shorter", "longer"])
+def test_token_files_other_than_meta_json_records_are_refused(tmp_path, train):
+    folder = token_folder(tmp_path / "data", train, 10, dict(train=100, val=10))
+    with pytest.raises(common.UserError, match=f"has {train} tokens, but .* records 100"):
+        common.read_tokens(folder)
+    (folder / "train.bin").write_bytes(np.arange(100, dtype=np.uint16).tobytes())
+    assert len(common.read_tokens(folder).train) == 100
+
+
+def test_the_peak_resident_set_is_in_bytes():
+    """Linux's getrusage counts KiB (macOS bytes): this process, torch imported, holds more than
+    10 MiB and less than the machine."""
+    peak = common.max_resident_bytes(resource.getrusage(resource.RUSAGE_SELF))
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+    assert 10 << 20 < peak <= hwm
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, OSError], ids=["ctrl-c", "disk-full"])
+def test_a_write_stopped_half_way_leaves_the_previous_file_and_no_temporary(tmp_path, failure):
+    path = tmp_path / "results.json"
+    path.write_text("previous")
+
+    def half(f):
+        f.write(b"half of the new")
+        raise failure()
+    with pytest.raises(failure):
+        common.write_atomically(path, half)
+    assert path.read_text() == "previous" and files_in(tmp_path) == ["results.json"]
+
+
+def test_a_failed_staged_write_removes_every_folder_it_made(tmp_path):
+    """Three missing levels: a full disk half-way leaves none of them, and the folder that was
+    there before stays."""
+    target = tmp_path / "a" / "b" / "c"
+    with pytest.raises(common.MachineError, match="No space left"):
+        with common.staged(target) as tmp:
+            (tmp / "figure.png").write_bytes(b"half")
+            raise OSError(28, "No space left on device")
+    assert files_in(tmp_path) == []
+    with common.staged(target) as tmp:                               # and a write that ends well
+        (tmp / "figure.png").write_bytes(b"whole")
+    assert files_in(tmp_path) == ["a", "a/b", "a/b/c", "a/b/c/figure.png"]
+
+
+@pytest.mark.parametrize("average", [False, True], ids=["raw", "average"])
+def test_a_checkpoint_with_a_weight_average_gives_the_weights_asked_for(tmp_path, average):
+    """load_model gives the trained weights unless asked for the average (train.py --ema)."""
+    torch.manual_seed(0)
+    config = tiny()
+    trained, averaged = mhar.GPT(config).state_dict(), mhar.GPT(config).state_dict()
+    assert not torch.equal(trained["embed.weight"], averaged["embed.weight"])
+    torch.save(dict(model=trained, ema=averaged, config=vars(config), step=3, args={}, evals=[],
+                    optimizer={}, rng={}), tmp_path / "ckpt.pt")
+    model, _ = common.load_model(tmp_path / "ckpt.pt", average=average)
+    expected = averaged if average else trained
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
