@@ -186,6 +186,18 @@ def test_prepare_max_tokens_is_exact_and_ends_in_eot(tmp_path):
         assert np.fromfile(folder / f"{split}.bin", dtype=np.uint16)[-1] == prepare.EOT
 
 
+@pytest.mark.parametrize("room", [0, 1, 2], ids=["none", "one", "two"])
+def test_a_cut_leaves_no_document_of_a_lone_end_of_text(room):
+    """max_tokens a few past the first document (5 bytes and its end-of-text): with room for one
+    token only, the second document is left out rather than written as a lone end-of-text; with
+    two, it is its first byte and the end-of-text."""
+    tok = prepare.bytes_tokenizer()
+    documents = [("hello", 5), ("world", 5)]
+    out = [ids.tolist() for ids, _ in prepare.tokenize(documents, tok, max_tokens=6 + room)]
+    first = [*b"hello", tok.eot]
+    assert out == ([first] if room < 2 else [first, [ord("w"), tok.eot]])
+
+
 def test_prepare_default_corpus_files():
     files = prepare.find_files([prepare.stdlib_folder()], extensions=(".py",), exclude=("site-packages",))
     assert files == sorted(files) and len(files) > 500
