@@ -241,3 +241,17 @@ def test_z_loss_is_the_squared_log_partition():
     assert head.squared_log_z(logits).item() == pytest.approx(expected)
     uniform = torch.full((1, 4), -torch.tensor(4.0).log().item())               # Z = 1
     assert head.squared_log_z(uniform).item() == pytest.approx(0.0, abs=1e-12)
+
+
+@Z_LOSSES
+def test_a_trainable_head_over_a_frozen_body(z_loss):
+    """Fine-tuning the LM head alone: hidden states without requires_grad, the weight's gradient
+    as the full logits give it."""
+    torch.manual_seed(0)
+    hidden, targets = torch.randn(3 * CHUNK + 2, 16), torch.randint(0, 128, (3 * CHUNK + 2,))
+    weight = torch.randn(128, 16, requires_grad=True)
+    head.linear_cross_entropy(hidden, weight, targets, z_loss).backward()
+    chunked, weight.grad = weight.grad, None
+    logits = hidden @ weight.t()
+    (F.cross_entropy(logits, targets) + z_loss * head.squared_log_z(logits)).backward()
+    assert rel_err(chunked, weight.grad) < 1e-5
