@@ -46,7 +46,6 @@ prints the bytes both algorithms move, benchmarks them and measures the host's t
 Without a CUDA GPU the kernels run in the Triton interpreter, on CPU tensors, when
 TRITON_INTERPRET=1 is set before this file is imported (slow; for tests).
 """
-import array
 import functools
 import sys
 from collections import namedtuple
@@ -73,6 +72,7 @@ MAX_TILE = 8192
 PROGRAMS = 256
 INTERPRETED_PROGRAMS = 3    # the interpreter runs programs one after another: few, of many positions
 NUM_STAGES = 3              # source rows in flight in the software pipeline of the loop over sources
+TABLE_CHUNK = 32            # address-table entries one launch of _table_kernel writes
 
 
 # %% The kernels
@@ -194,11 +194,11 @@ def _route_forward_kernel(
         tl.store(lse_at[:, None] + state, row_max + tl.log(row_sum), mask=state_mask)
 
 
-@triton.jit(do_not_specialize=["N", "M", "per_program", "row0", "own_lo", "fresh_lo"])
+@triton.jit(do_not_specialize=["N", "M", "per_program", "row0", "own_lo", "fresh_lo", "given_sites"])
 def _route_backward_kernel(
     table_ptr,          # int64 addresses: the N sources, then per site its output, the output's
                         # remainder, output gradient, lse, and the coupling given for a partial
-                        # state (0 for a complete site); with INIT also the lse of the partial state
+                        # state (any address for a complete site); with INIT also the lse of the partial state
                         # it continues and where that state's output gradient and coupling go
     qg_ptr,             # [G, D] fp32: q ⊙ g of each site
     grads_ptr,          # [rows, M, D] fp32 source-gradient buffer: source n is row row0 + n
@@ -210,6 +210,7 @@ def _route_backward_kernel(
     row0,               # buffer row of source 0
     own_lo,             # sources own_lo.. are complete after this launch: written to owned_ptr
     fresh_lo,           # sources fresh_lo.. have no earlier gradient: rows written, not added to
+    given_sites,        # a bit per site whose coupling is given (a partial state)
     eps,                # RMSNorm epsilon
     SOURCE: tl.constexpr, D: tl.constexpr, H: tl.constexpr, K: tl.constexpr, K1: tl.constexpr,
     K2: tl.constexpr, K2_PAD: tl.constexpr, H_PAD: tl.constexpr, G: tl.constexpr,
@@ -233,9 +234,8 @@ def _route_backward_kernel(
     rest_at = _addresses(site_table + 1, site_mask, SOURCE)
     dout_at = _addresses(site_table + 2, site_mask, SOURCE)
     lse_at = _addresses(site_table + 3, site_mask, tl.float32)
-    given_entry = tl.load(site_table + 4, mask=site_mask, other=0)   # 0: a complete site
-    given = given_entry != 0                                          # (G_PAD,): a partial state
-    given_at = tl.multiple_of(given_entry.to(tl.pointer_type(tl.float32)), 16)
+    given = ((given_sites >> sites) & 1) != 0                         # (G_PAD,): a partial state
+    given_at = _addresses(site_table + 4, site_mask, tl.float32)
     complete1 = tile1 & (given == 0)[:, None, None]
     complete2 = tile2 & (given == 0)[:, None, None]
     if INIT:
@@ -309,6 +309,18 @@ def _route_backward_kernel(
     partial = qg_grad_ptr + program * G * D + sites[:, None, None] * D
     tl.store(partial + cols1[None, :, :], qg_grad1, mask=tile1)
     tl.store(partial + cols2[None, :, :], qg_grad2, mask=tile2)
+
+
+@triton.jit(do_not_specialize=["offset"])
+def _table_kernel(
+    table_ptr,          # int64 address table
+    offset,             # where this chunk of it starts
+    entries,            # a tuple of TABLE_CHUNK addresses: the kernel's arguments, which a CUDA
+                        # graph replays as captured (a table copied up from host memory would be
+                        # replayed from a host block freed since)
+):
+    for i in tl.static_range(len(entries)):
+        tl.store(table_ptr + offset + i, entries[i])
 
 
 # True when TRITON_INTERPRET=1 was set before import: triton.jit then made interpreted functions.
@@ -388,12 +400,16 @@ def _programs(M, target=None):
 
 
 def _address_table(addresses, device):
-    """The kernels read their tensors through a table of addresses: no copy into one buffer. On a
-    GPU the table goes up from pinned memory, asynchronously: the host never waits for the GPU
-    (a table from pageable memory would be a synchronizing copy at every launch)."""
-    table = torch.frombuffer(array.array("q", addresses), dtype=torch.int64)  # 3x faster than torch.tensor
-    if device.type == "cuda":
-        table = table.pin_memory().to(device, non_blocking=True)
+    """The kernels read their tensors through a table of addresses: no copy into one buffer. The
+    table is written on the device by _table_kernel, TABLE_CHUNK entries a launch: nothing goes
+    up from the host, so the host never waits and a CUDA graph captures the launch. A null
+    address (an absent tensor, never read) becomes the first: every entry is then a 16-byte
+    aligned int64, and one variant of the kernel serves every chunk."""
+    entries = [address or addresses[0] for address in addresses]
+    entries += entries[:1] * (-len(entries) % TABLE_CHUNK)
+    table = torch.empty(len(entries), dtype=torch.int64, device=device)
+    for offset in range(0, len(entries), TABLE_CHUNK):
+        _table_kernel[(1,)](table, offset, tuple(entries[offset:offset + TABLE_CHUNK]), num_warps=1)
     return table
 
 
@@ -477,9 +493,10 @@ def _route_backward(grads, owned, qg_grads, init_grads, *, sources, qg, outs, re
                 for i in range(G)]
     table = _address_table(addresses + [0 if t is None else t.data_ptr() for site in per_site for t in site],
                            source.device)
+    given = sum(1 << i for i, coupling in enumerate(couplings) if coupling is not None)
     per_program, programs = _programs(M)
     _route_backward_kernel[(programs,)](
-        table, qg, grads, owned, qg_grads, len(addresses), M, per_program, row0, own_lo, fresh_lo, eps,
+        table, qg, grads, owned, qg_grads, len(addresses), M, per_program, row0, own_lo, fresh_lo, given, eps,
         **_constexprs(width, heads, G, source.dtype, bool(init_lse), True))
 
 
@@ -694,7 +711,8 @@ class QGGradients:
 @memoized
 def _index(values, device):
     """values as an int64 tensor on `device`, made once (from pinned memory on a GPU: no sync)."""
-    return _address_table(values, device)
+    index = torch.tensor(values, dtype=torch.int64)
+    return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
 
 
 Call = namedtuple("Call", "launch spec sources addresses init partials qg qg_parts lses")
@@ -839,7 +857,9 @@ def launch_bytes(launch, positions, width, heads, source_bytes, target=None):
     sites = G * (row + state) + (G - continued) * out + continued * state
     backward = (programs * G * (8 * d + 8 * (8 if init else 5))
                 + M * (sites + init * (2 * state + row) + sum(per_source)))
-    return forward, backward
+    # and the address tables, written by _table_kernel in chunks
+    tables = [8 * -(-(N + G * entries) // TABLE_CHUNK) * TABLE_CHUNK for entries in ((6, 8) if init else (3, 5))]
+    return forward + tables[0], backward + tables[1]
 
 
 @memoized                                  # a history is built at every forward

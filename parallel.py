@@ -140,7 +140,7 @@ def wrap_model(gpt, args, session):
     if session.replicated:
         device = session.device
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    return torch.compile(model) if args.compile else model
+    return torch.compile(model, mode=getattr(args, "compile_mode", "default")) if args.compile else model
 
 
 # -------------------------------------------------------------------------------------------

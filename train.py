@@ -240,6 +240,9 @@ def add_machine_flags(p):
            help="auto: bf16 autocast on CUDA, float32 elsewhere (default auto)")
     p.flag("compile", MACHINE, action="store_true", default=False,
            help="torch.compile the model (default off)")
+    p.flag("compile_mode", MACHINE, choices=["default", "reduce-overhead", "max-autotune"],
+           default="default", help="torch.compile's mode, with --compile: reduce-overhead captures "
+                                   "the step in CUDA graphs (default default)")
     p.flag("fsdp", RUN, action="store_true", default=False,
            help="shard parameters, gradients and Adam moments over the ranks (FSDP2; checkpoints "
                 "are folders of shards; one process is a run of one rank) (default off: DDP)")

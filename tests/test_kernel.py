@@ -311,6 +311,45 @@ def test_compiled_fused_model_compiles_once_for_training_and_once_for_evaluation
     assert graphs == [1, 1, 1, 2, 2, 2, 2], graphs
 
 
+HOST_MADE = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default,
+             torch.ops.aten._pin_memory.default, torch.ops.prims.device_put.default}
+
+
+def test_traced_fused_step_copies_nothing_up_from_the_host(monkeypatch):
+    """A CUDA graph replays a host-to-device copy from the host block it was captured with, which
+    is long freed by then. The compiled fused training step (aot_eager, forward and backward
+    graphs) holds no tensor made on the host: no constant lifted into the graph, no copy to a
+    device; and its operators build no tensor from host memory at any launch (the address tables
+    are written on the device, by a kernel whose arguments the graph replays as captured)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def refused(fn):
+        @functools.wraps(fn)
+        def host_made(*args, **kwargs):
+            raise AssertionError(f"a launch called {fn.__name__}: a tensor from host memory")
+        return host_made
+    for owner, name in ((torch, "frombuffer"), (torch.Tensor, "pin_memory")):    # (torch.tensor: lift_fresh)
+        monkeypatch.setattr(owner, name, refused(getattr(owner, name)))
+    fused, _ = gpt_pair(DEVICE, n_layer=1)
+    compiled = torch.compile(fused, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    idx = torch.randint(0, 128, (1, 5), device=DEVICE)
+    compiled(idx, idx)[1].backward()
+    assert len(graphs) == 2                                                  # forward, backward
+    nodes = [node for gm in graphs for node in gm.graph.nodes]
+    assert not [node for node in nodes if node.target in HOST_MADE or node.op == "get_attr"
+                or node.target == torch.ops.aten._to_copy.default and "device" in node.kwargs]
+    assert any(node.target == torch.ops.mhar.route_sites.default for node in nodes)
+    # capturable, so not tagged cudagraph_unsafe: reduce-overhead captures them with the rest
+    ops = (torch.ops.mhar.route_sites.default, torch.ops.mhar.route_sites_backward.default)
+    assert not [op for op in ops if any(str(tag).endswith("cudagraph_unsafe") for tag in op.tags)]
+
+
 # ----------------------------------------------------------------------------------------------
 # Traffic: the model of the bytes moved against the interpreter's count.
 

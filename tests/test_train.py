@@ -490,6 +490,15 @@ def test_compile_says_that_the_first_step_compiles(data, tmp_path, capsys, monke
     assert "first step compiles the model" in train.COMPILE_NOTE
 
 
+def test_compile_mode_reaches_torch_compile(data, tmp_path, monkeypatch):
+    """--compile_mode reduce-overhead (CUDA graphs of the whole step) is torch.compile's mode."""
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None, **kwargs: modes.append(mode) or model)
+    run(data, tmp_path, "--max_steps", "1", "--compile", "--compile_mode", "reduce-overhead")
+    run(data, tmp_path / "default", "--max_steps", "1", "--compile")
+    assert modes == ["reduce-overhead", "default"]
+
+
 def test_ctrl_c_while_train_py_imports_exits_130_with_one_line(tmp_path):
     """SIGINT while torch is being imported: the line and status of an interrupted start, no
     traceback. A sitecustomize.py makes the import of torch wait (after a marker file) until the
