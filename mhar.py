@@ -80,8 +80,7 @@ class Config:
         for size in ("vocab_size", "seq_len", "n_layer", "n_embd", "n_head", "n_kv_head",
                      "ffn_hidden"):
             check(getattr(self, size) >= 1, f"{size}: must be >= 1, not {getattr(self, size)}")
-        check(self.head_dim >= 0, f"head_dim: must be >= 0 (0 = n_embd / n_head), not "
-              f"{self.head_dim}")
+        check(self.head_dim >= 0, f"head_dim: must be >= 0 (0 = n_embd / n_head), not {self.head_dim}")
         modes = ("attnres", "mhar", "baseline", "hyper")
         check(self.residual in modes, f"residual: unknown {self.residual!r}; use one of {modes}")
         d, H, unrouted = self.n_embd, self.depth_heads, f"{self.residual} has no routing sites"
@@ -91,14 +90,15 @@ class Config:
         check(self.n_head % self.n_kv_head == 0,
               f"n_kv_head: {self.n_kv_head} does not divide n_head={self.n_head}; use a divisor of it")
         check(not self.routed or H > 0 and d % H == 0, f"route_heads: H={H} must divide n_embd={d}")
-        check(0 < self.route_temperature < float("inf"), f"route_temperature: must be a positive "
-              f"number, not {self.route_temperature}; 1 is the paper's route")
-        check(self.route_temperature == 1 or self.routed, f"route_temperature: {unrouted}; use mhar "
-              f"or attnres")
+        for name, value in (("rope_theta", self.rope_theta), ("norm_eps", self.norm_eps),
+                            ("route_temperature", self.route_temperature)):
+            check(0 < value < float("inf"), f"{name}: must be a positive number, not {value}")
+        check(0 <= self.query_init_std < float("inf"), f"query_init_std: must be >= 0 (0: zero "
+              f"queries), not {self.query_init_std}")
         check(self.route_block >= 1, "route_block: must be >= 1; 1 is full routing")
-        check(self.route_block == 1 or self.routed, f"route_block: {unrouted}; use mhar or attnres")
-        check(not self.delta or self.routed, f"delta: {unrouted}; use mhar or attnres")
-        check(not self.fused or self.routed, f"fused: {unrouted}; there is nothing to fuse")
+        for name in ("route_temperature", "route_block", "delta", "fused"):  # at their defaults
+            check(self.routed or getattr(self, name) == getattr(Config, name),
+                  f"{name}: {unrouted}; use mhar or attnres")
         check(self.fused_group >= 0, "fused_group: must be >= 0; 0 is automatic, 1 one pass per site")
         check(self.hc_streams >= 1, "hc_streams: hyper-connections need at least one stream")
 

@@ -352,6 +352,11 @@ def test_causality(residual, overrides):
     (dict(route_temperature=float("nan")), "route_temperature"),
     (dict(route_temperature=float("inf")), "route_temperature"),
     (dict(residual="baseline", route_temperature=2.0), "route_temperature"),
+    (dict(rope_theta=0.0), "rope_theta"),                            # every position at one angle
+    (dict(rope_theta=float("nan")), "rope_theta"),
+    (dict(norm_eps=-1.0), "norm_eps"),                               # sqrt of a negative: nan
+    (dict(norm_eps=0.0), "norm_eps"),                                # a zero source: 1 / 0
+    (dict(query_init_std=-1.0), "query_init_std"),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()))
 def test_impossible_config_raises(overrides, field):
     with pytest.raises(ValueError, match=rf"^Config\.{field}: "):
