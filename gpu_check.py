@@ -3,33 +3,37 @@ The GPU check: one run, at most five minutes on one H200, that answers what a fi
 on the machine's own packages (the repository copied, nothing installed).
 
     python gpu_check.py                # on a CUDA GPU: the whole check, about 4.5 min on an H200
-    python gpu_check.py --budget 200   # start nothing expected to end past 200 s (default 290)
-    python gpu_check.py --tiny         # the same code at tiny shapes on this machine: the kernels in
+    python gpu_check.py --budget 200   # start no part expected to end past 200 s (default 290)
+    python gpu_check.py --plan         # the parts' expected seconds on an H200, and what the
+                                       # budget leaves out (no GPU needed)
+    python gpu_check.py --tiny         # the same code at tiny shapes on this machine: kernels in
                                        # Triton's interpreter, compiled configurations traced with
-                                       # aot_eager, the GPU's own timings faked (the suite runs it)
+                                       # aot_eager, the GPU's timings faked (the suite runs it)
 
 It prints, as it goes:
-  1. parity: the readable path, the fused kernels and both under torch.compile, in fp32 and bf16,
-     each against the readable path in float64 (relative error of the output, ds0, dq, dg; bf16
-     passes when no error is over 1.25x the readable bf16 path's);
+  1. parity: the readable path, the fused kernels, and the fused kernels under torch.compile
+     (what --compile --fused runs), in fp32 and bf16, each against the readable path in float64:
+     relative errors of the output, ds0, dq, dg; fp32 within 1e-4, bf16 within 2x the readable
+     bf16 path's (a wrong kernel errs by O(1); tests/test_kernel.py holds the fine bound);
   2. routing, at each shape of bench_kernel.KERNEL_TABLE (100m, 350m, 1b): all 2L+1 sites forward
-     and backward, fused, automatic G, bf16: the GPU's kernel time from torch.profiler (the Triton
-     routing kernels, then every kernel), the host's time to issue it, and the bandwidth: the
+     and backward, fused, automatic G, bf16 sources: the GPU's time in the routing kernels and in
+     every kernel, from torch.profiler, the host's time to issue it all, and the bandwidth: the
      traffic model's bytes over the kernel time, against the device's measured copy bandwidth;
   3. train.py's own step (train.train_step: synthetic tokens, the chunked head, AdamW, bf16
-     autocast, the preset's micro-batch, one micro-step per step) at 100m and 350m for baseline,
-     readable MHAR, compiled, fused, compiled + fused and captured (--compile --fused
-     --compile_mode reduce-overhead): its first step's time (compiling), tokens/s over the next
-     steps, peak memory, dynamo's graphs and the recompiles after the first step;
-then one table of it all, headed by the device, the versions and the date. The run's expected
-time per part (EXPECTED_S, from docs/kernels.md's estimate) is what --budget weighs: a part that
-would end past the budget is skipped and its row says so; the table still comes.
+     autocast, the preset's micro-batch, one micro-step per step) at 100m and 350m, for baseline,
+     readable MHAR, fused, compiled + fused, captured (--compile --fused --compile_mode
+     reduce-overhead) and compiled (readable MHAR): the first step's seconds (compiling), tokens/s
+     over 5 steps after 2 more, peak memory, dynamo's graphs, the recompiles after the first step
+     and inductor's CUDA-graph skips;
+then one table of it all, headed by the device, the versions and the date. Each part's expected
+time (EXPECTED_S) is what --budget weighs: a part that would end past it is skipped, and its row
+says so; the table comes regardless.
 """
-import argparse
 import contextlib
 import datetime
 import functools
 import gc
+import io
 import os
 import statistics
 import sys
@@ -43,46 +47,50 @@ if not torch.cuda.is_available():
 
 import kernel  # noqa: E402
 import mhar  # noqa: E402
-from bench_kernel import HEADS, KERNEL_TABLE, auto_group, fused_network, stacked_network, traffic  # noqa: E402
+from bench_kernel import (HEADS, KERNEL_TABLE, auto_group, fused_network,  # noqa: E402
+                          stacked_network, traffic)
+from common import AMOUNT, FlagParser, exit_error  # noqa: E402
 
-# (sites, B, T, d, H) of the parity chain: the GPU's at a production width; --tiny's
-PARITY = {"gpu": (13, 2, 64, 1024, 8), "tiny": (5, 1, 4, 40, 4)}
+# (sites, B, T, d, H) of the parity chain: on a GPU the 100m depth and width, whose bf16 kernels
+# (G = 5) the routing and the 100m steps then find compiled; --tiny's
+PARITY = {"gpu": (25, 2, 64, 512, 8), "tiny": (5, 1, 4, 40, 4)}
 TINY_ROUTING = [("tiny", 64, 2, 1, 4)]                     # (preset, d, L, B, T), as KERNEL_TABLE
 STEP_PRESETS = {"gpu": ("100m", "350m"), "tiny": ("tiny",)}
-TINY_FLAGS = ["--n_layer", "1", "--seq_len", "8", "--batch_size", "1", "--vocab_size", "256", "--device", "cpu"]
-CONFIGS = {  # name: train.py's flags beyond --preset P --data synthetic --grad_accum 1
-    "baseline": ["--residual", "baseline"],
-    "readable": [],
-    "compiled": ["--compile"],
-    "fused": ["--fused"],
+TINY_FLAGS = ["--n_layer", "1", "--seq_len", "8", "--batch_size", "1", "--vocab_size", "256",
+              "--device", "cpu"]
+CONFIGS = {  # name: train.py's flags beyond --preset P --data synthetic --grad_accum 1, in the
+    "baseline": ["--residual", "baseline"],          # order they run: the budget drops the last
+    "readable": [],                                  # first (the compiled readable model: the
+    "fused": ["--fused"],                            # kernels' speed question is the others')
     "compiled+fused": ["--compile", "--fused"],
     "captured": ["--compile", "--fused", "--compile_mode", "reduce-overhead"],
+    "compiled": ["--compile"],
 }
-# A bf16 path passes when each error is at most BF16_SLACK x the readable bf16 path's: a wrong
-# kernel errs by O(1); the fine bound (1.1x, averaged over seeds) is tests/test_kernel.py's.
-BF16_SLACK = 2
 FP32_TOLERANCE = 1e-4      # relative, along a chain of sites (bench_kernel._check's)
-# Expected seconds on one H200 (docs/kernels.md, "GPU check": how each was estimated); --budget
-# skips a part whose expected end is past it. Keys: part, or (preset, config) of a step.
-EXPECTED_S = {"start": 10, "parity": 25, "routing": 20,
-              **{("100m", c): s for c, s in zip(CONFIGS, (4, 4, 35, 6, 35, 20))},
-              **{("350m", c): s for c, s in zip(CONFIGS, (4, 4, 35, 5, 35, 20))}}
+BF16_SLACK = 2             # a bf16 path's errors at most this x the readable bf16 path's
+# Expected seconds of each part on one H200 (docs/kernels.md, "GPU check", says how each was
+# estimated); --budget skips a part whose expected end is past it. The budget counts from after
+# the imports ("start").
+EXPECTED_S = {"start": 10, "parity": 22,
+              ("routing", "100m"): 3, ("routing", "350m"): 6, ("routing", "1b"): 8,
+              **{("100m", c): s for c, s in zip(CONFIGS, (2, 2, 3, 35, 27, 35))},
+              **{("350m", c): s for c, s in zip(CONFIGS, (3, 3, 4, 60, 45, 60))}}
 
 
 # %% Clocks: the GPU's (profiler, allocator), or a fake one where there is no GPU
 
 class CudaClock:
     """Kernel time from torch.profiler's CUDA activity, the allocator's peak, the copy bandwidth."""
-    fake = False
+    fake, bandwidth = False, None
 
     def sync(self):
         torch.cuda.synchronize()
 
     def kernel_ms(self, fn, reps, prefix="_route"):
-        """(ms of the kernels whose name starts with `prefix`, ms of every kernel) per call of fn."""
+        """(ms in the kernels whose name starts with `prefix`, ms in every kernel) per call."""
         from torch.profiler import ProfilerActivity, profile
         self.sync()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(reps):
                 fn()
             self.sync()
@@ -90,13 +98,15 @@ class CudaClock:
         for event in prof.events():
             if event.device_type != torch.autograd.DeviceType.CUDA:
                 continue
-            us = getattr(event, "device_time", None) or getattr(event, "cuda_time", 0.0)
+            us = event.device_time_total                            # µs, this kernel's (or copy's)
             every += us
             named += us if event.name.startswith(prefix) else 0.0
         return named / reps / 1e3, every / reps / 1e3
 
     def copy_bandwidth(self):
-        """Bytes/s of a 1 GiB device-to-device copy (read + write), the best of 10."""
+        """Bytes/s of a 1 GiB copy on the device (read + write), the best of 10; measured once."""
+        if self.bandwidth:
+            return self.bandwidth
         x = torch.empty(2**28, device="cuda")
         y = torch.empty_like(x)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -107,7 +117,8 @@ class CudaClock:
             end.record()
             end.synchronize()
             best = min(best, start.elapsed_time(end))
-        return 2 * x.nbytes / best * 1e3
+        self.bandwidth = 2 * x.nbytes / best * 1e3
+        return self.bandwidth
 
     def reset_peak(self):
         torch.cuda.reset_peak_memory_stats()
@@ -223,14 +234,14 @@ def relative_error(a, b):
 def parity(shape, device, backend):
     """Rows (dtype, path, [errors of out, ds0, dq, dg against float64], passed)."""
     readable, fused = stacked_network(mhar.route), fused_network(0)
-    paths = {"readable": readable, "fused": fused,
-             "compiled": torch.compile(readable, backend=backend),
-             "compiled fused": torch.compile(fused, backend=backend)}
+    compiled = torch.compile(fused, backend=backend)
+    paths = {"readable": readable, "fused": fused, "compiled": compiled}
     exact = chain(readable, torch.float64, shape, device=device)
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         with rounded_to_nearest():
-            errors = {name: [relative_error(a, b) for a, b in zip(chain(net, dtype, shape, device=device), exact)]
+            errors = {name: [relative_error(a, b)
+                             for a, b in zip(chain(net, dtype, shape, device=device), exact)]
                       for name, net in paths.items()}
         for name, e in errors.items():
             ok = (max(e) <= FP32_TOLERANCE if dtype == torch.float32 else
@@ -242,10 +253,12 @@ def parity(shape, device, backend):
 def print_parity(rows, shape):
     sites, B, T, d, heads = shape
     print(f"1. parity: {sites} sites, B·T = {B * T}, d = {d}, H = {heads}; relative error against "
-          f"the readable path in float64 (bf16: at most {BF16_SLACK}x the readable bf16 path's)")
+          f"the readable path in float64 (fp32: at most {FP32_TOLERANCE:g}; bf16: at most "
+          f"{BF16_SLACK}x the readable bf16 path's)")
     print(f"   {'dtype':8} {'path':15} {'out':>8} {'ds0':>8} {'dq':>8} {'dg':>8}  ok")
     for dtype, name, e, ok in rows:
-        print(f"   {dtype:8} {name:15} " + " ".join(f"{x:8.1e}" for x in e) + f"  {'yes' if ok else 'NO'}")
+        print(f"   {dtype:8} {name:15} " + " ".join(f"{x:8.1e}" for x in e)
+              + f"  {'yes' if ok else 'NO'}")
 
 
 # %% 2. Routing: the fused path's kernel time, host time and bandwidth per shape
@@ -272,14 +285,16 @@ def routing(shape, clock, device, reps, warm=2):
     moved = traffic(L, d, HEADS, B * T, 0, source_bytes=2)
     moved = sum(sum(moved[way].values()) for way in ("forward", "backward"))
     per_second = moved / every * 1e3
-    return {"G": auto_group(sites, d, HEADS), "route ms": route, "kernel ms": every, "host ms": host,
-            "GB/s": per_second / 1e9, "% copy": 100 * per_second / clock.copy_bandwidth()}
+    return {"G": auto_group(sites, d, HEADS), "route ms": route, "kernel ms": every,
+            "host ms": host, "GB/s": per_second / 1e9,
+            "% copy": 100 * per_second / clock.copy_bandwidth()}
 
 
 def print_routing(results, clock):
-    print(f"2. routing, fused, automatic G, bf16, all 2L+1 sites forward + backward per micro-batch; "
-          f"copy bandwidth {clock.copy_bandwidth() / 1e9:.0f} GB/s" + (" (fake)" if clock.fake else ""))
-    print(f"   {'shape':6} {'G':>2} {'route ms':>8} {'kernel ms':>9} {'host ms':>8} {'GB/s':>6} {'% copy':>6}")
+    print(f"2. routing: all 2L+1 sites forward + backward, fused, automatic G, bf16; copy "
+          f"bandwidth {clock.copy_bandwidth() / 1e9:.0f} GB/s" + (" (fake)" if clock.fake else ""))
+    print(f"   {'shape':6} {'G':>2} {'route ms':>8} {'kernel ms':>9} {'host ms':>8} {'GB/s':>6} "
+          f"{'% copy':>6}")
     for preset, r in results.items():
         if isinstance(r, str):
             print(f"   {preset:6} {r}")
@@ -305,7 +320,7 @@ def train_steps(flags, clock, steps, warm=2):
     import train
     from torch._dynamo.utils import counters
     try:
-        with contextlib.redirect_stderr(None):  # argparse's usage: the row says it in a line
+        with contextlib.redirect_stderr(io.StringIO()):     # the row says it, in a line
             args, given = train.parse_args(flags)
     except SystemExit:
         raise RuntimeError(f"this train.py does not take {' '.join(flags)}") from None
@@ -343,7 +358,7 @@ def train_steps(flags, clock, steps, warm=2):
 
 
 def measured(what, fn, *args):
-    """fn(*args), or a one-line reason in its place: one failure must not cost the rest of the run."""
+    """fn(*args), or a one-line reason in its place: one failure must not cost the run the rest."""
     try:
         return fn(*args)
     except torch.OutOfMemoryError:
@@ -351,7 +366,8 @@ def measured(what, fn, *args):
     except SystemExit as e:                 # train.py's die(): its message
         return f"train.py refused: {e}"
     except Exception as e:                  # noqa: BLE001 -- reported in the table, not raised
-        return f"{what} failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        first = str(e).splitlines()[0][:120] if str(e) else ""
+        return f"{what} failed: {type(e).__name__}: {first}"
     finally:
         gc.collect()
         if torch.cuda.is_available():
@@ -362,8 +378,9 @@ def print_step(preset, config, r):
     if isinstance(r, str):
         print(f"   {preset:5} {config:15} {r}")
     else:
-        print(f"   {preset:5} {config:15} {r['first s']:8.1f} {r['tok/s']:9.0f} {r['peak GiB']:8.2f} "
-              f"{r['graphs']:6} {r['recompiles']:10} {r['cudagraph skips']:15}")
+        print(f"   {preset:5} {config:15} {r['first s']:8.1f} {r['tok/s']:9.0f} "
+              f"{r['peak GiB']:8.2f} {r['graphs']:6} {r['recompiles']:10} "
+              f"{r['cudagraph skips']:15}")
 
 
 # %% The run and its table
@@ -383,13 +400,15 @@ class Budget:
 
 def versions():
     import triton
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU (CPU, interpreter)"
+    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
+              else "no GPU (CPU, interpreter)")
     return (f"{device}, torch {torch.__version__}, triton {triton.__version__}, Python "
             f"{sys.version.split()[0]}, {datetime.date.today()}")
 
 
-TABLE_COLUMNS = ("shape", "config", "first s", "tok/s", "x base", "peak GiB", "graphs", "recompiles",
-                 "route ms", "kernel ms", "host ms", "% copy")
+TABLE_COLUMNS = ("shape", "config", "first s", "tok/s", "x base", "peak GiB", "graphs",
+                 "recompiles", "route ms", "kernel ms", "host ms", "% copy")
+STEP_COLUMNS, ROUTING_COLUMNS = TABLE_COLUMNS[2:4] + TABLE_COLUMNS[5:8], TABLE_COLUMNS[8:]
 
 
 def table(parity_rows, routed, stepped):
@@ -405,14 +424,16 @@ def table(parity_rows, routed, stepped):
             row = {"shape": preset, "config": config}
             r = stepped.get((preset, config))
             if isinstance(r, dict):
-                row.update({k: r[k] for k in ("first s", "tok/s", "peak GiB", "graphs", "recompiles")})
+                row.update({k: r[k] for k in STEP_COLUMNS})
                 if isinstance(base, dict):
                     row["x base"] = r["tok/s"] / base["tok/s"]
+                if r["cudagraph skips"]:
+                    row["note"] = f"inductor skipped CUDA graphs {r['cudagraph skips']} times"
             elif r is not None:
                 row["note"] = r
             if config in ("fused", "routing") and preset in routed:
                 if isinstance(routed[preset], dict):
-                    row.update({k: routed[preset][k] for k in ("route ms", "kernel ms", "host ms", "% copy")})
+                    row.update({k: routed[preset][k] for k in ROUTING_COLUMNS})
                 else:
                     row["note"] = routed[preset]
             rows.append(row)
@@ -446,7 +467,7 @@ SIZES = {"gpu": (PARITY["gpu"], KERNEL_TABLE, STEP_PRESETS["gpu"], 5, 2, 5),
 
 def run_check(tiny=False, budget=290.0):
     """The whole check; returns (table rows, the parity's verdict). tiny: --tiny's shapes, clock
-    and backend, so that the suite runs it on a CPU."""
+    and backend, so that the suite runs it on a CPU (where no budget is enforced)."""
     on_gpu = torch.cuda.is_available() and not kernel.INTERPRETED and not tiny
     clock, device = (CudaClock(), "cuda") if on_gpu else (FakeClock(), "cpu")
     backend = "inductor" if on_gpu else "aot_eager"
@@ -454,18 +475,20 @@ def run_check(tiny=False, budget=290.0):
     time_left = Budget(budget, enforce=on_gpu)
     print(f"GPU check: {versions()}; budget {budget:.0f} s" + ("" if on_gpu else " (not enforced)"))
     torch.manual_seed(0)
-    parity_rows = measured("parity", parity, shape, device, backend) if time_left.fits("parity") else []
+    parity_rows = []
+    if time_left.fits("parity"):
+        parity_rows = measured("parity", parity, shape, device, backend)
     if isinstance(parity_rows, str):
         print(f"1. {parity_rows}")
         parity_rows = []
     print_parity(parity_rows, shape)
     print(f"   ({time_left.elapsed():.0f} s so far)")
     routed = {route[0]: (measured("routing", routing, route, clock, device, reps, max(warm, 1))
-                         if time_left.fits("routing") else "skipped: over the budget")
+                         if time_left.fits(("routing", route[0])) else "skipped: over the budget")
               for route in routes}
     print_routing(routed, clock)
     print(f"   ({time_left.elapsed():.0f} s so far)")
-    print(f"3. train.py's step: the first, {warm} more, then {steps} timed; recompiles after the first")
+    print(f"3. train.py's step: the first, {warm} more, {steps} timed; recompiles after the first")
     print(f"   {'shape':5} {'config':15} {'first s':>8} {'tok/s':>9} {'peak GiB':>8} {'graphs':>6} "
           f"{'recompiles':>10} {'cudagraph skips':>15}")
     stepped = {}
@@ -473,8 +496,8 @@ def run_check(tiny=False, budget=290.0):
         for preset in presets:
             for config in CONFIGS:
                 stepped[preset, config] = (
-                    measured(f"{config} step", train_steps, step_config(preset, config, not on_gpu),
-                             clock, steps, warm)
+                    measured(f"{config} step", train_steps,
+                             step_config(preset, config, not on_gpu), clock, steps, warm)
                     if time_left.fits((preset, config)) else "skipped: over the budget")
                 print_step(preset, config, stepped[preset, config])
     rows, verdict = table(parity_rows, routed, stepped)
@@ -482,15 +505,45 @@ def run_check(tiny=False, budget=290.0):
     return rows, verdict
 
 
+def plan(budget=290.0):
+    """[(part, expected s, runs)] in the order the check runs them on a GPU, as Budget decides
+    with every part taking its EXPECTED_S, and the expected seconds in all (imports included)."""
+    parts = ["parity", *(("routing", r[0]) for r in KERNEL_TABLE),
+             *((p, c) for p in STEP_PRESETS["gpu"] for c in CONFIGS)]
+    rows, spent = [], 0
+    for part in parts:
+        runs = spent + EXPECTED_S[part] <= budget
+        spent += EXPECTED_S[part] if runs else 0
+        rows.append((part, EXPECTED_S[part], runs))
+    return rows, EXPECTED_S["start"] + spent
+
+
+def print_plan(budget):
+    rows, total = plan(budget)
+    print(f"expected seconds on one H200 (docs/kernels.md, GPU check), budget {budget:.0f} s:")
+    print(f"   {'start (imports, CUDA)':28} {EXPECTED_S['start']:4}")
+    for part, seconds, runs in rows:
+        name = part if isinstance(part, str) else " ".join(part)
+        print(f"   {name:28} {seconds:4}" + ("" if runs else "  skipped: over the budget"))
+    print(f"   {'in all':28} {total:4}  ({total / 60:.1f} min)")
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    p = FlagParser(prog="gpu_check.py", description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--tiny", action="store_true",
-                   help="tiny shapes, the interpreter, aot_eager and fake GPU timings (any machine)")
-    p.add_argument("--budget", type=float, default=290.0,
-                   help="seconds: start no part expected to end past them (default 290)")
+                   help="tiny shapes, the interpreter, aot_eager, fake GPU timings (any machine)")
+    p.add_argument("--plan", action="store_true",
+                   help="print each part's expected seconds on an H200 and what the budget skips")
+    p.add_argument("--budget", type=AMOUNT, default=290.0,
+                   help="seconds after the imports: start no part expected to end past them "
+                        "(default 290)")
     args = p.parse_args(argv)
+    if args.plan:
+        print_plan(args.budget)
+        return 0
     if not args.tiny and not torch.cuda.is_available():
-        p.error("no CUDA GPU here: the check measures one; --tiny runs its code at tiny shapes")
+        exit_error("gpu_check.py", "no CUDA GPU here: the check measures one; --tiny runs its "
+                                   "code at tiny shapes, --plan prints its expected times")
     _, verdict = run_check(args.tiny, args.budget)
     return 1 if "FAILED" in verdict else 0
 
