@@ -72,7 +72,7 @@ MAX_TILE = 8192
 PROGRAMS = 256
 INTERPRETED_PROGRAMS = 3    # the interpreter runs programs one after another: few, of many positions
 NUM_STAGES = 3              # source rows in flight in the software pipeline of the loop over sources
-TABLE_CHUNK = 32            # address-table entries one launch of _table_kernel writes
+TABLE_CHUNK = 64            # address-table entries one launch of _table_kernel writes (1-2 a table)
 
 
 # %% The kernels
@@ -399,7 +399,7 @@ def _programs(M, target=None):
     return per_program, -(-M // per_program)          # ceiling divisions (triton.cdiv: 5 µs a call)
 
 
-def _address_table(addresses, device):
+def _address_table(addresses, like):
     """The kernels read their tensors through a table of addresses: no copy into one buffer. The
     table is written on the device by _table_kernel, TABLE_CHUNK entries a launch: nothing goes
     up from the host, so the host never waits and a CUDA graph captures the launch. A null
@@ -407,7 +407,7 @@ def _address_table(addresses, device):
     aligned int64, and one variant of the kernel serves every chunk."""
     entries = [address or addresses[0] for address in addresses]
     entries += entries[:1] * (-len(entries) % TABLE_CHUNK)
-    table = torch.empty(len(entries), dtype=torch.int64, device=device)
+    table = like.new_empty(len(entries), dtype=torch.int64)             # on like's device
     for offset in range(0, len(entries), TABLE_CHUNK):
         _table_kernel[(1,)](table, offset, tuple(entries[offset:offset + TABLE_CHUNK]), num_warps=1)
     return table
@@ -469,7 +469,7 @@ def _route_forward(*, sources, qg, init, heads, eps, addresses=None, lses=None):
         lse = source.new_empty((*source.shape[:-1], heads), dtype=torch.float32)
         lses = [lse, *[torch.empty_like(lse) for _ in range(G - 1)]]
     per_site = [[outs[i], rests[i], lses[i], *init[i::G]] for i in range(G)]
-    table = _address_table(addresses + [t.data_ptr() for site in per_site for t in site], source.device)
+    table = _address_table(addresses + [t.data_ptr() for site in per_site for t in site], source)
     per_program, programs = _programs(M)
     _route_forward_kernel[(programs,)](table, qg, len(addresses), M, per_program, eps,
                                        **_constexprs(width, heads, G, source.dtype, bool(init), False))
@@ -492,7 +492,7 @@ def _route_backward(grads, owned, qg_grads, init_grads, *, sources, qg, outs, re
     per_site = [[outs[i], rests[i], douts[i], lses[i], couplings[i], *init_lse, *init_grads]
                 for i in range(G)]
     table = _address_table(addresses + [0 if t is None else t.data_ptr() for site in per_site for t in site],
-                           source.device)
+                           source)
     given = sum(1 << i for i, coupling in enumerate(couplings) if coupling is not None)
     per_program, programs = _programs(M)
     _route_backward_kernel[(programs,)](
