@@ -75,11 +75,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-import tiktoken
+try:
+    import numpy as np
+    import tiktoken
 
-from common import (DEFAULT_CORPUS, FlagParser, MachineError, UserError, exit_error, one_line, output_folder,
-                    remove_staging)
+    from common import (DEFAULT_CORPUS, FlagParser, MachineError, UserError, exit_error, one_line,
+                        output_folder, remove_staging)
+except KeyboardInterrupt:  # torch takes seconds to import: Ctrl-C meanwhile is one line too
+    if __name__ != "__main__":
+        raise
+    print("prepare.py: error: interrupted (Ctrl-C)", file=sys.stderr)
+    sys.exit(130)
 
 VOCAB_SIZE = 50257  # GPT-2's vocabulary; under 2**16, so every id fits in uint16
 EOT = 50256  # GPT-2's <|endoftext|>, the last id; written after every document

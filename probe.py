@@ -85,14 +85,21 @@ import dataclasses
 import itertools
 import json
 import math
+import sys
 from pathlib import Path
 
-import numpy as np
-import torch
+try:
+    import numpy as np
+    import torch
 
-import mhar
-from common import (FlagParser, MachineError, UserError, exit_error, load_model, output_folder, pick_device, read_tokens,
-                    sample_rows, staged, training_data)
+    import mhar
+    from common import (FlagParser, MachineError, UserError, exit_error, load_model, output_folder,
+                        pick_device, read_tokens, sample_rows, staged, training_data)
+except KeyboardInterrupt:  # torch takes seconds to import: Ctrl-C meanwhile is one line too
+    if __name__ != "__main__":
+        raise
+    print("probe.py: error: interrupted (Ctrl-C)", file=sys.stderr)
+    sys.exit(130)
 
 FIGURE_DPI = 110  # README-sized PNGs (tens of KB)
 
@@ -616,6 +623,8 @@ def main(argv=None):
         exit_error("probe.py", str(e))
     except MachineError as e:  # writing the outputs: a full disk, a read-only folder
         exit_error("probe.py", str(e), status=1)
+    except KeyboardInterrupt:  # its outputs are staged: none is left half-written
+        exit_error("probe.py", "interrupted (Ctrl-C); nothing written", status=130)
     print(report(summary, out_dir))
 
 

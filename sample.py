@@ -26,9 +26,15 @@ import argparse
 import math
 import sys
 
-import torch
+try:
+    import torch
 
-from common import FlagParser, UserError, exit_error, load_model, pick_device, training_data
+    from common import FlagParser, UserError, exit_error, load_model, pick_device, training_data
+except KeyboardInterrupt:  # torch takes seconds to import: Ctrl-C meanwhile is one line too
+    if __name__ != "__main__":
+        raise
+    print("sample.py: error: interrupted (Ctrl-C)", file=sys.stderr)
+    sys.exit(130)
 
 
 class Codec:
