@@ -2,6 +2,7 @@
 files longer than meta.json says, the peak resident set's unit, a write interrupted half-way, a
 staged write into folders it made, which weights a checkpoint gives."""
 import json
+import re
 import resource
 
 import numpy as np
@@ -79,3 +80,31 @@ def test_a_checkpoint_with_a_weight_average_gives_the_weights_asked_for(tmp_path
     model, _ = common.load_model(tmp_path / "ckpt.pt", average=average)
     expected = averaged if average else trained
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("meta", [dict(vocab_size="50257"), dict(vocab_size=0), dict(vocab_size=True),
+                                  dict(vocab_size=64.5), dict(tokens=[100, 10]),
+                                  dict(tokens=dict(train="100"))],
+                         ids=["vocab-string", "vocab-zero", "vocab-bool", "vocab-float", "tokens-list",
+                              "count-string"])
+def test_a_meta_json_of_the_wrong_types_is_one_clear_error(tmp_path, meta):
+    """Not a TypeError in train.py, nor a vocabulary of 0 quietly replaced by the preset's."""
+    folder = token_folder(tmp_path / "data", 100, 10, dict(train=100, val=10))
+    (folder / "meta.json").write_text(json.dumps({**dict(dtype="uint16", vocab_size=64,
+                                                         tokens=dict(train=100, val=10)), **meta}))
+    with pytest.raises(common.UserError, match="meta.json: vocab_size must be a whole number"):
+        common.read_tokens(folder)
+
+
+def test_token_ids_past_the_vocabulary_stop_the_run_in_one_line(tmp_path, capsys):
+    """meta.json says 64 ids, the files hold up to 99 (another tokenizer's, or uint16 ids read as
+    another dtype): one line before the first step, not an IndexError in the embedding (on a GPU,
+    a device-side assert)."""
+    import train
+    from helpers import error_line
+    folder = token_folder(tmp_path / "data", 400, 200, dict(train=400, val=200))
+    np.tile(np.arange(100, dtype=np.uint16), 4).tofile(folder / "train.bin")
+    line = error_line(capsys, train.main, ["--preset", "tiny", "--data", folder, "--max_steps", 2,
+                                           "--out_dir", tmp_path / "out", "--seq_len", 16])
+    assert re.search(r"token id (6[4-9]|[7-9]\d) at or past the model's vocabulary of 64", line)
+    assert not (tmp_path / "out" / "ckpt.pt").exists()
