@@ -304,6 +304,9 @@ def validation_batches(ckpt, data, batches, batch_size, seq_len, vocab_size):
     """
     notes = []
     trained_on, trained_meta = training_data(ckpt)
+    if data and data != "synthetic" and not (Path(data) / "val.bin").is_file():
+        raise UserError(f"--data {data}: no val.bin there; give a prepare.py folder, 'synthetic', or "
+                        f"leave --data out for the checkpoint's own data")
     data = data or trained_on
     tokens, source = None, "random tokens"
     if data == "synthetic":
@@ -349,12 +352,14 @@ def read_log(path):
     path = path / "log.jsonl" if path.is_dir() else path
     if not path.is_file():
         raise ValueError(f"no log.jsonl at {path}: pass run folders written by train.py --out_dir")
-    entries = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    entries, lines = [], path.read_bytes().decode(errors="replace").splitlines()
+    for n, line in enumerate(lines, 1):
         if line.strip():
             try:
                 entries.append(json.loads(line))
             except json.JSONDecodeError:
+                if n == len(lines):  # half-written (a crash, a full disk): train.py --resume drops it too
+                    break
                 raise ValueError(f"{path} line {n} is not JSON: is it train.py's log.jsonl?") from None
     return entries
 

@@ -418,3 +418,23 @@ def test_probe_out_naming_a_file_is_one_line(probe_runs, tmp_path):
     p = run_script("probe.py", "--ckpt", probe_runs["mhar"] / "ckpt.pt", "--out", tmp_path / "notes.txt")
     assert "notes.txt is a file, not a folder" in one_error_line(p, "probe.py", status=2)
     assert (tmp_path / "notes.txt").read_text() == "mine" and files_in(tmp_path) == ["notes.txt"]
+
+
+def test_probe_data_that_is_not_there_is_one_line(tmp_path, capsys):
+    """--data naming no prepare.py folder is the user's mistake: refused, not read silently as
+    random tokens (the checkpoint's own data, gone since, is a note, as before)."""
+    ckpt = save_untrained(tmp_path / "ckpt.pt", residual="mhar")
+    err = error_line(capsys, probe.main, ["--ckpt", ckpt, "--data", tmp_path / "nothere", "--out",
+                                          tmp_path / "out"])
+    assert "--data" in err and "nothere: no val.bin there" in err and not (tmp_path / "out").exists()
+
+
+def test_a_log_whose_last_line_is_torn_is_read_as_train_py_resume_reads_it(probe_runs, tmp_path):
+    """A crash or a full disk in the middle of a line: the torn last line is dropped (train.py
+    --resume drops it too); a torn line before the last is an error."""
+    lines = (probe_runs["mhar"] / "log.jsonl").read_text().splitlines()
+    (tmp_path / "log.jsonl").write_text("\n".join(lines) + '\n{"step": 9, "lo')
+    assert probe.read_log(tmp_path) == [json.loads(line) for line in lines]
+    (tmp_path / "log.jsonl").write_text('{"step": 9, "lo\n' + "\n".join(lines))
+    with pytest.raises(ValueError, match="line 1 is not JSON"):
+        probe.read_log(tmp_path)
