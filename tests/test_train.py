@@ -75,13 +75,13 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
 
 
 def test_batches_are_a_pure_function_of_the_step_and_split_freely():
-    tokens = np.arange(1000, dtype=np.uint16)
-    whole = sample_rows(tokens, ("train", 0, 7), 8, 0, 8, 16, VOCAB)
-    assert torch.equal(whole, sample_rows(tokens, ("train", 0, 7), 8, 0, 8, 16, VOCAB))
-    assert torch.equal(whole[4:6], sample_rows(tokens, ("train", 0, 7), 8, 4, 6, 16, VOCAB))
+    tokens, vocab = np.arange(1000, dtype=np.uint16), 1000
+    whole = sample_rows(tokens, ("train", 0, 7), 8, 0, 8, 16, vocab)
+    assert torch.equal(whole, sample_rows(tokens, ("train", 0, 7), 8, 0, 8, 16, vocab))
+    assert torch.equal(whole[4:6], sample_rows(tokens, ("train", 0, 7), 8, 4, 6, 16, vocab))
     assert (whole[:, 1:] - whole[:, :-1] == 1).all()  # contiguous windows of the corpus
-    assert not torch.equal(whole, sample_rows(tokens, ("train", 0, 8), 8, 0, 8, 16, VOCAB))
-    assert not torch.equal(whole, sample_rows(tokens, ("train", 1, 7), 8, 0, 8, 16, VOCAB))
+    assert not torch.equal(whole, sample_rows(tokens, ("train", 0, 8), 8, 0, 8, 16, vocab))
+    assert not torch.equal(whole, sample_rows(tokens, ("train", 1, 7), 8, 0, 8, 16, vocab))
 
 
 def windows(tokens, step, seed=0, n=8, seq_len=32):
