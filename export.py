@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 import hf
-from common import FlagParser, UserError, exit_error, load_model, one_line, output_folder
+from common import FlagParser, MachineError, UserError, exit_error, load_model, one_line, output_folder
 
 
 def parse_args(argv=None):
@@ -59,8 +59,10 @@ def main(argv=None):
             shutil.rmtree(created[-1], ignore_errors=True)
         if isinstance(e, (UserError, ValueError)):
             exit_error("export.py", one_line(e))
-        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":  # which wraps the OSError
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else one_line(e)
+        if isinstance(e, MachineError):  # hf.save's: a full disk, a read-only folder
+            exit_error("export.py", one_line(e), status=1)
+        if isinstance(e, OSError):
+            reason = e.strerror or one_line(e)
             exit_error("export.py", f"cannot write {out} ({reason}): free some space or export "
                                     f"elsewhere", status=1)
         raise

@@ -51,15 +51,15 @@ transformers, the tests' oracle, is imported by the CPU demonstration alone (pyt
 end of the file; the paper's 8B mid-training recipe, for train.py --init_from DIR, is midtrain.py.
 """
 import dataclasses
+import errno
 import json
-import os
 import re
 import shutil
 from pathlib import Path
 
 import torch
 
-from common import CheckpointError, FlagParser, exit_error, one_line
+from common import CheckpointError, FlagParser, MachineError, exit_error, one_line, staged
 from mhar import ADDED_BY_RESIDUAL, GPT, Config
 
 # Absent fields take the defaults of transformers' Qwen3Config (transformers 5), as it would.
@@ -436,35 +436,37 @@ def save(model, directory, source=None, dtype=None, max_shard_size=MAX_SHARD_SIZ
     tensors = {file_name: state[name].detach().to("cpu", dtype).contiguous()
                for file_name, name in names.items()}
     files = shards(tensors, WEIGHTS[kind], max_shard_size)
-    directory.mkdir(parents=True, exist_ok=True)
-    for file, group in files.items():
-        temporary = directory / f"{file}.tmp"
-        # metadata format "pt": transformers 4 checks it
-        safetensors.torch.save_file(group, temporary, metadata={"format": "pt"})
-        os.replace(temporary, directory / file)
-    index = directory / f"{WEIGHTS[kind]}.safetensors.index.json"
-    if len(files) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        weight_map = {name: file for file, group in files.items() for name in group}
-        index.write_text(json.dumps({"metadata": {"total_size": total},
-                                     "weight_map": weight_map}, indent=2) + "\n")
-    # an earlier export's weights, index or code would be read in place of these
-    written = set(files) | ({index.name} if len(files) > 1 else set())
-    for stem in set(WEIGHTS.values()):
-        for file in [directory / f"{stem}.safetensors.index.json",
-                     *directory.glob(f"{stem}*.safetensors")]:
-            if file.name not in written:
-                file.unlink(missing_ok=True)
+    index = f"{WEIGHTS[kind]}.safetensors.index.json"
     here = Path(__file__).resolve().parent
-    for name in REMOTE_CODE:
-        if kind == "remote":
-            shutil.copyfile(here / name, directory / name)
-        else:
-            (directory / name).unlink(missing_ok=True)
-    for name in TOKENIZER_FILES:
-        if source and (source / name).is_file() and source.resolve() != directory.resolve():
-            shutil.copyfile(source / name, directory / name)
-    (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    # every file written into a staging folder inside the directory, then moved in: a full disk or a
+    # read-only folder leaves no half-written export (MachineError, with the reason)
+    with staged(directory) as tmp:
+        for file, group in files.items():
+            try:  # metadata format "pt": transformers 4 checks it
+                safetensors.torch.save_file(group, tmp / file, metadata={"format": "pt"})
+            except Exception as e:  # SafetensorError wraps the OSError: staged() reads it as one
+                if type(e).__name__ != "SafetensorError":
+                    raise
+                raise OSError(errno.EIO, one_line(e)) from None
+        if len(files) > 1:
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            weight_map = {name: file for file, group in files.items() for name in group}
+            (tmp / index).write_text(json.dumps({"metadata": {"total_size": total},
+                                                 "weight_map": weight_map}, indent=2) + "\n")
+        for name in REMOTE_CODE if kind == "remote" else ():
+            shutil.copyfile(here / name, tmp / name)
+        for name in TOKENIZER_FILES:
+            if source and (source / name).is_file() and source.resolve() != directory.resolve():
+                shutil.copyfile(source / name, tmp / name)
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    # an earlier export's weights, index or code would be read in place of these
+    written = set(files) | ({index} if len(files) > 1 else set())
+    stale = [*(() if kind == "remote" else REMOTE_CODE), *(f"{stem}.safetensors.index.json"
+                                                           for stem in set(WEIGHTS.values()))]
+    for file in [*(directory / name for name in stale),
+                 *(f for stem in set(WEIGHTS.values()) for f in directory.glob(f"{stem}*.safetensors"))]:
+        if file.name not in written:
+            file.unlink(missing_ok=True)
     return directory
 
 
@@ -568,7 +570,9 @@ def main(argv=None):
             shutil.rmtree(folder, ignore_errors=True)
         if isinstance(e, CheckpointError):
             exit_error("hf.py", str(e))
-        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":
+        if isinstance(e, MachineError):  # hf.save's: the reason named
+            exit_error("hf.py", str(e), status=1)
+        if isinstance(e, OSError):
             reason = e.strerror if isinstance(e, OSError) and e.strerror else one_line(e)
             exit_error("hf.py", f"cannot write {directory} ({reason}): free some space or give "
                                 f"another directory", status=1)

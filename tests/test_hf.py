@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -477,6 +478,29 @@ def test_export_onto_a_full_disk_or_into_a_read_only_folder(tmp_path, fault, rea
                    under=disk)
     assert reason in one_error_line(p, "export.py", status=1)
     assert files_in(disk) == (["hf", "hf/README.md"] if fault == "read-only-existing" else [])
+
+
+def test_save_is_whole_or_nothing(qwen3, tmp_path, monkeypatch):
+    """hf.save onto a full disk (safetensors' own error, not an OSError, half a file written):
+    MachineError naming the reason; the export that was there keeps every file as it was, and no
+    staging folder is left; into a folder it made, that folder goes too."""
+    import safetensors.torch
+    model = hf.load(qwen3["tied"][0], residual="mhar")
+    hf.save(model, tmp_path / "hf")
+    before = {name: (tmp_path / "hf" / name).read_bytes() for name in files_in(tmp_path / "hf")}
+    save_file = safetensors.torch.save_file
+
+    def full_disk(tensors, path, metadata=None):
+        Path(path).write_bytes(b"half a file")
+        raise type("SafetensorError", (Exception,), {})(
+            'Error while serializing: IoError(Os { code: 28, message: "No space left on device" })')
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    for directory in (tmp_path / "hf", tmp_path / "new" / "hf"):
+        with pytest.raises(hf.MachineError, match="No space left on device"):
+            hf.save(model, directory, dtype="bfloat16")
+    assert {name: (tmp_path / "hf" / name).read_bytes() for name in files_in(tmp_path / "hf")} == before
+    assert files_in(tmp_path) == ["hf", *(f"hf/{name}" for name in sorted(before))]
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
 
 
 def test_export_out_dir_naming_a_file_is_one_line(tmp_path):
