@@ -65,7 +65,7 @@ def test_one_row_per_configuration_every_one_measured(check):
 def test_the_table_prints_every_column_and_the_fake_bandwidth_adds_up(check):
     rows, _, printed = check
     table = printed[printed.index("\nThe GPU check: "):].splitlines()
-    assert "timings FAKE (no GPU)" in table[1]
+    assert "no GPU: kernel times and bandwidth FAKE" in table[1]
     assert table[2].split() == " ".join(gpu_check.TABLE_COLUMNS).split()
     assert len(table) == 3 + len(rows) + 1 and table[-1].startswith("parity")
     fused = next(r for r in rows if r["config"] == "fused")
