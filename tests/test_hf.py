@@ -630,6 +630,9 @@ for name, directory in args["dirs"].items():
         except ValueError as e:
             refused.append(str(e))
     result["refused"] = refused
+    with torch.no_grad():  # the cache a plain call returns (use_cache unsaid), and its length
+        result["default-cache"] = model(idx).past_key_values.get_seq_length()
+    result["bare-config-caches"] = type(model.config)().use_cache  # MHARConfig() as PEFT builds one
     out["hf"][name] = result
 tokenizer = AutoTokenizer.from_pretrained(args["lm_eval_dir"], trust_remote_code=True)
 out["token_ids"] = tokenizer(args["text"], add_special_tokens=False)["input_ids"]
@@ -766,6 +769,13 @@ def test_gradients_flow_through_the_transformers_class(fresh, name):
         assert rel_err(theirs["grads"][n], grad) < 1e-5, n
     if model.config.routed:  # the routing learns: the final site mixes all its sources
         assert theirs["grads"][f"model.sites.{len(model.sites) - 1}.query"].abs().sum() > 0
+
+
+def test_a_plain_call_keeps_a_cache_as_transformers_models_do(fresh):
+    """use_cache is on unless said otherwise, in an exported config and in one built bare: a call
+    with input_ids alone returns the cache of its tokens, as Qwen3ForCausalLM does."""
+    for answers in fresh.hf.values():
+        assert answers["default-cache"] == 12 and answers["bare-config-caches"] is True  # tokens(T=12)
 
 
 def test_the_model_refuses_what_it_cannot_honour(fresh):
