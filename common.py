@@ -536,7 +536,7 @@ def claim_out_dir(out, session):
     up, and the next run takes over. flock works across machines on NFSv4 and the cluster file
     systems that support it (Lustre: mounted with -o flock); where it is refused, the run goes on
     with a warning. The file also says who holds it (host and pid), for the refusal's message."""
-    held = None
+    held, out = None, output_folder(out, "--out_dir")  # a file there is the user's mistake
     if session.master:
         out.mkdir(parents=True, exist_ok=True)
         held = lock_file(out / "train.lock")

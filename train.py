@@ -11,14 +11,14 @@ Train an MHAR language model (or one of its baselines) on a CPU, one GPU or seve
     python train.py --init_from models/Qwen3-0.6B --data data/corpus-qwen3   # mid-train a Qwen3
 
 The global batch is batch_size x grad_accum x world size; by default grad_accum makes it the
-preset's (the paper's 64 x 2048 tokens at 100M). The data order is a pure function of
-(seed, step): every method trained with one seed sees the same batches, a resumed run continues
-exactly, and 8 GPUs see the same samples as 1 GPU. --out_dir gets config.json, log.jsonl (a line
-per log step and per evaluation), ckpt.pt (at every evaluation) and summary.json, both written
-atomically.
+preset's (the paper's 64 x 2048 tokens at 100M). The data order is a pure function of (seed, step):
+every method trained with one seed sees the same batches, a resumed run continues exactly, and 8
+GPUs see the same samples as 1 GPU. --out_dir gets config.json, log.jsonl (a line per log step and
+per evaluation), ckpt.pt (at every evaluation) and summary.json, both written atomically.
 
-The file reads top to bottom: the recipe and run sizes, the flags, resuming and converting,
-data, the optimizer schedule and evaluation, checkpoints, the parallel setup, and train().
+The file reads top to bottom: the recipe and run sizes, the flags, resuming and converting, data,
+the schedule and evaluation, the model and its optimizer, reporting, and train(); a run's safety
+(checkpoint files, the out_dir's lock, signals) is common.py's, ranks and devices parallel.py's.
 """
 import argparse
 import dataclasses
@@ -49,12 +49,12 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile ends as it does once the
     import midtrain
     import parallel
     import prepare
-    from common import (DEFAULT_CORPUS, CheckpointError, MachineError, StopSignals, UserError,
-                        AMOUNT, COUNT, RATE, STEPS, claim_out_dir, decay_rate, estimate_mfu,
-                        exit_error, fingerprint, fraction, largest_id, load_optimizer,
-                        logged_until, memory_for, one_line, os_error, peak_memory,
-                        read_checkpoint, read_tokens, rng_states, sample_rows, save_checkpoint,
-                        set_rng_states, unwrapped, write_text)
+    from common import (DEFAULT_CORPUS, CheckpointError, FlagParser, MachineError, StopSignals,
+                        UserError, AMOUNT, COUNT, RATE, STEPS, claim_out_dir, decay_rate,
+                        estimate_mfu, exit_error, fingerprint, fraction, largest_id, load_optimizer,
+                        logged_until, memory_for, one_line, os_error, peak_memory, read_checkpoint,
+                        read_tokens, rng_states, sample_rows, save_checkpoint, set_rng_states,
+                        unwrapped, write_text)
     from parallel import Session, set_precision, start_session, start_sharding, wrap_model
 except KeyboardInterrupt:
     print("train.py: error: interrupted before training started", file=sys.stderr, flush=True)
@@ -121,8 +121,8 @@ FLAG_NOTES = {"vocab_size": "default: meta.json's vocab_size padded to a multipl
 CONFIG_FIELDS = [f.name for f in dataclasses.fields(mhar.Config)]
 
 
-class Flags(argparse.ArgumentParser):
-    """argparse that remembers each flag's role."""
+class Flags(FlagParser):
+    """argparse (one line for a bad flag) that remembers each flag's role."""
 
     def __init__(self):
         super().__init__(prog="train.py", description=__doc__.split("\n\n")[0].strip(),
@@ -136,10 +136,6 @@ class Flags(argparse.ArgumentParser):
     def flag(self, name, role, help, **kwargs):
         self.group.add_argument(f"--{name}", help=help, **kwargs)
         self.roles[name] = role
-
-    def error(self, message):
-        """A bad flag: one line (argparse would print its usage block too)."""
-        die(f"{message} (python train.py --help lists the flags)")
 
 
 def per_preset(key):
@@ -942,6 +938,9 @@ def train(args, given=frozenset()):
     if ckpt:
         check_same_data(ckpt, data, args)
     config = model_config(args, data.meta if data else {})
+    for flag, mode in (("route_heads", "mhar"), ("hc_streams", "hyper")):  # not silently unused
+        if flag in given and config.residual != mode:
+            die(f"--{flag} is for --residual {mode} alone: leave it out, or pass --residual {mode}")
     if isinstance(source, Path):
         midtrain.check_tokenizer(data, source, config.vocab_size)
     check_data(data, config)

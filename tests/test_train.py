@@ -649,6 +649,12 @@ BAD_FLAGS = [
     (["--route_temperature", "0"], "Config.route_temperature: must be a positive number, not 0.0"),
     (["--residual", "baseline", "--route_temperature", "2"],
      "Config.route_temperature: baseline has no routing sites"),
+    (["--residual", "baseline", "--route_heads", "4"], "--route_heads is for --residual mhar alone"),
+    (["--residual", "attnres", "--route_heads", "4"], "--route_heads is for --residual mhar alone"),
+    (["--residual", "mhar", "--hc_streams", "2"], "--hc_streams is for --residual hyper alone"),
+    (["--rope_theta", "0"], "Config.rope_theta: must be a positive number, not 0.0"),
+    (["--norm_eps", "-1"], "Config.norm_eps: must be a positive number, not -1.0"),
+    (["--query_init_std", "-1"], "Config.query_init_std: must be >= 0"),
 ]
 
 
@@ -656,6 +662,15 @@ BAD_FLAGS = [
 def test_bad_flags_give_one_line_and_write_nothing(data, tmp_path, capsys, extra, message):
     assert message in error_of(capsys, flags(data, tmp_path / "out", *extra))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("out_dir", ["notes.txt", "notes.txt/run"], ids=["a-file", "inside-a-file"])
+def test_an_out_dir_that_is_a_file_is_the_users_mistake(data, tmp_path, capsys, out_dir):
+    """Status 2 and one line naming the file (it was 1, "File exists" or "Not a directory", as for
+    a failure of the machine); the file is left as it was."""
+    (tmp_path / "notes.txt").write_text("mine")
+    assert "notes.txt is a file, not a folder" in error_of(capsys, flags(data, tmp_path / out_dir))
+    assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def test_a_warmup_past_the_runs_end_is_said_in_help_and_in_the_header(data, tmp_path, capsys):
