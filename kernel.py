@@ -38,8 +38,8 @@ deterministic.
 
 The file reads: the kernels; their launchers; autograd, first the shared launch, then the custom
 operators (torch.compile) and the eager path; the schedule of launches, with the traffic model
-that picks G (`launch_bytes` counts every byte a launch's kernels load and store: a test compares
-it with what the Triton interpreter loads and stores); `FusedHistory`, which routes a readable
+and the roofline that pick G (`launch_bytes` counts every byte a launch's kernels load and store:
+a test compares it with what the Triton interpreter loads and stores); `FusedHistory`, which routes a readable
 history of mhar.py through the kernels. bench_kernel.py checks the kernels against `mhar.route`,
 prints the bytes both algorithms move, benchmarks them and measures the host's time per site.
 
@@ -68,8 +68,11 @@ SOURCE_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
 # sites at d = 1024) fit without spilling, 10240 (8 sites at d = 1280) spill. Larger are refused.
 MAX_TILE = 8192
 # Each program routes a contiguous block of positions, so that dq and dg leave as one partial per
-# program. 256 programs fill the 132 SMs of an H100/H200 about twice.
-PROGRAMS = 256
+# program. The grid follows the device's SMs: 16 / num_warps programs per SM (two of 8 warps), all
+# resident at once when their registers allow, so that 16 warps per SM hide the loads' latency.
+# PROGRAMS is the grid of an 8-warp kernel on an H100/H200 (132 SMs), the traffic model's device.
+RESIDENT_WARPS = 16
+PROGRAMS = RESIDENT_WARPS // 8 * 132
 INTERPRETED_PROGRAMS = 3    # the interpreter runs programs one after another: few, of many positions
 NUM_STAGES = 3              # source rows in flight in the software pipeline of the loop over sources
 TABLE_CHUNK = 64            # address-table entries one launch of _table_kernel writes (1-2 a table)
@@ -392,11 +395,28 @@ def _constexprs(width, heads, sites, dtype, init, backward):
                 num_warps=_num_warps(config, backward), **config)
 
 
-def _programs(M, target=None):
-    """Positions per program, and programs, for `target` programs (None: what this process
-    launches). A split fixed by M alone, for determinism."""
-    per_program = -(-M // (target or (INTERPRETED_PROGRAMS if INTERPRETED else PROGRAMS)))
+def _programs(M, target=None, warps=8):
+    """Positions per program, and programs, of a kernel of `warps` warps: `target` programs at 8
+    warps and 8 / warps times as many at other counts (None: this process's grid; the interpreter
+    runs a few). A split fixed by M, the kernel and the device, for determinism."""
+    if target or not INTERPRETED:       # (one program per SM at least)
+        grid = (target or _device_programs()) * 8 // min(warps, RESIDENT_WARPS)
+    else:
+        grid = INTERPRETED_PROGRAMS
+    per_program = -(-M // grid)
     return per_program, -(-M // per_program)          # ceiling divisions (triton.cdiv: 5 µs a call)
+
+
+@memoized
+def _device_programs():
+    """The grid of an 8-warp kernel on this process's GPU: RESIDENT_WARPS / 8 programs per SM."""
+    SMs = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return RESIDENT_WARPS // 8 * SMs
+
+
+def _backward_programs(M, width, heads, sites):
+    """The programs of a backward launch, and so the partials of q ⊙ g's gradient it writes."""
+    return _programs(M, warps=_num_warps(layout(width, heads, sites), True))[1]
 
 
 def _address_table(addresses, like):
@@ -470,9 +490,9 @@ def _route_forward(*, sources, qg, init, heads, eps, addresses=None, lses=None):
         lses = [lse, *[torch.empty_like(lse) for _ in range(G - 1)]]
     per_site = [[outs[i], rests[i], lses[i], *init[i::G]] for i in range(G)]
     table = _address_table(addresses + [t.data_ptr() for site in per_site for t in site], source)
-    per_program, programs = _programs(M)
-    _route_forward_kernel[(programs,)](table, qg, len(addresses), M, per_program, eps,
-                                       **_constexprs(width, heads, G, source.dtype, bool(init), False))
+    constexprs = _constexprs(width, heads, G, source.dtype, bool(init), False)
+    per_program, programs = _programs(M, warps=constexprs["num_warps"])
+    _route_forward_kernel[(programs,)](table, qg, len(addresses), M, per_program, eps, **constexprs)
     return outs, rests, lses
 
 
@@ -494,10 +514,11 @@ def _route_backward(grads, owned, qg_grads, init_grads, *, sources, qg, outs, re
     table = _address_table(addresses + [0 if t is None else t.data_ptr() for site in per_site for t in site],
                            source)
     given = sum(1 << i for i, coupling in enumerate(couplings) if coupling is not None)
-    per_program, programs = _programs(M)
+    constexprs = _constexprs(width, heads, G, source.dtype, bool(init_lse), True)
+    per_program, programs = _programs(M, warps=constexprs["num_warps"])
     _route_backward_kernel[(programs,)](
         table, qg, grads, owned, qg_grads, len(addresses), M, per_program, row0, own_lo, fresh_lo, given, eps,
-        **_constexprs(width, heads, G, source.dtype, bool(init_lse), True))
+        **constexprs)
 
 
 # %% Autograd: one launch, two ways in
@@ -551,7 +572,8 @@ def _launch_backward(backward, spec, *, sources, qg, outs, rests, lses, init_lse
     n_owned = n_sources - spec.own_lo                  # one, mostly: then no stack to unbind
     owned = torch.empty_like(like) if n_owned == 1 else like.new_empty((n_owned, *like.shape))
     if qg_grads is None:
-        qg_grads = qg.new_empty((_programs(like.numel() // like.shape[-1])[1], *qg.shape))  # fp32, as qg
+        M, (G, d) = like.numel() // like.shape[-1], qg.shape
+        qg_grads = qg.new_empty((_backward_programs(M, d, spec.heads, G), G, d))         # fp32, as qg
     init_lse = [] if init_lse is None else [init_lse]
     init_grads = [torch.empty_like(like), torch.empty_like(init_lse[0])] if init_lse else []
     # the tensors it writes first, then what it reads (past 15 keyword arguments a call slows down
@@ -684,13 +706,15 @@ class QGGradients:
         self.n_sites, self.group, self.continued_sites = n_sites, group, continued_sites
         self.buffers = self.slots = None
 
-    def slot(self, launch, qg, positions):
+    def slot(self, launch, qg, positions, heads):
         """The (programs, G, d) tensor launch `launch` writes into."""
         if self.slots is None:
-            programs, d = _programs(positions)[1], qg.shape[-1]
+            d = qg.shape[-1]
             full, last = divmod(self.n_sites, self.group)
-            self.buffers = (qg.new_empty((full, programs, self.group, d)), qg.new_empty((programs, last, d)),
-                            qg.new_empty((len(self.continued_sites), programs, 1, d)))
+            programs = functools.partial(_backward_programs, positions, d, heads)    # of G sites
+            self.buffers = (qg.new_empty((full, programs(self.group), self.group, d)),
+                            qg.new_empty((programs(last) if last else 1, last, d)),
+                            qg.new_empty((len(self.continued_sites), programs(1), 1, d)))
             self.slots = ([*self.buffers[0].unbind(0), self.buffers[1]], self.buffers[2].unbind(0),
                           {site: i for i, site in enumerate(self.continued_sites)})
         by_group, by_site, rank = self.slots
@@ -764,7 +788,8 @@ class RouteSites(torch.autograd.Function):
                 outs.append(None), douts.append(dout), couplings.append(coupling)
             else:
                 outs.append(next(finals)), douts.append(next(final_grads)), couplings.append(None)
-        slot = call.qg_parts.slot(call.launch, call.qg, ctx.lses[0].numel() // call.spec.heads)
+        heads = call.spec.heads
+        slot = call.qg_parts.slot(call.launch, call.qg, ctx.lses[0].numel() // heads, heads)
         buffer, source_grads, _, init_grads = _launch_backward(
             _route_backward, call.spec, sources=call.sources, qg=call.qg, outs=outs, rests=ctx.rests,
             lses=ctx.lses, init_lse=call.init.lse if call.init else None, douts=douts, couplings=couplings,
@@ -779,13 +804,22 @@ class RouteSites(torch.autograd.Function):
         return carrier_grad, qg_grad, None, *source_grads
 
 
-# %% The schedule of one forward pass, and the traffic model that picks G
+# %% The schedule of one forward pass, and the traffic model and roofline that pick G
 #
 # The schedule of launches is static: it depends on what each site reads and on the group size
 # only. A history's reads(site) = (committed, partial) says that site `site` reads the first
 # `committed` committed sources (those no later sum changes: the rows of the gradient buffer),
 # and, when `partial`, its block's partial sum, which is read by that site only and so travels
-# outside the buffer. Routing is memory-bound, so bytes are the cost model that picks G.
+# outside the buffer. Routing is mostly memory-bound, but a group's states are tiles of G_PAD
+# sites (a power of two), whose padded lanes compute as the others do: a phase 1 of 5 to 8 sites
+# does about as many fp32 operations per byte as an H100 can (its ridge point, ~20). G is picked
+# by a roofline's time, each kernel the longer of its bytes at the HBM bandwidth and its
+# operations (padded lanes counted) at the fp32 rate.
+BANDWIDTH, FLOPS = 3.35e12, 67e12       # H100 SXM datasheet: HBM bytes/s, fp32 operations/s (FMA: 2)
+# fp32 operations per tile lane, source and position, counted in the loops over sources: forward
+# the logit (2) and the accumulator's update (3); backward the logit, <dout, V> (2 each), the
+# source gradient's sum over sites (4) and q ⊙ g's gradient (2).
+FORWARD_OPS, BACKWARD_OPS = 5, 10
 
 Launch = namedtuple("Launch", "phase site sites lo hi partial own_lo fresh_lo last continued")
 Launch.__doc__ = """One route_sites call, made when site `site` is read. Phase 1: sites site..
@@ -839,7 +873,8 @@ def launch_bytes(launch, positions, width, heads, source_bytes, target=None):
     M, d, H, b, G = positions, width, heads, source_bytes, launch.sites
     N = launch.hi - launch.lo + launch.partial                        # sources read
     init = launch.phase == 2                                           # continues a partial state
-    programs = _programs(M, target)[1]
+    config = layout(d, H, G)
+    programs, backward_programs = (_programs(M, target, _num_warps(config, way))[1] for way in (False, True))
     row, state = d * b, 4 * H                                          # bytes of an output row, of its lse
     out = row * (2 if b == 2 else 1)                                   # bf16: with its remainder
     # forward: per program q ⊙ g and the sites' addresses; per position a table entry and a row per
@@ -855,25 +890,34 @@ def launch_bytes(launch, positions, width, heads, source_bytes, target=None):
                   for n in range(N)]
     continued = bin(launch.continued).count("1")
     sites = G * (row + state) + (G - continued) * out + continued * state
-    backward = (programs * G * (8 * d + 8 * (8 if init else 5))
+    backward = (backward_programs * G * (8 * d + 8 * (8 if init else 5))
                 + M * (sites + init * (2 * state + row) + sum(per_source)))
     # and the address tables, written by _table_kernel in chunks
     tables = [8 * -(-(N + G * entries) // TABLE_CHUNK) * TABLE_CHUNK for entries in ((6, 8) if init else (3, 5))]
     return forward + tables[0], backward + tables[1]
 
 
+def launch_time(launch, positions, width, heads, source_bytes, target=None):
+    """The roofline's seconds of one launch's forward and backward kernels on the traffic model's
+    device: each the longer of its bytes (launch_bytes) and its operations, every lane of its
+    (G_PAD, H_PAD, K1 + K2_PAD) tiles counted, idle or not."""
+    lanes = _tile(layout(width, heads, launch.sites))
+    work = positions * (launch.hi - launch.lo + launch.partial) * lanes / FLOPS
+    moved = launch_bytes(launch, positions, width, heads, source_bytes, target)
+    return (max(moved[0] / BANDWIDTH, FORWARD_OPS * work), max(moved[1] / BANDWIDTH, BACKWARD_OPS * work))
+
+
 @memoized                                  # a history is built at every forward
 def auto_group(reads, width, heads):
-    """The group size for Config.fused_group = 0: the one whose kernels move the fewest bytes by
-    the traffic model (at a nominal B·T: the choice hardly depends on it), among the groups one
-    program holds. Near √S for full routing, where groups that tile the sites evenly beat powers
-    of two (25 sites move 13 % fewer bytes in 5 groups of 5 than in groups of 4); for block and
-    delta routing usually the block or a multiple of it."""
-    def kernel_bytes(group):
-        return sum(sum(launch_bytes(launch, 4096, width, heads, 2, PROGRAMS))
-                   for launch in schedule(reads, group))
+    """The group size for Config.fused_group = 0: the one whose kernels take the least time by the
+    roofline of launch_time (at a nominal B·T: the choice hardly depends on it), among the groups
+    one program holds. Near √S for full routing, where groups that tile the sites evenly can beat
+    powers of two in bytes (25 sites move 13 % fewer bytes in 5 groups of 5 than in groups of 4)
+    but pay for their padded lanes; for block and delta routing usually the block or a multiple."""
+    def predicted(group):
+        return sum(sum(launch_time(launch, 4096, width, heads, 2, PROGRAMS)) for launch in schedule(reads, group))
     groups = [G for G in range(1, len(reads) + 1) if _fits(width, heads, G)]
-    return min(groups, key=kernel_bytes)
+    return min(groups, key=predicted)
 
 
 Plan = namedtuple("Plan", "launch spec continued first_lse")
