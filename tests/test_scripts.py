@@ -12,8 +12,8 @@ import pytest
 
 from helpers import ROOT, error_line, sigint_as_in_a_terminal
 
-SCRIPTS = ["bench_head", "compare", "compromise", "eval", "export", "hf", "prepare", "probe", "sample",
-           "train"]
+SCRIPTS = ["bench_head", "compare", "compromise", "eval", "export", "gpu_check", "hf", "prepare",
+           "probe", "sample", "train"]
 
 
 REQUIRED = {"eval": ["--tasks", "x"], "export": ["ckpt.pt", "out"]}  # so the flag is the only mistake
