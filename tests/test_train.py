@@ -189,6 +189,8 @@ def test_tail_mean_covers_exactly_the_last_k_evaluations(data, tmp_path):
     assert summary["tail_evals"] == 3
     assert summary["tail_val_loss"] == pytest.approx(sum(evals[-3:]) / 3, rel=1e-12)
     assert summary["final_val_loss"] == evals[-1] and summary["best_val_loss"] == min(evals)
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)     # the checkpoint says the same
+    assert (ckpt["val_loss"], ckpt["best_val_loss"]) == (evals[-1], min(evals))
 
 
 # -----------------------------------------------------------------------------
