@@ -480,6 +480,19 @@ def test_export_onto_a_full_disk_or_into_a_read_only_folder(tmp_path, fault, rea
     assert files_in(disk) == (["hf", "hf/README.md"] if fault == "read-only-existing" else [])
 
 
+def test_an_export_of_a_shorter_trained_window_runs_to_its_sources(qwen3, tmp_path):
+    """Trained on 16 positions from a Qwen3 of 64: the export keeps the source's 64 (its rotary
+    tables, its config), so 40 tokens run past the trained window as the source's positions do,
+    and transformers is told the same window (max_position_embeddings, the mhar section's)."""
+    model = hf.load(qwen3["tied"][0], residual="mhar", seq_len=16)
+    hf.save(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["max_position_embeddings"] == config["mhar"]["seq_len"] == 64
+    idx = tokens(T=40)
+    long = hf.load(qwen3["tied"][0], residual="mhar")                # the same weights, 64 positions
+    assert torch.equal(logits_of(hf.load(tmp_path), idx), logits_of(long, idx))
+
+
 def test_save_is_whole_or_nothing(qwen3, tmp_path, monkeypatch):
     """hf.save onto a full disk (safetensors' own error, not an OSError, half a file written):
     MachineError naming the reason; the export that was there keeps every file as it was, and no
