@@ -941,6 +941,8 @@ def train(args, given=frozenset()):
     for flag, mode in (("route_heads", "mhar"), ("hc_streams", "hyper")):  # not silently unused
         if flag in given and config.residual != mode:
             die(f"--{flag} is for --residual {mode} alone: leave it out, or pass --residual {mode}")
+    if "compile_mode" in given and not args.compile:
+        die("--compile_mode is torch.compile's mode: pass --compile with it")
     if isinstance(source, Path):
         midtrain.check_tokenizer(data, source, config.vocab_size)
     check_data(data, config)

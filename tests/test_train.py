@@ -657,6 +657,7 @@ BAD_FLAGS = [
     (["--rope_theta", "0"], "Config.rope_theta: must be a positive number, not 0.0"),
     (["--norm_eps", "-1"], "Config.norm_eps: must be a positive number, not -1.0"),
     (["--query_init_std", "-1"], "Config.query_init_std: must be >= 0"),
+    (["--compile_mode", "reduce-overhead"], "--compile_mode is torch.compile's mode: pass --compile"),
 ]
 
 
