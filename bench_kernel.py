@@ -56,14 +56,6 @@ def auto_group(n_sites, width, heads, block=1, delta=False):
 # it); count_bytes counts what the interpreter actually loads and stores, and a test checks that
 # the two agree exactly. The torch ops around the kernels are modeled only.
 
-def torch_bytes(launch, positions, width, heads, source_bytes, target=None):
-    """A model of the bytes the torch ops around one launch move: (forward, backward), its address
-    tables. (q ⊙ g is made once per forward, and its gradient summed once: see traffic.)"""
-    N, G = launch.hi - launch.lo + launch.partial, launch.sites
-    init = launch.phase == 2
-    return 8 * (N + G * (6 if init else 3)), 8 * (N + G * (8 if init else 5))
-
-
 def traffic(n_layer, width, heads, positions, group=0, block=1, delta=False, source_bytes=2,
             target=kernel.PROGRAMS):
     """Bytes a fused forward and backward through all 2L+1 sites move, for `group` (0: auto_group;
@@ -77,7 +69,6 @@ def traffic(n_layer, width, heads, positions, group=0, block=1, delta=False, sou
     kernel.layout(width, heads, group)                                      # raises if the group cannot be fused
     launches = kernel.schedule(reads, group)
     kernels = [kernel.launch_bytes(launch, positions, width, heads, source_bytes, target) for launch in launches]
-    around = [torch_bytes(launch, positions, width, heads, source_bytes, target) for launch in launches]
     E = positions * width * source_bytes                             # bytes of one (B, T, d) source
     # block and delta routing: each output that extends a partial block sum is added to it (read
     # two, write one); backward accumulates the previous sum's gradient when a site read that sum
@@ -87,7 +78,8 @@ def traffic(n_layer, width, heads, positions, group=0, block=1, delta=False, sou
     null = (E + 4 * width) if delta else 0                           # delta's null: expanded, summed back
     # q ⊙ g of all S sites: two stacks and a product forward; backward the product's gradient and
     # the stacks' (views), from the launches' per-program partials: each buffer summed over
-    # programs, phase 2's rows added to a copy of phase 1's sum
+    # programs (counted at 8 warps: a 4-warp backward has twice as many), phase 2's rows added to a
+    # copy of phase 1's sum. The address tables are kernels' bytes (launch_bytes), not torch's.
     qg = 4 * n_sites * width
     programs = kernel._programs(positions, target)[1]
     again = any(launch.phase == 2 for launch in launches)
@@ -101,9 +93,9 @@ def traffic(n_layer, width, heads, positions, group=0, block=1, delta=False, sou
     lse = positions * heads * 4
     saved = n_sites * (rest + lse) + sum(launch.phase == 2 for launch in launches) * lse
     return {"forward": {"kernels": sum(f for f, _ in kernels),
-                        "torch": sum(f for f, _ in around) + sums_forward + null + qg_forward},
+                        "torch": sums_forward + null + qg_forward},
             "backward": {"kernels": sum(b for _, b in kernels),
-                         "torch": sum(b for _, b in around) + sums_backward + null + qg_backward},
+                         "torch": sums_backward + null + qg_backward},
             "saved": saved}
 
 
