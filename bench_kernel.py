@@ -99,6 +99,32 @@ def traffic(n_layer, width, heads, positions, group=0, block=1, delta=False, sou
             "saved": saved}
 
 
+@contextmanager
+def rounded_to_nearest():
+    """Triton's interpreter rounds fp32 to bf16 toward zero (its casts pass no rounding mode);
+    compiled kernels and torch round to nearest even (the default of tl.tensor.to). Interpreted,
+    they round as compiled within this block, so that bf16 accuracy measured on a CPU is the GPU's
+    (gpu_check.py --tiny, and the whole test suite)."""
+    if not kernel.INTERPRETED:
+        yield
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+    convert = interpreter._convert_float
+
+    def to_nearest(values, source, target, rounding_mode):
+        if (source, target) != (tl.float32, tl.bfloat16):
+            return convert(values, source, target, rounding_mode)
+        rounded = torch.from_numpy(np.ascontiguousarray(values).view(np.float32)).bfloat16()
+        return rounded.view(torch.int16).numpy().view(np.uint16)
+    interpreter._convert_float = to_nearest
+    try:
+        yield
+    finally:
+        interpreter._convert_float = convert
+
+
 def count_bytes():
     """A context manager counting the bytes the interpreted kernels load and store (every
     masked-in element of every tl.load and tl.store): `with count_bytes() as counted: ...`, then

@@ -48,7 +48,7 @@ if not torch.cuda.is_available():
 import kernel  # noqa: E402
 import mhar  # noqa: E402
 from bench_kernel import (HEADS, KERNEL_TABLE, auto_group, fused_network,  # noqa: E402
-                          stacked_network, traffic)
+                          rounded_to_nearest, stacked_network, traffic)
 from common import AMOUNT, FlagParser, exit_error  # noqa: E402
 
 # (sites, B, T, d, H) of the parity chain: on a GPU the 100m depth and width, whose bf16 kernels
@@ -183,30 +183,6 @@ def compile_backend(backend):
 
 
 # %% 1. Parity: readable, fused, compiled, against float64
-
-@contextlib.contextmanager
-def rounded_to_nearest():
-    """Triton's interpreter rounds fp32 to bf16 toward zero (its casts pass no rounding mode);
-    compiled kernels and torch round to nearest even. Interpreted, they round as compiled here, so
-    that bf16 parity on a CPU is the GPU's (tests/conftest.py does the same for the suite)."""
-    if not kernel.INTERPRETED:
-        yield
-        return
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-    convert = interpreter._convert_float
-
-    def to_nearest(values, source, target, rounding_mode):
-        if (source, target) != (tl.float32, tl.bfloat16):
-            return convert(values, source, target, rounding_mode)
-        rounded = torch.from_numpy(np.ascontiguousarray(values).view(np.float32)).bfloat16()
-        return rounded.view(torch.int16).numpy().view(np.uint16)
-    interpreter._convert_float = to_nearest
-    try:
-        yield
-    finally:
-        interpreter._convert_float = convert
 
 def chain(network, dtype, shape, seed=0, device="cpu"):
     """[out, ds0, dq, dg] of `network` (bench_kernel's stacked_network or fused_network) over a

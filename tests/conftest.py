@@ -23,22 +23,10 @@ from helpers import VOCAB  # noqa: E402
 
 @pytest.fixture(autouse=True, scope="session")
 def bf16_rounded_to_nearest():
-    """Triton's interpreter rounds fp32 to bf16 toward zero (triton 3.9: its casts pass no rounding
-    mode); compiled kernels round to nearest even, as torch does (the default of tl.tensor.to).
-    Interpreted kernels round as compiled ones in these tests, so that bf16 accuracy measured on
-    the CPU is the GPU's."""
-    import triton.language as tl
-    from triton.runtime import interpreter
-    convert = interpreter._convert_float
-
-    def to_nearest(values, source, target, rounding_mode):
-        if (source, target) != (tl.float32, tl.bfloat16):
-            return convert(values, source, target, rounding_mode)
-        rounded = torch.from_numpy(np.ascontiguousarray(values).view(np.float32)).bfloat16()
-        return rounded.view(torch.int16).numpy().view(np.uint16)
-    interpreter._convert_float = to_nearest
-    yield
-    interpreter._convert_float = convert
+    """Interpreted kernels round fp32 to bf16 as compiled ones do (bench_kernel.rounded_to_nearest)."""
+    import bench_kernel
+    with bench_kernel.rounded_to_nearest():
+        yield
 
 
 @pytest.fixture(autouse=True)

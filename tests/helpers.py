@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,31 @@ def sigint_as_in_a_terminal():
     its children inherit that, and Python then installs no KeyboardInterrupt handler: the signal would do
     nothing."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+def interrupted_while_importing(argv, module, tmp_path):
+    """`python argv` from the repository root, SIGINT'd (as a terminal's Ctrl-C) while it imports
+    `module`, which a sitecustomize.py holds (after a marker file) until the signal comes:
+    (returncode, stdout, stderr)."""
+    marker = tmp_path / "importing"
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys, time\n"
+        "class SlowImport:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name == {module!r}:\n"
+        f"            open({str(marker)!r}, 'w').close()\n"
+        "            time.sleep(120)\n"
+        "sys.meta_path.insert(0, SlowImport())\n")
+    p = subprocess.Popen([sys.executable, *map(str, argv)], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_in_a_terminal)
+    deadline = time.time() + 60
+    while not marker.exists():
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.02)
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=60)
+    return p.returncode, stdout, stderr
+
+
 # fused kernels on CPU tensors: in the Triton interpreter, which conftest.py switches on without a GPU
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason=(
     "runs the fused kernels on CPU tensors, in the Triton interpreter: on a GPU machine the compiled "

@@ -2,15 +2,10 @@
 and exit status 2, never argparse's usage block (one style for every script, as the README's
 "Files" section says)."""
 import importlib
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
-from helpers import ROOT, error_line, sigint_as_in_a_terminal
+from helpers import error_line, interrupted_while_importing
 
 SCRIPTS = ["bench_head", "compare", "compromise", "eval", "export", "gpu_check", "hf", "prepare",
            "probe", "sample", "train"]
@@ -44,25 +39,8 @@ def test_ctrl_c_while_a_script_imports_is_one_line(script, module, tmp_path):
     """A Ctrl-C during the seconds torch (or numpy) takes to import: one line and status 130, as
     once the work has begun, not a KeyboardInterrupt traceback. The import is held until the
     signal comes."""
-    marker = tmp_path / "importing"
-    (tmp_path / "sitecustomize.py").write_text(
-        "import sys, time\n"
-        "class SlowImport:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        f"        if name == {module!r}:\n"
-        f"            open({str(marker)!r}, 'w').close()\n"
-        "            time.sleep(120)\n"
-        "sys.meta_path.insert(0, SlowImport())\n")
-    p = subprocess.Popen([sys.executable, f"{script}.py"], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(tmp_path)}, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_in_a_terminal)
-    deadline = time.time() + 60
-    while not marker.exists():
-        assert p.poll() is None and time.time() < deadline, p.communicate()
-        time.sleep(0.02)
-    p.send_signal(signal.SIGINT)
-    stdout, stderr = p.communicate(timeout=60)
-    assert p.returncode == 130 and stderr == f"{script}.py: error: interrupted (Ctrl-C)\n", stderr
+    status, _, stderr = interrupted_while_importing([f"{script}.py"], module, tmp_path)
+    assert status == 130 and stderr == f"{script}.py: error: interrupted (Ctrl-C)\n", stderr
 
 
 def test_ctrl_c_while_probing_is_one_line(monkeypatch, capsys):

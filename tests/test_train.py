@@ -23,7 +23,7 @@ import head
 import mhar
 import train
 from common import load_model, sample_rows, seed_of
-from helpers import ROOT, VOCAB, error_line, sigint_as_in_a_terminal
+from helpers import ROOT, VOCAB, error_line, interrupted_while_importing
 
 
 def flags(data, out, *extra):
@@ -505,26 +505,9 @@ def test_ctrl_c_while_train_py_imports_exits_130_with_one_line(tmp_path):
     """SIGINT while torch is being imported: the line and status of an interrupted start, no
     traceback. A sitecustomize.py makes the import of torch wait (after a marker file) until the
     signal comes."""
-    marker = tmp_path / "importing"
-    (tmp_path / "sitecustomize.py").write_text(
-        "import sys, time\n"
-        "class SlowTorch:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'torch':\n"
-        f"            open({str(marker)!r}, 'w').close()\n"
-        "            time.sleep(120)\n"
-        "sys.meta_path.insert(0, SlowTorch())\n")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    p = subprocess.Popen([sys.executable, "train.py", "--out_dir", str(tmp_path / "out")],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, preexec_fn=sigint_as_in_a_terminal)
-    deadline = time.time() + 60
-    while not marker.exists():
-        assert p.poll() is None and time.time() < deadline, p.communicate()
-        time.sleep(0.02)
-    p.send_signal(signal.SIGINT)
-    stdout, stderr = p.communicate(timeout=60)
-    assert p.returncode == 130, stderr
+    status, stdout, stderr = interrupted_while_importing(
+        ["train.py", "--out_dir", tmp_path / "out"], "torch", tmp_path)
+    assert status == 130, stderr
     assert stderr == "train.py: error: interrupted before training started\n" and not stdout
     assert not (tmp_path / "out").exists()
 
