@@ -22,7 +22,11 @@ if __name__ == "__main__" and (not torch.cuda.is_available() or "--host" in sys.
     # triton.jit consults when it decorates them: switch it on before kernel.py imports triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import kernel  # noqa: E402
+try:
+    import kernel  # noqa: E402
+except RuntimeError as error:  # no triton: one line, as every script's
+    print(f"bench_kernel.py: error: {error}", file=sys.stderr)
+    raise SystemExit(2)
 import mhar  # noqa: E402
 from kernel import FusedHistory, fused_route  # noqa: E402
 

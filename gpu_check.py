@@ -45,7 +45,11 @@ if not torch.cuda.is_available():
     # the kernels run in Triton's interpreter, which triton.jit consults when it decorates them
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import kernel  # noqa: E402
+try:
+    import kernel  # noqa: E402
+except RuntimeError as error:  # no triton: one line, as every script's
+    print(f"gpu_check.py: error: {error}", file=sys.stderr)
+    raise SystemExit(2)
 import mhar  # noqa: E402
 from bench_kernel import (HEADS, KERNEL_TABLE, auto_group, fused_network,  # noqa: E402
                           rounded_to_nearest, stacked_network, traffic)

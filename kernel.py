@@ -60,6 +60,9 @@ try:
     import triton
     import triton.language as tl
 except ImportError as error:
+    if __name__ == "__main__":  # python kernel.py: one line, as every script's
+        print("kernel.py: error: triton is not installed (pip install triton)", file=sys.stderr)
+        raise SystemExit(2)
     raise RuntimeError(f"{UNAVAILABLE}; triton is not installed (pip install triton)") from error
 
 SOURCE_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}

@@ -2,10 +2,12 @@
 and exit status 2, never argparse's usage block (one style for every script, as the README's
 "Files" section says)."""
 import importlib
+import subprocess
+import sys
 
 import pytest
 
-from helpers import error_line, interrupted_while_importing
+from helpers import ROOT, error_line, interrupted_while_importing
 
 SCRIPTS = ["bench_head", "compare", "compromise", "eval", "export", "gpu_check", "hf", "prepare",
            "probe", "sample", "train"]
@@ -54,3 +56,15 @@ def test_ctrl_c_while_probing_is_one_line(monkeypatch, capsys):
     except KeyboardInterrupt:  # escaping, it would stop pytest itself
         pytest.fail("probe.main let the KeyboardInterrupt through")
     assert "interrupted (Ctrl-C)" in line
+
+
+@pytest.mark.parametrize("script", ["kernel", "bench_kernel", "gpu_check"])
+def test_a_kernel_script_without_triton_is_one_line(script):
+    """Without an importable triton, the kernels' scripts say so in one line, status 2, as
+    train.py --fused does (a RuntimeError traceback from kernel.py's import before)."""
+    code = (f"import runpy, sys; sys.modules['triton'] = None; sys.argv = ['{script}.py']; "
+            f"runpy.run_path('{script}.py', run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith(f"{script}.py: error: ") and "triton is not installed" in p.stderr
