@@ -61,7 +61,8 @@ from pathlib import Path
 import mhar
 import prepare
 import probe
-from common import FlagParser, UserError, exit_error, one_line, training_data, write_atomically
+from common import (FlagParser, UserError, exit_error, one_line, output_folder, training_data,
+                    write_atomically)
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("baseline", "hyper", "attnres", "mhar")
@@ -128,6 +129,10 @@ def parse_args(argv=None):
                                  f"attnres-T<tau> / mhar-T<tau> (at --route_temperature tau)")
     if len(set(args.methods)) < len(args.methods):
         exit_error("compare.py", f"--methods names a method twice: {','.join(args.methods)}")
+    try:  # before the first run starts, not when train.py makes the first run's folder
+        output_folder(args.out_dir, "--out_dir")
+    except UserError as e:
+        exit_error("compare.py", e)
     if args.route_heads and "mhar" not in args.methods:
         exit_error("compare.py", "--route_heads sweeps mhar's heads: add mhar to --methods")
     if args.nproc_per_node < 1:

@@ -10,7 +10,7 @@ import pytest
 import compare
 import mhar
 import prepare
-from helpers import PNG_SIGNATURE, VOCAB, error_line, needs, write_task
+from helpers import PNG_SIGNATURE, VOCAB, error_line, files_in, needs, write_task
 
 
 def runs(*argv):
@@ -87,6 +87,12 @@ def test_bad_comparisons_stop_before_training_with_one_line(argv, message, tmp_p
     err = error_line(capsys, compare.main, [*argv, "--out_dir", tmp_path])
     assert err.startswith(f"compare.py: error: {message}"), err
     assert not any(tmp_path.iterdir())
+
+
+def test_an_out_dir_inside_a_file_stops_before_training_with_one_line(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    err = error_line(capsys, compare.main, ["--methods", "baseline", "--out_dir", tmp_path / "notes.txt"])
+    assert "notes.txt is a file, not a folder" in err and files_in(tmp_path) == ["notes.txt"]
 
 
 def row(name, variant, baseline, seed, loss):
