@@ -129,10 +129,6 @@ def parse_args(argv=None):
                                  f"attnres-T<tau> / mhar-T<tau> (at --route_temperature tau)")
     if len(set(args.methods)) < len(args.methods):
         exit_error("compare.py", f"--methods names a method twice: {','.join(args.methods)}")
-    try:  # before the first run starts, not when train.py makes the first run's folder
-        output_folder(args.out_dir, "--out_dir")
-    except UserError as e:
-        exit_error("compare.py", e)
     if args.route_heads and "mhar" not in args.methods:
         exit_error("compare.py", "--route_heads sweeps mhar's heads: add mhar to --methods")
     if args.nproc_per_node < 1:
@@ -455,6 +451,10 @@ def report(rows, metrics=(), against=()):
 
 def main(argv=None):
     args, train_flags = parse_args(argv)
+    try:  # before the first run starts, not when train.py makes the first run's folder
+        output_folder(args.out_dir, "--out_dir")
+    except UserError as e:
+        exit_error("compare.py", e)
     runs = runs_of(args)
     check_shapes(runs, train_flags)
     manager = check_eval(args, train_flags)
