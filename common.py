@@ -48,7 +48,10 @@ def one_line(e):
 
 def exit_error(prog, message, status=2):
     """Print `prog: error: message` on stderr and exit with `status`: 2, as argparse does, for
-    bad input; 1 for a failure of the machine (a full disk)."""
+    bad input; 1 for a failure of the machine (a full disk); 128 + a signal's number (130 for
+    Ctrl-C) when one stopped the script, which then ignores any other (ignore_stop_signals)."""
+    if status > 128:
+        ignore_stop_signals(prog)
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
 
@@ -598,11 +601,27 @@ def logged_until(path, step):
     return kept
 
 
+def ignore_stop_signals(prog):
+    """SIGINT and SIGTERM ignored from here on in the process of script `prog`, which is exiting
+    because of one. Its teardown (torch's takes about a second) would otherwise meet a second
+    Ctrl-C with a KeyboardInterrupt traceback, or, once Python has put the signals back to their
+    defaults, die of it without a word (status -2, not 128 + the first signal's number). A process
+    that runs another main, as a test calling `prog`'s main(), keeps its signals: False."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None) or ""
+    if Path(script).name != prog:
+        return False
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+    return True
+
+
 class StopSignals:
     """Ctrl-C (SIGINT) or SIGTERM (how clusters preempt a job) asks the run to stop after the
     step in progress, with a checkpoint of it, and to exit with 128 + the signal's number (130,
     143). A second signal stops at once, without a checkpoint of that step. One second's grace:
-    under torchrun a terminal's Ctrl-C reaches each rank twice, directly and forwarded."""
+    under torchrun a terminal's Ctrl-C reaches each rank twice, directly and forwarded. Once a
+    stopped run leaves the block, its process only exits (with 128 + that signal's number):
+    further signals are ignored (ignore_stop_signals)."""
 
     def __init__(self, master):
         self.signum, self.first_at, self.master = 0, 0.0, master
@@ -612,6 +631,8 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc):
+        if self.signum and ignore_stop_signals("train.py"):  # the stopped run's process exits
+            return
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 

@@ -57,6 +57,7 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile ends as it does once the
                         unwrapped, write_text)
     from parallel import Session, set_precision, start_session, start_sharding, wrap_model
 except KeyboardInterrupt:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # exiting: common.ignore_stop_signals's reason
     print("train.py: error: interrupted before training started", file=sys.stderr, flush=True)
     sys.exit(130)
 

@@ -2,8 +2,12 @@
 files longer than meta.json says, the peak resident set's unit, a write interrupted half-way, a
 staged write into folders it made, which weights a checkpoint gives."""
 import json
+import os
 import re
 import resource
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,7 +15,7 @@ import torch
 
 import common
 import mhar
-from helpers import files_in, tiny
+from helpers import ROOT, files_in, tiny
 
 
 def token_folder(folder, train, val, recorded):
@@ -108,3 +112,25 @@ def test_token_ids_past_the_vocabulary_stop_the_run_in_one_line(tmp_path, capsys
                                            "--out_dir", tmp_path / "out", "--seq_len", 16])
     assert re.search(r"token id (6[4-9]|[7-9]\d) at or past the model's vocabulary of 64", line)
     assert not (tmp_path / "out" / "ckpt.pt").exists()
+
+
+def test_a_script_exiting_on_a_signal_ignores_more_but_a_test_calling_it_does_not(tmp_path):
+    """exit_error with 128 + a signal's number: the script's own process then ignores SIGINT and
+    SIGTERM (its teardown must not die of a second Ctrl-C, status -2); this process, which runs
+    pytest and calls scripts' main() in it, keeps its handlers, as its children would inherit an
+    ignored signal."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with pytest.raises(SystemExit):
+        common.exit_error("sample.py", "interrupted (Ctrl-C)", status=130)
+    assert {s: signal.getsignal(s) for s in before} == before
+    script = tmp_path / "sample.py"
+    script.write_text("import signal, common\n"
+                      "try:\n"
+                      "    common.exit_error('sample.py', 'interrupted (Ctrl-C)', status=130)\n"
+                      "finally:\n"
+                      "    print([signal.getsignal(s) is signal.SIG_IGN\n"
+                      "           for s in (signal.SIGINT, signal.SIGTERM)])\n")
+    p = subprocess.run([sys.executable, script], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       capture_output=True, text=True)
+    assert (p.returncode, p.stdout, p.stderr) == (130, "[True, True]\n",
+                                                  "sample.py: error: interrupted (Ctrl-C)\n")

@@ -23,7 +23,7 @@ import head
 import mhar
 import train
 from common import load_model, sample_rows, seed_of
-from helpers import ROOT, VOCAB, error_line, interrupted_while_importing
+from helpers import ROOT, VOCAB, error_line, interrupted_while_importing, sigint_as_in_a_terminal
 
 
 def flags(data, out, *extra):
@@ -325,11 +325,12 @@ def test_checkpoint_of_the_old_layout_loads(tmp_path):
 
 def start_training(data, out, *extra):
     """A train.py process (one thread, as in-process runs: bitwise comparable), long enough to
-    be stopped; returns it once its log has a step."""
+    be stopped, SIGINT reaching it as a terminal's Ctrl-C; returns it once its log has a step."""
     command = [sys.executable, "train.py", *flags(data, out, "--max_steps", "100000",
                                                   "--eval_interval", "100000", *extra)]
     p = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=sigint_as_in_a_terminal)
     log, deadline = Path(out) / "log.jsonl", time.time() + 120
     while not (log.exists() and log.read_text().count("\n") >= 2):
         assert p.poll() is None and time.time() < deadline, p.communicate()
@@ -380,6 +381,32 @@ def test_a_second_signal_stops_at_once_but_not_a_forwarded_copy():
     with pytest.raises(SystemExit) as exit:
         stop.handle(signal.SIGINT, None)
     assert exit.value.code == 130
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_more_signals_while_a_stopped_run_exits_keep_its_status_and_checkpoint(data, tmp_path,
+                                                                              signum):
+    """A stopped run's process takes about a second to exit once its checkpoint is written
+    (torch's teardown). The same signal again and again meanwhile, every 20 ms until it is gone,
+    neither kills it without a word (status -2 or -15, once Python has put the signal back to its
+    default) nor raises a traceback: the status stays 128 + the signal's number, stderr holds
+    train.py's lines alone, and the checkpoint is the stopped step's, whole."""
+    p = start_training(data, tmp_path)
+    p.send_signal(signum)
+    stdout = ""
+    while "stopped after step" not in stdout:
+        line = p.stdout.readline()
+        assert line, p.communicate()
+        stdout += line
+    while p.poll() is None:
+        p.send_signal(signum)
+        time.sleep(0.02)
+    stderr = p.stderr.read()
+    assert p.returncode == 128 + signum, stderr
+    assert stderr and all(line.startswith("train.py: ") for line in stderr.splitlines()), stderr
+    assert f"stopped after step {load(tmp_path)['step']} ({signum.name})" in stdout
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["ckpt.pt", "config.json", "log.jsonl",
+                                                          "train.lock"]
 
 
 def test_a_dead_runs_lock_is_taken_over(data, tmp_path):
