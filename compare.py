@@ -61,8 +61,8 @@ from pathlib import Path
 import mhar
 import prepare
 import probe
-from common import (FlagParser, UserError, exit_error, one_line, output_folder, training_data,
-                    write_atomically)
+from common import (FlagParser, MachineError, UserError, exit_error, one_line, output_folder, staged,
+                    training_data, write_atomically)
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("baseline", "hyper", "attnres", "mhar")
@@ -496,18 +496,32 @@ def main(argv=None):
             exit_error("compare.py", f"cannot write {out_dir / name} ({e.strerror or one_line(e)}): "
                                      f"free some space and run the same command again (the trained "
                                      f"runs are reused)", status=1)
-    plt = probe.pyplot()
-    if plt is None:
+    figures = write_figures(rows, out_dir)
+    if figures is None:
         print("loss curves: pip install matplotlib, then run this command again (the trained runs are reused)")
         return
-    curves = [(row["path"], row["name"], probe.read_log(row["path"])) for row in rows]
-    probe.plot_loss_curves(plt, curves, out_dir / "loss_curves.png")
-    figures = [out_dir / "loss_curves.png"]
-    if any(row["baseline"] for row in rows):
-        plot_paired_curves(plt, paired_curves(rows, {name: log for _, name, log in curves}),
-                           out_dir / "paired_curves.png")
-        figures.append(out_dir / "paired_curves.png")
     print(f"wrote {out_dir / 'results.md'}, {' and '.join(map(str, figures))}")
+
+
+def write_figures(rows, out_dir):
+    """loss_curves.png (every run) and, with baselines, paired_curves.png, drawn into a staging folder and
+    moved in whole: a full disk or a read-only folder keeps the previous figures and is one line, status 1.
+    Their paths, or None without matplotlib."""
+    plt = probe.pyplot()
+    if plt is None:
+        return None
+    curves = [(row["path"], row["name"], probe.read_log(row["path"])) for row in rows]
+    names = ["loss_curves.png"] + (["paired_curves.png"] if any(row["baseline"] for row in rows) else [])
+    try:
+        with staged(out_dir) as tmp:
+            probe.plot_loss_curves(plt, curves, tmp / names[0])
+            if len(names) > 1:
+                plot_paired_curves(plt, paired_curves(rows, {name: log for _, name, log in curves}),
+                                   tmp / names[1])
+    except MachineError as e:
+        exit_error("compare.py", f"the figures: {e} (the tables are written; the same command again draws "
+                                 f"the figures from the trained runs)", status=1)
+    return [out_dir / name for name in names]
 
 
 if __name__ == "__main__":

@@ -337,6 +337,29 @@ def test_tables_that_cannot_be_written_keep_the_previous_ones(compared, monkeypa
     assert not list(out.glob("*.tmp"))
 
 
+def test_figures_that_cannot_be_written_keep_the_previous_ones(compared, monkeypatch, capsys):
+    """The disk fills up while the loss curves are drawn, after the tables (half a PNG written): one line,
+    exit status 1, not matplotlib's OSError traceback; both figures as they were, no staging folder."""
+    import eval
+    import probe
+    out, argv, _ = compared
+    before = {name: (out / name).read_bytes() for name in ("loss_curves.png", "paired_curves.png")}
+    monkeypatch.setattr(eval, "evaluate", lambda folder, tasks, **options: json.loads(
+        (folder / "eval.json").read_text()))                    # what the runs' evaluations said
+
+    def full_disk(plt, curves, path):
+        path.write_bytes(before["loss_curves.png"][:100])
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(probe, "plot_loss_curves", full_disk)
+    with pytest.raises(SystemExit) as exit:
+        compare.main(argv)
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert exit.value.code == 1 and last.startswith("compare.py: error: the figures: cannot write into"), last
+    assert "No space left on device" in last and "the tables are written" in last
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert not list(out.glob(".tmp*")) and not list(out.glob("*.tmp"))
+
+
 def test_paired_metric_columns_on_hand_made_scores():
     rows = [{**row(f"baseline-s{s}", "baseline", None, s, 3.0), "t/acc": acc}
             for s, acc in enumerate((0.5, 0.25))]
