@@ -35,7 +35,8 @@ import torch  # noqa: E402
 
 import mhar  # noqa: E402
 from head import linear_cross_entropy, squared_log_z  # noqa: E402
-from common import FlagParser, UserError, max_resident_bytes, peak_memory, pick_device  # noqa: E402
+from common import (FlagParser, UserError, adamw, max_resident_bytes, peak_memory,  # noqa: E402
+                    pick_device)
 
 QWEN3_4K = dict(vocab_size=151936, seq_len=4096, n_embd=128, n_head=4, n_kv_head=2, ffn_hidden=384)
 CASES = {  # name: (preset, overrides, batch size, z_loss)
@@ -51,7 +52,7 @@ def setup(case, device):
     name, overrides, batch, _ = CASES[case]
     torch.manual_seed(0)
     model = mhar.GPT(mhar.preset(name, **overrides)).to(device)
-    optimizer = model.configure_optimizers(device_type=device.type)
+    optimizer = adamw(model, device_type=device.type)
     c = model.config
     tokens = torch.randint(0, c.vocab_size, (batch, c.seq_len + 1), device=device)
     return model, optimizer, tokens[:, :-1], tokens[:, 1:]

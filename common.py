@@ -408,6 +408,15 @@ def set_rng_states(s):
             torch.cuda.set_rng_state(state, index)
 
 
+def adamw(model, weight_decay=0.1, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, device_type="cpu",
+          groups=None):
+    """AdamW over groups, by default the paper's recipe: weight decay on all parameters, one group
+    per role (mhar.GPT.param_groups), each at lr; fused on CUDA."""
+    groups = groups or [{"name": name, "params": ps, "weight_decay": weight_decay, "lr": lr}
+                        for name, ps in model.param_groups().items() if ps]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=device_type == "cuda")
+
+
 def load_optimizer(optimizer, state):
     """optimizer.load_state_dict, its tensors copied out of the checkpoint. load_state_dict keeps
     a tensor already on its parameter's device as it is: on a CPU the Adam moments (and the step

@@ -86,7 +86,8 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile ends as it does later
     import torch.nn.functional as F
 
     import mhar
-    from common import FlagParser, UserError, exit_error, output_folder, seed_of, write_atomically
+    from common import (FlagParser, UserError, adamw, exit_error, output_folder, seed_of,
+                        write_atomically)
     from probe import FIGURE_DPI, pyplot
 except KeyboardInterrupt:
     print("compromise.py: error: interrupted (Ctrl-C): nothing written", file=sys.stderr)
@@ -232,7 +233,7 @@ def evaluate(net, val):
 def fit(net, seed, steps, val=None):
     """Train net for `steps` updates on the batches of `seed`. Returns the validation loss every
     EVAL_EVERY steps before the last, [step, loss] pairs (none without val)."""
-    opt = net.configure_optimizers(weight_decay=WEIGHT_DECAY, learning_rate=LR, betas=BETAS)
+    opt = adamw(net, weight_decay=WEIGHT_DECAY, lr=LR, betas=BETAS)
     data = torch.Generator().manual_seed(seed_of("train", seed))
     curve = []
     for step in range(steps):

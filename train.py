@@ -50,7 +50,7 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile ends as it does once the
     import parallel
     import prepare
     from common import (DEFAULT_CORPUS, CheckpointError, FlagParser, MachineError, StopSignals,
-                        UserError, AMOUNT, COUNT, RATE, STEPS, claim_out_dir, decay_rate,
+                        UserError, AMOUNT, COUNT, RATE, STEPS, adamw, claim_out_dir, decay_rate,
                         estimate_mfu, exit_error, fingerprint, fraction, largest_id, load_optimizer,
                         logged_until, memory_for, one_line, os_error, peak_memory, read_checkpoint,
                         read_tokens, rng_states, sample_rows, save_checkpoint, set_rng_states,
@@ -616,13 +616,9 @@ def make_optimizer(gpt, args, device_type):
     """AdamW over mhar.GPT.param_groups (weight decay on all parameters), or with --decay_on
     matrices over midtrain.param_groups (the mid-training recipe: not the embedding, norms,
     routing); the routing group at --routing_lr."""
-    if args.decay_on == "matrices":
-        groups = midtrain.param_groups(gpt, args.lr, args.weight_decay)
-        optimizer = torch.optim.AdamW(groups, betas=BETAS, eps=ADAM_EPS,
-                                      fused=device_type == "cuda")
-    else:
-        optimizer = gpt.configure_optimizers(args.weight_decay, args.lr, BETAS, ADAM_EPS,
-                                             device_type)
+    groups = None if args.decay_on != "matrices" else midtrain.param_groups(gpt, args.lr,
+                                                                            args.weight_decay)
+    optimizer = adamw(gpt, args.weight_decay, args.lr, BETAS, ADAM_EPS, device_type, groups)
     for group in optimizer.param_groups:
         if group["name"] == "routing":
             group["lr"] = args.routing_lr

@@ -22,7 +22,7 @@ import torch
 import head
 import mhar
 import train
-from common import load_model, sample_rows, seed_of
+from common import adamw, load_model, sample_rows, seed_of
 from helpers import ROOT, VOCAB, error_line, interrupted_while_importing, sigint_as_in_a_terminal
 
 
@@ -122,7 +122,7 @@ def reference_training(data, config, steps, lr=1e-2, warmup=2, max_steps=8, accu
     the full logits. Returns (the model, the loss of every step)."""
     torch.manual_seed(0)
     model = mhar.GPT(config)
-    optimizer = model.configure_optimizers(0.1, lr, (0.9, 0.95), 1e-8, "cpu")
+    optimizer = adamw(model, 0.1, lr, (0.9, 0.95), 1e-8, "cpu")
     tokens = np.fromfile(data / "train.bin", dtype=np.uint16)
     step_losses = []
     for step in range(steps):
