@@ -36,7 +36,7 @@ the LM head's chunked loss in head.py, Hugging Face directories in and out in hf
 """
 
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -271,17 +271,25 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.size(-1),), self.weight.to(x.dtype), self.eps)
 
 
-def rotary_tables(seq_len, head_dim, theta):
-    """cos and sin of the rotation angles, (seq_len, head_dim / 2) each."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+def rotary_tables(seq_len, head_dim, theta, device=None):
+    """cos and sin of the rotation angles, (seq_len, head_dim / 2) each, fp32, computed on the CPU."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device="cpu").float(), inv_freq)
+    return angles.cos().to(device), angles.sin().to(device)
 
 
 def apply_rotary(x, cos, sin):
     """Rotate channel pairs (i, i + hd/2) of x (B, nh, T, hd) by the angles of its positions."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Positions(NamedTuple):
+    """The T tokens' rotary cos and sin, (T, hd/2) or per row (B, 1, T, hd/2), and the keys each
+    attends to: None, causal (after a cache: all); else bool (B or 1, 1, T, S + T) (GPT.hidden)."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    allowed: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -299,22 +307,22 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
 
-    def forward(self, x, rope, cache=None):
-        """x (B, T, d); rope: the rotary (cos, sin) of its T positions, (T, hd/2) each; cache, when
-        generating, holds the keys and values of the positions before them and takes these."""
+    def forward(self, x, at, cache=None):
+        """x (B, T, d) at Positions `at`; cache, when generating, holds the keys and values of the
+        positions before them and takes these."""
         B, T, _ = x.size()
         x = self.norm(x)
         nh, nkv, hd = self.n_head, self.n_kv_head, self.head_dim
         q = self.q_norm(self.q_proj(x).view(B, T, nh, hd)).transpose(1, 2)     # (B, nh, T, hd)
         k = self.k_norm(self.k_proj(x).view(B, T, nkv, hd)).transpose(1, 2)    # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)                 # (B, nkv, T, hd)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = apply_rotary(q, at.cos, at.sin), apply_rotary(k, at.cos, at.sin)
         # a Python bool: under torch.compile a comparison of sizes is symbolic, which SDPA refuses
-        causal = cache is None or cache.length == 0
+        causal = at.allowed is None and (cache is None or cache.length == 0)
         if cache is not None:
-            assert T == 1 or cache.length == 0, "a cache takes a prompt, then one token at a time"
-            k, v = cache.extend(k, v)                                  # (B, nkv, T_before + T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+            k, v = cache.extend(k, v)                                  # (B, nkv, S + T, hd)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=at.allowed, is_causal=causal,
+                                           enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, nh * hd))  # y: (B, nh, T, hd)
 
 
@@ -328,7 +336,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
         self.down_proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=False)
 
-    def forward(self, x, rope=None, cache=None):  # every sublayer takes the same arguments
+    def forward(self, x, at=None, cache=None):  # every sublayer takes the same arguments
         x = self.norm(x)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -407,13 +415,12 @@ class GPT(nn.Module):
         self.lm_head = LMHead(config)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight  # tied input and output embeddings
-        cos, sin = rotary_tables(config.seq_len, config.head_width, config.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos", None, persistent=False)  # computed, not stored: (T, hd/2)
+        self.register_buffer("rope_sin", None, persistent=False)
         self.init_weights()
 
-    def init_weights(self):
-        """How every tensor starts:
+    def init_weights(self, modules=None):
+        """How every tensor starts (modules: these alone, e.g. those a checkpoint lacks):
 
         | tensor                                  | init          |
         |-----------------------------------------|---------------|
@@ -426,8 +433,12 @@ class GPT(nn.Module):
         | dynamic projections                     | 0 |
         | dynamic scales                          | 0.01 (small, learnable; Zhu et al.) |
         """
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+        for module in self.modules() if modules is None else modules:
+            if module is self:  # the rotary tables (computed, never stored), delta's null source
+                self.compute_rotary(self.embed.weight.device)
+                if self.null is not None:
+                    nn.init.zeros_(self.null)
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
@@ -450,6 +461,16 @@ class GPT(nn.Module):
                     module.read_mix_scale.fill_(0.01)
                     module.write_scale.fill_(0.01)
 
+    def _apply(self, fn, recurse=True):  # .to(dtype) would round the rotary angles: kept fp32
+        super()._apply(fn, recurse)
+        if self.rope_cos.dtype != torch.float32:
+            self.compute_rotary(self.rope_cos.device)
+        return self
+
+    def compute_rotary(self, device):
+        c = self.config
+        self.rope_cos, self.rope_sin = rotary_tables(c.seq_len, c.head_width, c.rope_theta, device)
+
     def forward(self, idx, targets=None, loss_fn=None):
         """(logits, loss) of tokens idx (B, T): the logits (B, T, vocab) in fp32 and, with targets
         (B, T), the mean cross-entropy. loss_fn(hidden, weight, targets), for training and
@@ -463,43 +484,60 @@ class GPT(nn.Module):
             return logits, None
         return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
-    def hidden(self, idx, visit=None, cache=None):
+    def hidden(self, idx, visit=None, cache=None, mask=None, positions=None):
         """The final normed hidden state (B, T, d) of tokens idx (B, T). visit(V, q, g), for
         analysis, sees every routing site's sources and parameters; cache, when generating, is one
-        KVCache per sublayer holding the tokens before idx (which then take the positions after)."""
+        KVCache per sublayer holding the tokens before idx (which then take the positions after).
+        mask (B, S + T) over the cache and idx: 0 marks padding, which no token attends to (routing
+        is per position); positions (B, T): rotary positions, by default each token's count of
+        tokens before it in its row, as transformers numbers a padded batch."""
         B, T = idx.size()
         start = 0 if cache is None else cache[0].length
         if start + T > self.config.seq_len:
             raise ValueError(f"sequence of {start + T} tokens is longer than Config.seq_len="
                              f"{self.config.seq_len}")
-        rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T])  # its positions
+        if positions is None and mask is not None:
+            positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, start:]
+        if positions is None:
+            cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, hd/2)
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]            # (B, T, hd/2)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                          # (B, 1, T, hd/2)
+        allowed = None
+        if mask is not None or start and T > 1:
+            keys = torch.arange(start + T, device=idx.device)                       # (S + T,)
+            own = start + torch.arange(T, device=idx.device)[:, None]  # (T, 1): each query's key
+            allowed = keys <= own                                       # (T, S + T): causal
+            if mask is not None:  # no key of padding; a padding query keeps its own key (no NaN)
+                allowed = allowed & mask.bool()[:, None, None] | (keys == own)  # (B, 1, T, S + T)
+        at = Positions(cos, sin, allowed)
         x = self.embed(idx)                                          # (B, T, d): source s_0
         c = self.config
         if c.delta:
-            x = self.forward_delta(x, rope, self.new_history(visit), cache)
+            x = self.forward_delta(x, at, self.new_history(visit), cache)
         elif c.routed:
-            x = self.forward_routed(x, rope, self.new_history(visit), cache)
+            x = self.forward_routed(x, at, self.new_history(visit), cache)
         elif c.residual == "hyper":
-            x = self.forward_hyper(x, rope, cache)
+            x = self.forward_hyper(x, at, cache)
         else:
-            x = self.forward_baseline(x, rope, cache)
+            x = self.forward_baseline(x, at, cache)
         return self.norm(x)
 
-    def forward_routed(self, x, rope, history, cache=None):
+    def forward_routed(self, x, at, history, cache=None):
         """The routed Transformer (attnres, mhar): each sublayer reads a route over the raw outputs
         before it and appends its own; the final site reads all 2L + 1 sources."""
         history.append(x.to(compute_dtype(x)))  # s_0, stored as the sublayer outputs (bf16 on GPUs)
         for j in range(len(self.layers)):
-            history.append(self.sublayer(j, history.read(j), rope, cache))  # s_{j+1}
+            history.append(self.sublayer(j, history.read(j), at, cache))  # s_{j+1}
         return history.read(len(self.layers))
 
-    def sublayer(self, j, x, rope, cache=None):
+    def sublayer(self, j, x, at, cache=None):
         """Sublayer j (attention for even j, MLP for odd j) on its input x (B, T, d); with
         config.checkpointing, only x is kept and the activations recomputed in backward."""
-        cache = None if cache is None else cache[j]
-        if self.config.checkpointing and torch.is_grad_enabled():
-            return checkpoint(self.layers[j], x, rope, cache, use_reentrant=False)
-        return self.layers[j](x, rope, cache)
+        cache = None if cache is None else cache[j]  # a cache would take the recomputed keys too
+        if self.config.checkpointing and torch.is_grad_enabled() and cache is None:
+            return checkpoint(self.layers[j], x, at, cache, use_reentrant=False)
+        return self.layers[j](x, at, cache)
 
     def new_history(self, visit=None):
         """An empty depth history for one forward pass: readable, or with config.fused routed by
@@ -521,26 +559,26 @@ class GPT(nn.Module):
     # ------------------------------------------------------------------------------------------
     # The other residual modes: delta routing, the baseline, hyper-connections.
 
-    def forward_delta(self, x, rope, history, cache=None):
+    def forward_delta(self, x, at, history, cache=None):
         """Delta routing: the baseline's residual x plus a gated route over [null, D_0, D_1..]."""
         history.append(x.to(compute_dtype(x)))   # D_0 = s_0, stored as the block deltas (bf16 on GPUs)
         for j, site in enumerate(self.sites[:-1]):
-            y = self.sublayer(j, x + site.gate * history.read(j), rope, cache)
+            y = self.sublayer(j, x + site.gate * history.read(j), at, cache)
             history.append(y)  # the history sums these into block deltas D_i = h_end - h_start
             x = x + y
         return x + self.sites[-1].gate * history.read(len(self.layers))
 
-    def forward_baseline(self, x, rope, cache=None):
+    def forward_baseline(self, x, at, cache=None):
         """The pre-norm residual stream: x = x + f(RMSNorm(x)) after every sublayer."""
         for j in range(len(self.layers)):
-            x = x + self.sublayer(j, x, rope, cache)
+            x = x + self.sublayer(j, x, at, cache)
         return x
 
-    def forward_hyper(self, x, rope, cache=None):
+    def forward_hyper(self, x, at, cache=None):
         """n residual streams, each starting as s_0; every sublayer reads, mixes and writes them."""
         streams = x.unsqueeze(2).repeat(1, 1, self.config.hc_streams, 1)  # (B, T, n, d)
         for j, connection in enumerate(self.connections):
-            streams = connection(streams, lambda h: self.sublayer(j, h, rope, cache))
+            streams = connection(streams, lambda h: self.sublayer(j, h, at, cache))
         # Zhu et al. sum the streams; their mean starts as the baseline exactly, not up to eps
         return streams.mean(2)
 
@@ -612,7 +650,7 @@ class GPT(nn.Module):
         return idx
 
     # ------------------------------------------------------------------------------------------
-    # Accounting and training helpers.
+    # Accounting.
     def num_params(self, non_embedding=False):
         """Parameter count (a tied embedding and LM head counted once); non_embedding leaves out
         the input embedding, a lookup (an untied LM head is a matmul and stays in)."""
@@ -652,14 +690,6 @@ class GPT(nn.Module):
             groups["routing" if added else "matrices" if p.dim() == 2 else "norms"].append(p)
         assert sum(map(len, groups.values())) == len(list(self.parameters())), "a lost parameter"
         return groups
-
-    def configure_optimizers(self, weight_decay=0.1, learning_rate=1e-3, betas=(0.9, 0.95),
-                             eps=1e-8, device_type="cpu"):
-        """AdamW with the paper's recipe: weight decay on all parameters, one group per role."""
-        groups = [{"name": name, "params": ps, "weight_decay": weight_decay, "lr": learning_rate}
-                  for name, ps in self.param_groups().items() if ps]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps,
-                                 fused=device_type == "cuda")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -62,10 +62,11 @@ def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import(tmp_path
 
 def test_the_model_file_is_a_leaf_that_teaches():
     """mhar.py imports kernel alone of the project (for Config.fused), so that it travels alone as
-    an export's remote code; the model class comes early in it."""
+    an export's remote code; the model class comes early in it. (700 lines when the core was
+    restructured; padding masks, per-row positions and tokens after a cache took it to 730.)"""
     source = MODULES["mhar"].read_text().splitlines()
     assert imports_of(MODULES["mhar"]) <= {"kernel"}
-    assert len(source) <= 700
+    assert len(source) <= 730
     assert next(i for i, line in enumerate(source, 1) if line.startswith("class GPT")) < 420
 
 

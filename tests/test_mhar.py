@@ -166,7 +166,7 @@ def test_attention_matches_per_head_loop(overrides):
     config, attn = random_attention(**overrides)
     x = torch.randn(2, 9, config.n_embd)
     cos, sin = mhar.rotary_tables(config.seq_len, config.head_width, config.rope_theta)
-    out = attn(x, (cos[:9], sin[:9]))
+    out = attn(x, mhar.Positions(cos[:9], sin[:9]))
     expected = attention_loop(attn, x, torch.arange(9), config.rope_theta)
     assert rel_err(out, expected) < 1e-5
 
@@ -176,7 +176,8 @@ def test_attention_depends_on_relative_positions_only():
     config, attn = random_attention()
     x = torch.randn(2, 9, config.n_embd)
     cos, sin = mhar.rotary_tables(config.seq_len, config.head_width, config.rope_theta)
-    at_zero, shifted = attn(x, (cos[:9], sin[:9])), attn(x, (cos[5:14], sin[5:14]))
+    at_zero = attn(x, mhar.Positions(cos[:9], sin[:9]))
+    shifted = attn(x, mhar.Positions(cos[5:14], sin[5:14]))
     assert rel_err(shifted, at_zero) < 1e-5
 
 
@@ -453,7 +454,7 @@ def test_tiny_model_overfits_one_batch(residual, overrides):
     one (both still fit); test_model_matches_the_float64_reference checks them exactly."""
     torch.manual_seed(0)
     model = GPT(tiny(residual, **overrides))
-    optimizer = model.configure_optimizers(weight_decay=0.0, learning_rate=3e-3)
+    optimizer = common.adamw(model, weight_decay=0.0, lr=3e-3)
     idx = torch.randint(0, 128, (4, 32))
     first = None
     for _ in range(40):
@@ -514,7 +515,7 @@ def test_routing_is_trained():
 @pytest.mark.parametrize("residual", ["baseline", "hyper", "mhar"])
 def test_optimizer_groups_cover_every_parameter_once(residual):
     model = GPT(tiny(residual))
-    optimizer = model.configure_optimizers()
+    optimizer = common.adamw(model)
     seen = [id(p) for group in optimizer.param_groups for p in group["params"]]
     assert sorted(seen) == sorted(id(p) for p in model.parameters())
     names = {group["name"]: len(group["params"]) for group in optimizer.param_groups}
@@ -636,6 +637,49 @@ def test_the_cache_runs_new_tokens_alone_until_the_window_slides():
     assert lengths == [5, 6, 7, 8, 9, 10, 11] + [12] * 7
 
 
+@pytest.mark.parametrize("residual, overrides", GENERATE_MODES,
+                         ids=["baseline", "hyper", "attnres", "mhar", "mhar-block2", "delta-block2"])
+def test_padding_and_tokens_after_a_cache_change_no_tokens_output(residual, overrides):
+    """Rows of 7 and 4 tokens in one batch, left- and right-padded (mask), and prefilled in two
+    chunks through a cache: each row's hidden states as it alone gives them, in float32 up to the
+    rounding of another attention shape; padding (here huge embeddings) never reaches a token."""
+    torch.manual_seed(0)
+    model = perturbed(GPT(tiny(residual, **overrides)), scale=0.3).eval()
+    with torch.no_grad():
+        model.embed.weight[0] = 1e4                                  # the padding id's embedding
+    a, b = torch.randint(1, 128, (1, 7)), torch.randint(1, 128, (1, 4))
+    pad = torch.zeros(1, 3, dtype=torch.long)
+    left, right = torch.cat([a, torch.cat([pad, b], 1)]), torch.cat([a, torch.cat([b, pad], 1)])
+    mask_left, mask_right = (left != 0).long(), (right != 0).long()
+    with torch.no_grad():
+        alone = model.hidden(a)[0], model.hidden(b)[0]
+        padded = model.hidden(left, mask=mask_left), model.hidden(right, mask=mask_right)
+        kv = [mhar.KVCache() for _ in model.layers]
+        chunked = torch.cat([model.hidden(left[:, :4], cache=kv, mask=mask_left[:, :4]),
+                             model.hidden(left[:, 4:], cache=kv, mask=mask_left)], 1)
+        kv = [mhar.KVCache() for _ in model.layers]
+        unpadded = torch.cat([model.hidden(a[:, :3], cache=kv), model.hidden(a[:, 3:], cache=kv)], 1)
+    for h in (padded[0], chunked):
+        assert rel_err(h[0], alone[0]) < 1e-5 and rel_err(h[1, 3:], alone[1]) < 1e-5
+    assert rel_err(padded[1][0], alone[0]) < 1e-5 and rel_err(padded[1][1, :4], alone[1]) < 1e-5
+    assert rel_err(unpadded[0], alone[0]) < 1e-5
+    assert not any(h.isnan().any() for h in (*padded, chunked))      # padding rows included
+
+
+def test_the_rotary_tables_stay_fp32_through_a_cast():
+    """.to(bfloat16) and back gives the same logits: the tables are not rounded with the weights
+    (the weights, which bf16 holds exactly here, are)."""
+    model = GPT(tiny())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16())
+    idx = torch.randint(0, 128, (2, 32))
+    expected = model(idx)[0]
+    model.to(torch.bfloat16)
+    assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
+    assert torch.equal(model.to(torch.float32)(idx)[0], expected)
+
+
 def test_config_round_trips_through_a_dict():
     config = preset("small", residual="attnres")
     assert Config(**dataclasses.asdict(config)) == config
@@ -686,7 +730,7 @@ def test_ci_runs_the_readme_test_command_which_installs_what_the_code_imports():
 def full_routing_forward(model, idx):
     """Full routing written out independently of DepthHistory: site j reads stack(s_0..s_j)."""
     c = model.config
-    rope = (model.rope_cos[:idx.size(1)], model.rope_sin[:idx.size(1)])  # the positions 0..T-1
+    rope = mhar.Positions(model.rope_cos[:idx.size(1)], model.rope_sin[:idx.size(1)])  # 0..T-1
     sources = [model.embed(idx)]
     for j, layer in enumerate(model.layers):
         site = model.sites[j]
@@ -871,7 +915,7 @@ def test_delta_routing_with_open_gates_matches_a_reference_loop(S):
     gate_grads = [site.gate.grad.clone() for site in model.sites]
     model.zero_grad()
 
-    rope = (model.rope_cos[:9], model.rope_sin[:9])
+    rope = mhar.Positions(model.rope_cos[:9], model.rope_sin[:9])
     x = model.embed(idx)
     deltas, block, in_block = [x], 0, 0  # D_0 = the embedding; the current block's sum and its count
 
