@@ -88,7 +88,7 @@ MODEL_TYPE = "mhar"                          # a routed model's: its class is in
 WEIGHTS = {"qwen3": "model", "remote": "model", "mhar": "mhar"}
 # what transformers runs a routed model with (trust_remote_code): the adapter and the model itself
 REMOTE_CODE = ("configuration_mhar.py", "modeling_mhar.py", "mhar.py")
-AUTO_MAP = {"AutoConfig": "configuration_mhar.MHARConfig",
+AUTO_MAP = {"AutoConfig": "configuration_mhar.MHARConfig", "AutoModel": "modeling_mhar.MHARModel",
             "AutoModelForCausalLM": "modeling_mhar.MHARForCausalLM"}
 MAX_SHARD_SIZE = "5GB"  # the hub's habit (Qwen3-8B: five files of <= 4 GB): each downloads alone
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

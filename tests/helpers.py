@@ -166,7 +166,7 @@ def files_in(folder):
 
 def tiny(residual="mhar", **overrides):
     """The tiny preset with a small vocabulary, so a test model has few parameters."""
-    return preset("tiny", residual=residual, vocab_size=128, seq_len=32, **overrides)
+    return preset("tiny", residual=residual, **{"vocab_size": 128, "seq_len": 32, **overrides})
 
 
 def route_inputs(N, B, T, d, dtype=torch.float64, seed=0, device="cpu"):
