@@ -13,8 +13,8 @@ tied LM head is the embedding and is not stored. What it takes, beyond input_ids
 attention_mask with padding (left or right; no token attends to padding, and routing is per
 position), position_ids (the rotary positions; default: each row's count of tokens before, as
 transformers numbers a padded batch), a dynamic cache followed by one token or several. What it
-refuses, with one ValueError each: inputs_embeds, output_attentions, a static cache, any other
-keyword. hidden_states are the input of each block's attention sublayer (for a routed model, its
+refuses, with one ValueError each: inputs_embeds, output_attentions, a static cache, an
+attn_implementation other than "sdpa", any other keyword. hidden_states are the input of each block's attention sublayer (for a routed model, its
 routed read) and the final normed state: L + 1 tensors, as Qwen3's.
 """
 import torch
@@ -51,11 +51,16 @@ class MHARPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
+    _supports_sdpa = True  # GPT's attention is torch's scaled_dot_product_attention
     _tied_weights_keys = {"model.lm_head.weight": "model.embed.weight"}  # when config ties them
     _no_split_modules = ["GPT"]  # a device map keeps it whole: each site reads every sublayer
 
     def __init__(self, config):
         super().__init__(config)
+        if config._attn_implementation not in (None, "sdpa"):
+            raise ValueError(f"{type(self).__name__}'s attention is torch's SDPA: attn_implementation"
+                             f"={config._attn_implementation!r} is not supported; use \"sdpa\" "
+                             f"(the default)")
         fields = {k: v for k, v in config.mhar.items() if k in Config.__dataclass_fields__}
         self.model = GPT(Config(**fields))
         self.post_init()

@@ -649,7 +649,9 @@ for name, directory in args["dirs"].items():
                  lambda: model(idx, output_attentions=True),
                  lambda: model(idx, num_logits_to_keep=1),
                  lambda: model(idx, position_ids=torch.arange(100, 112).expand(2, -1)),
-                 lambda: model.generate(idx, max_new_tokens=2, cache_implementation="static")):
+                 lambda: model.generate(idx, max_new_tokens=2, cache_implementation="static"),
+                 lambda: AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True,
+                                                              attn_implementation="eager")):
         try:
             call()
         except ValueError as e:
@@ -678,6 +680,8 @@ for name, directory in args["dirs"].items():
         result["keep-2"] = model(idx, logits_to_keep=2).logits
         result["keep-some"] = model(idx, logits_to_keep=torch.tensor([0, 5])).logits
         result["base"] = AutoModel.from_pretrained(directory, trust_remote_code=True)(idx)[0]
+        result["sdpa"] = AutoModelForCausalLM.from_pretrained(
+            directory, trust_remote_code=True, attn_implementation="sdpa")(idx).logits
         result["to-bf16"] = AutoModelForCausalLM.from_pretrained(
             directory, trust_remote_code=True).to(torch.bfloat16)(idx).logits
     resized = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
@@ -858,11 +862,11 @@ def test_a_plain_call_keeps_a_cache_as_transformers_models_do(fresh):
 
 def test_the_model_refuses_what_it_cannot_honour(fresh):
     for answers in fresh.hf.values():
-        embeddings, length, attentions, unknown, positions, static = answers["refused"]
+        embeddings, length, attentions, unknown, positions, static, eager = answers["refused"]
         assert "not inputs_embeds" in embeddings and "longer than Config.seq_len" in length
         assert "no attention weights" in attentions and "num_logits_to_keep" in unknown
         assert "position_ids must be (B, 12) in [0, " in positions
-        assert "not a static one" in static
+        assert "not a static one" in static and "attn_implementation='eager' is not supported" in eager
 
 
 @pytest.mark.parametrize("name", ROUTED)
@@ -919,6 +923,7 @@ def test_the_outputs_transformers_promises(fresh, name):
     assert torch.equal(theirs["keep-2"], theirs["logits"][:, -2:])
     assert torch.equal(theirs["keep-some"], theirs["logits"][:, [0, 5]])
     assert torch.equal(theirs["base"], final)
+    assert torch.equal(theirs["sdpa"], theirs["logits"])  # attn_implementation="sdpa": what it is
 
 
 @pytest.mark.parametrize("name", ROUTED)
