@@ -460,9 +460,9 @@ def _copy_bandwidth(timer):
 
 
 def main(argv=None):
-    import argparse
-    parser = argparse.ArgumentParser(description="Check the fused routing against mhar.route; with a "
-                                                 "GPU, benchmark it; --traffic prints the modeled bytes.")
+    from common import FlagParser  # one line for a wrong flag, as every script
+    parser = FlagParser(prog="bench_kernel.py", description="Check the fused routing against "
+                        "mhar.route; with a GPU, benchmark it; --traffic prints the modeled bytes.")
     parser.add_argument("--traffic", action="store_true", help="the traffic model at the kernel-table shapes")
     parser.add_argument("--host", action="store_true",
                         help="the host (Python) time per site with the launches stubbed (CPU, interpreter)")

@@ -9,7 +9,7 @@ import pytest
 
 from helpers import ROOT, error_line, interrupted_while_importing
 
-SCRIPTS = ["bench_head", "compare", "compromise", "eval", "export", "gpu_check", "hf", "prepare",
+SCRIPTS = ["bench_head", "bench_kernel", "compare", "compromise", "eval", "export", "gpu_check", "hf", "prepare",
            "probe", "sample", "train"]
 
 
