@@ -218,7 +218,7 @@ class MHARLM(TemplateLM or object):
 
     def generate_until(self, requests, disable_tqdm=False):
         """The continuation of each context, up to its first stop string. Prompts of one length
-        and one generation setting share a batch (the model takes no padding mask)."""
+        and one generation setting share a batch (GPT.generate runs its rows unpadded)."""
         groups = {}  # (prompt length, settings) -> the requests' indices
         prompts = []
         for i, (context, gen_kwargs) in enumerate(request.args for request in requests):
