@@ -100,17 +100,23 @@ def test_a_meta_json_of_the_wrong_types_is_one_clear_error(tmp_path, meta):
         common.read_tokens(folder)
 
 
-def test_token_ids_past_the_vocabulary_stop_the_run_in_one_line(tmp_path, capsys):
-    """meta.json says 64 ids, the files hold up to 99 (another tokenizer's, or uint16 ids read as
-    another dtype): one line before the first step, not an IndexError in the embedding (on a GPU,
-    a device-side assert)."""
+@pytest.mark.parametrize("mistake", ["another-tokenizer", "uint16-read-as-uint32"])
+def test_token_ids_past_the_vocabulary_stop_the_run_in_one_line(tmp_path, capsys, mistake):
+    """meta.json says 64 ids, the files hold up to 99 (another tokenizer's), or uint16 ids that
+    meta.json declares uint32 (two ids read as one): one line before the first step, not an
+    IndexError in the embedding (on a GPU, a device-side assert)."""
     import train
     from helpers import error_line
     folder = token_folder(tmp_path / "data", 400, 200, dict(train=400, val=200))
-    np.tile(np.arange(100, dtype=np.uint16), 4).tofile(folder / "train.bin")
+    if mistake == "another-tokenizer":
+        np.tile(np.arange(100, dtype=np.uint16), 4).tofile(folder / "train.bin")
+    else:  # 400 uint16 ids below 64 are 200 uint32 ids of (b << 16) + a
+        meta = dict(vocab_size=64, dtype="uint32", tokens=dict(train=200, val=100))
+        (folder / "meta.json").write_text(json.dumps(meta))
     line = error_line(capsys, train.main, ["--preset", "tiny", "--data", folder, "--max_steps", 2,
                                            "--out_dir", tmp_path / "out", "--seq_len", 16])
-    assert re.search(r"token id (6[4-9]|[7-9]\d) at or past the model's vocabulary of 64", line)
+    assert re.search(r"token id (6[4-9]|[7-9]\d|\d{5,}) at or past the model's vocabulary of 64",
+                     line), line
     assert not (tmp_path / "out" / "ckpt.pt").exists()
 
 

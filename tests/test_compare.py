@@ -89,6 +89,13 @@ def test_bad_comparisons_stop_before_training_with_one_line(argv, message, tmp_p
     assert not any(tmp_path.iterdir())
 
 
+def test_a_bad_value_for_train_py_stops_before_training_with_train_pys_line(tmp_path, capsys):
+    """A train flag compare.py passes on: train.py's parser judges it before the first run."""
+    err = error_line(capsys, compare.main, ["--methods", "baseline", "--lr", "abc", "--out_dir",
+                                            tmp_path / "cmp"], prog="train")
+    assert "--lr" in err and "abc" in err and not (tmp_path / "cmp").exists()
+
+
 def test_an_out_dir_inside_a_file_stops_before_training_with_one_line(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("mine")
     err = error_line(capsys, compare.main, ["--methods", "baseline", "--out_dir", tmp_path / "notes.txt"])
