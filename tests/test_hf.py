@@ -725,6 +725,16 @@ out["samples"] = None  # lm-eval's hf model needs lm-eval and accelerate, option
 if not (importlib.util.find_spec("lm_eval") and importlib.util.find_spec("accelerate")):
     torch.save(out, args["out"])
     sys.exit(0)
+from transformers import Trainer, TrainingArguments  # Trainer needs accelerate too
+model = AutoModelForCausalLM.from_pretrained(args["lm_eval_dir"], trust_remote_code=True)
+calls = []
+model.model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+rows = [{"input_ids": row, "labels": row} for row in args["tokens"]]
+trainer = Trainer(model=model, train_dataset=rows, args=TrainingArguments(
+    output_dir=str(Path(args["out"]).parent / "trainer"), max_steps=1, per_device_train_batch_size=2,
+    gradient_checkpointing=True, report_to=[], save_strategy="no", use_cpu=True))
+trainer.train()
+out["trainer"] = (model.model.config.checkpointing, len(calls))
 import lm_eval
 from lm_eval.tasks import TaskManager
 results = lm_eval.simple_evaluate(
@@ -966,6 +976,14 @@ def test_qwen3_for_causal_lm_loads_nothing_of_a_routed_export(fresh):
     for answers in fresh.hf.values():
         missing, every = answers["as-qwen3"]
         assert every - missing <= {"lm_head.weight", "model.norm.weight"}  # a tied head: the embedding
+
+
+def test_trainers_gradient_checkpointing_is_configs(fresh):
+    """Trainer(gradient_checkpointing=True) for one step: Config.checkpointing on, the first
+    sublayer run again in backward (a forward, then its recompute)."""
+    if fresh.samples is None:
+        pytest.skip("transformers' Trainer needs accelerate: pip install accelerate")
+    assert fresh.trainer == (True, 2)
 
 
 def test_a_pipelines_batches_give_what_one_prompt_at_a_time_gives(fresh):
