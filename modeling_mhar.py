@@ -121,16 +121,22 @@ class MHARPreTrainedModel(PreTrainedModel):
         layers = None  # one per sublayer, as GPT.generate's KVCaches; an MLP's goes unused
         if use_cache:
             layers = [LayerCache(cache, j // 2) for j in range(len(self.model.layers))]
-        start = 0 if cache is None else cache.get_seq_length()
+        start, T = 0 if cache is None else cache.get_seq_length(), input_ids.size(1)
+        if attention_mask is not None and attention_mask.shape != (input_ids.size(0), start + T):
+            raise ValueError(f"attention_mask must be (B, {start + T}): 1 for each token of the "
+                             f"cache and the input, 0 for padding")
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None                       # no padding: the unmasked path, exactly
         if position_ids is not None:
-            T, window = input_ids.size(1), self.model.config.seq_len
-            if position_ids.size(-1) != T or int(position_ids.min()) < 0 or int(position_ids.max()) >= window:
+            window = self.model.config.seq_len
+            if position_ids.size(-1) != T or not 0 <= int(position_ids.min()) <= int(
+                    position_ids.max()) < window:
                 raise ValueError(f"position_ids must be (B, {T}) in [0, {window})")
             default = torch.arange(start, start + T, device=position_ids.device)
             if attention_mask is None and bool((position_ids == default).all()):
                 position_ids = None                     # the default positions: the fast path
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
         states = []  # output_hidden_states: each attention sublayer's input, seen by a hook
         hooks = [layer.register_forward_pre_hook(lambda module, args: states.append(args[0]))
                  for layer in self.model.layers[::2]] if output_hidden_states else []

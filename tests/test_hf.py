@@ -658,7 +658,8 @@ for name, directory in args["dirs"].items():
                  lambda: model(idx, position_ids=torch.arange(100, 112).expand(2, -1)),
                  lambda: model.generate(idx, max_new_tokens=2, cache_implementation="static"),
                  lambda: AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True,
-                                                              attn_implementation="eager")):
+                                                              attn_implementation="eager"),
+                 lambda: model(idx, attention_mask=torch.ones(2, 5, dtype=torch.long))):
         try:
             call()
         except ValueError as e:
@@ -879,11 +880,12 @@ def test_a_plain_call_keeps_a_cache_as_transformers_models_do(fresh):
 
 def test_the_model_refuses_what_it_cannot_honour(fresh):
     for answers in fresh.hf.values():
-        embeddings, length, attentions, unknown, positions, static, eager = answers["refused"]
+        embeddings, length, attentions, unknown, positions, static, eager, mask = answers["refused"]
         assert "not inputs_embeds" in embeddings and "longer than Config.seq_len" in length
         assert "no attention weights" in attentions and "num_logits_to_keep" in unknown
         assert "position_ids must be (B, 12) in [0, " in positions
         assert "not a static one" in static and "attn_implementation='eager' is not supported" in eager
+        assert "attention_mask must be (B, 12)" in mask
 
 
 @pytest.mark.parametrize("name", ROUTED)
