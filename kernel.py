@@ -66,9 +66,9 @@ except ImportError as error:
     raise RuntimeError(f"{UNAVAILABLE}; triton is not installed (pip install triton)") from error
 
 SOURCE_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
-# A program keeps three (G, H, K) fp32 tiles of its G sites in registers through the backward's
-# loop (q ⊙ g, the output gradients, the gradient of q ⊙ g): on sm_90 at 8 warps, 8192 lanes (8
-# sites at d = 1024) fit without spilling, 10240 (8 sites at d = 1280) spill. Larger are refused.
+# The forward keeps (G, H, K) fp32 tiles of its G sites, the backward three per-site rows (q ⊙ g,
+# the output gradient, the gradient of q ⊙ g) per site. With (G, H, K) tiles in both, on sm_90 at 8
+# warps 8192 lanes (8 sites at d = 1024) fit without spilling, 10240 spilled. Larger are refused.
 MAX_TILE = 8192
 # Each program routes a contiguous block of positions, so that dq and dg leave as one partial per
 # program. The grid follows the device's SMs: 16 / num_warps programs per SM (two of 8 warps), all
@@ -102,6 +102,12 @@ def _row_tiles(K: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K2_PAD: tl.c
     mask1 = (heads[:, None] < H) & (lanes1[None, :] < K1)
     mask2 = (heads[:, None] < H) & (lanes2[None, :] < K2)
     return cols1, cols2, mask1, mask2
+
+
+@triton.jit
+def _address(entry, ELEMENT: tl.constexpr):
+    """A table entry as a pointer to ELEMENT, 16-byte aligned, as _addresses."""
+    return tl.multiple_of(tl.load(entry).to(tl.pointer_type(ELEMENT)), 16)
 
 
 @triton.jit
@@ -223,67 +229,69 @@ def _route_backward_kernel(
     G_PAD: tl.constexpr, INIT: tl.constexpr, SPLIT: tl.constexpr,
     NUM_STAGES: tl.constexpr,                                               # as in the forward
 ):
+    # The sites' states are tuples of G (H_PAD, K) tiles, one per site, rather than (G_PAD, H_PAD,
+    # K) tiles: the three a program keeps through its loops (q ⊙ g, the output gradients, the
+    # gradient of q ⊙ g) hold no padded sites, and a row's (H_PAD, K) tensors are not copied to
+    # every warp that holds other sites, so that 16 warps stay resident on an SM (docs/kernels.md).
     program = tl.program_id(0)
     first = program.to(tl.int64) * per_program
     last = tl.minimum(first + per_program, M)
     cols1, cols2, mask1, mask2 = _row_tiles(K, K1, K2, K2_PAD, H, H_PAD)
-    sites = tl.arange(0, G_PAD)
     heads = tl.arange(0, H_PAD)
-    site_mask = sites < G
-    state_mask = site_mask[:, None] & (heads[None, :] < H)
-    tile1 = site_mask[:, None, None] & mask1[None, :, :]
-    tile2 = site_mask[:, None, None] & mask2[None, :, :]
-    qg1 = tl.load(qg_ptr + sites[:, None, None] * D + cols1[None, :, :], mask=tile1, other=0.0)
-    qg2 = tl.load(qg_ptr + sites[:, None, None] * D + cols2[None, :, :], mask=tile2, other=0.0)
-    site_table = table_ptr + N + sites * (8 if INIT else 5)
-    out_at = _addresses(site_table, site_mask, SOURCE)
-    rest_at = _addresses(site_table + 1, site_mask, SOURCE)
-    dout_at = _addresses(site_table + 2, site_mask, SOURCE)
-    lse_at = _addresses(site_table + 3, site_mask, tl.float32)
-    given = ((given_sites >> sites) & 1) != 0                         # (G_PAD,): a partial state
-    given_at = _addresses(site_table + 4, site_mask, tl.float32)
-    complete1 = tile1 & (given == 0)[:, None, None]
-    complete2 = tile2 & (given == 0)[:, None, None]
-    if INIT:
-        init_lse_at = _addresses(site_table + 5, site_mask, tl.float32)
-        init_dout_at = _addresses(site_table + 6, site_mask, SOURCE)
-        init_coupling_at = _addresses(site_table + 7, site_mask, tl.float32)
+    head_mask = heads < H
+    qg1, qg2, qg_grad1, qg_grad2 = (), (), (), ()
+    for i in tl.static_range(G):
+        qg1 += (tl.load(qg_ptr + i * D + cols1, mask=mask1, other=0.0),)
+        qg2 += (tl.load(qg_ptr + i * D + cols2, mask=mask2, other=0.0),)
+        qg_grad1 += (tl.zeros([H_PAD, K1], tl.float32),)                    # Σ dℓ·r·V per site
+        qg_grad2 += (tl.zeros([H_PAD, K2_PAD], tl.float32),)
     row_stride = M.to(tl.int64) * D                 # int64: rows · B·T·d passes 2^31 at large batches
-    qg_grad1 = tl.zeros([G_PAD, H_PAD, K1], tl.float32)                        # Σ dℓ·r·V per site
-    qg_grad2 = tl.zeros([G_PAD, H_PAD, K2_PAD], tl.float32)
 
     for pos in range(first, last):
-        row1 = pos * D + cols1[None, :, :]
-        row2 = pos * D + cols2[None, :, :]
-        state = pos * H + heads[None, :]
-        dout1 = tl.load(dout_at[:, None, None] + row1, mask=tile1, other=0.0).to(tl.float32)
-        dout2 = tl.load(dout_at[:, None, None] + row2, mask=tile2, other=0.0).to(tl.float32)
-        lse = tl.load(lse_at[:, None] + state, mask=state_mask, other=0.0)
-        # The softmax couples the sources: dℓ_n = α_n·(<dout, V_n> − c) per head, with
-        # c = Σ_n α_n·<dout, V_n> = <dout, out>: no pass over the sources (FlashAttention's
-        # rowsum(dO ∘ O)). A bf16 output's rounding would cost c most of its digits where the
-        # sources are alike: out is read with its remainder, to ~16 bits. A partial state's c
-        # comes from the phase 2 that continued it, exact (below): its output is not read.
-        out1 = tl.load(out_at[:, None, None] + row1, mask=complete1, other=0.0).to(tl.float32)
-        out2 = tl.load(out_at[:, None, None] + row2, mask=complete2, other=0.0).to(tl.float32)
-        if SPLIT:
-            out1 += tl.load(rest_at[:, None, None] + row1, mask=complete1, other=0.0).to(tl.float32)
-            out2 += tl.load(rest_at[:, None, None] + row2, mask=complete2, other=0.0).to(tl.float32)
-        coupling = (tl.sum(dout1 * out1, axis=2) + tl.sum(dout2 * out2, axis=2)
-                    + tl.load(given_at[:, None] + state, mask=state_mask & given[:, None], other=0.0))
-        if INIT:    # out = β·init_out + Σ_n α_n·V_n, with β = exp(init_lse − lse)
-            beta = tl.exp(tl.load(init_lse_at[:, None] + state, mask=state_mask, other=0.0) - lse)
-            init_dout1 = beta[:, :, None] * dout1
-            init_dout2 = beta[:, :, None] * dout2
-            tl.store(init_dout_at[:, None, None] + row1, init_dout1.to(SOURCE), mask=tile1)
-            tl.store(init_dout_at[:, None, None] + row2, init_dout2.to(SOURCE), mask=tile2)
-            # the partial state's c = <β·dout, init_out> − (the gradient of its lse, β·(<dout,
-            # init_out> − c)) = β·c: handed back in the place of that gradient
-            tl.store(init_coupling_at[:, None] + state, beta * coupling, mask=state_mask)
+        row1 = pos * D + cols1
+        row2 = pos * D + cols2
+        state = pos * H + heads
+        dout1, dout2, lse, coupling = (), (), (), ()
+        for i in tl.static_range(G):
+            # the site's addresses, loaded again at each position: kept, 64-bit scalars, 5 to 8 of
+            # them per site, they would take the registers that 16 resident warps need
+            site_table = table_ptr + N + i * (8 if INIT else 5)
+            out_at = _address(site_table, SOURCE)
+            rest_at = _address(site_table + 1, SOURCE)
+            dout_at = _address(site_table + 2, SOURCE)
+            lse_at = _address(site_table + 3, tl.float32)
+            given = ((tl.full([1], given_sites, tl.int32) >> i) & 1) != 0   # a partial state
+            given_at = _address(site_table + 4, tl.float32)
+            d1 = tl.load(dout_at + row1, mask=mask1, other=0.0).to(tl.float32)
+            d2 = tl.load(dout_at + row2, mask=mask2, other=0.0).to(tl.float32)
+            lse += (tl.load(lse_at + state, mask=head_mask, other=0.0),)
+            # The softmax couples the sources: dℓ_n = α_n·(<dout, V_n> − c) per head, with
+            # c = Σ_n α_n·<dout, V_n> = <dout, out>: no pass over the sources (FlashAttention's
+            # rowsum(dO ∘ O)). A bf16 output's rounding would cost c most of its digits where the
+            # sources are alike: out is read with its remainder, to ~16 bits. A partial state's c
+            # comes from the phase 2 that continued it, exact (below): its output is not read.
+            out1 = tl.load(out_at + row1, mask=mask1 & (given == 0), other=0.0).to(tl.float32)
+            out2 = tl.load(out_at + row2, mask=mask2 & (given == 0), other=0.0).to(tl.float32)
+            if SPLIT:
+                out1 += tl.load(rest_at + row1, mask=mask1 & (given == 0), other=0.0).to(tl.float32)
+                out2 += tl.load(rest_at + row2, mask=mask2 & (given == 0), other=0.0).to(tl.float32)
+            c = (tl.sum(d1 * out1, axis=1) + tl.sum(d2 * out2, axis=1)
+                 + tl.load(given_at + state, mask=head_mask & given, other=0.0))
+            if INIT:    # out = β·init_out + Σ_n α_n·V_n, with β = exp(init_lse − lse)
+                init_lse_at = _address(site_table + 5, tl.float32)
+                init_dout_at = _address(site_table + 6, SOURCE)
+                init_coupling_at = _address(site_table + 7, tl.float32)
+                beta = tl.exp(tl.load(init_lse_at + state, mask=head_mask, other=0.0) - lse[i])
+                tl.store(init_dout_at + row1, (beta[:, None] * d1).to(SOURCE), mask=mask1)
+                tl.store(init_dout_at + row2, (beta[:, None] * d2).to(SOURCE), mask=mask2)
+                # the partial state's c = <β·dout, init_out> − (the gradient of its lse, β·(<dout,
+                # init_out> − c)) = β·c: handed back in the place of that gradient
+                tl.store(init_coupling_at + state, beta * c, mask=head_mask)
+            dout1, dout2, coupling = dout1 + (d1,), dout2 + (d2,), coupling + (c,)
         for n in tl.range(0, N, num_stages=NUM_STAGES):
             source = tl.multiple_of(tl.load(table_ptr + n).to(tl.pointer_type(SOURCE)), 16) + pos * D
-            v1 = tl.load(source + cols1, mask=mask1, other=0.0).to(tl.float32)
-            v2 = tl.load(source + cols2, mask=mask2, other=0.0).to(tl.float32)
+            v1 = tl.load(source + cols1, mask=mask1, other=0.0).to(tl.float32)   # (H_PAD, K1)
+            v2 = tl.load(source + cols2, mask=mask2, other=0.0).to(tl.float32)   # (H_PAD, K2_PAD)
             # The gradient row is loaded before any reduction, so both loads are in flight at once.
             # (Conditions on n as one-element tensors: the interpreter's loop indices are ints.)
             index = tl.full([1], n, tl.int32)
@@ -291,30 +299,39 @@ def _route_backward_kernel(
             earlier1 = tl.load(grad_row + cols1, mask=mask1 & (index < fresh_lo), other=0.0)
             earlier2 = tl.load(grad_row + cols2, mask=mask2 & (index < fresh_lo), other=0.0)
             r = tl.rsqrt((tl.sum(v1 * v1) + tl.sum(v2 * v2)) / D + eps)
-            logit = r * (tl.sum(qg1 * v1[None, :, :], axis=2) + tl.sum(qg2 * v2[None, :, :], axis=2))
-            alpha = tl.where(state_mask, tl.exp(logit - lse), 0.0)                 # (G_PAD, H_PAD)
-            dot = tl.sum(dout1 * v1[None, :, :], axis=2) + tl.sum(dout2 * v2[None, :, :], axis=2)
-            dlogit = alpha * (dot - coupling)
-            # dV_n = r·(g ⊙ dk) − (r³/d)·<g ⊙ dk, V_n>·V_n + Σ_sites α_n ⊙ dout,
-            # with g ⊙ dk = Σ_sites dℓ_n·(q ⊙ g) per head
-            g_dk1 = tl.sum(dlogit[:, :, None] * qg1, axis=0)                     # (H_PAD, K1)
-            g_dk2 = tl.sum(dlogit[:, :, None] * qg2, axis=0)
-            norm_coupling = r * r * r / D * (tl.sum(g_dk1 * v1) + tl.sum(g_dk2 * v2))
-            value1 = tl.sum(alpha[:, :, None] * dout1, axis=0)
-            value2 = tl.sum(alpha[:, :, None] * dout2, axis=0)
+            # dV_n = r·(g ⊙ dk) − (r³/d)·<g ⊙ dk, V_n>·V_n + Σ_sites α_n ⊙ dout, with g ⊙ dk =
+            # Σ_sites dℓ_n·(q ⊙ g) per head, and <g ⊙ dk, V_n> = Σ_sites,heads dℓ_n·<q ⊙ g, V_n>
+            g_dk1 = tl.zeros([H_PAD, K1], tl.float32)
+            g_dk2 = tl.zeros([H_PAD, K2_PAD], tl.float32)
+            value1 = tl.zeros([H_PAD, K1], tl.float32)
+            value2 = tl.zeros([H_PAD, K2_PAD], tl.float32)
+            dk_v = tl.zeros([H_PAD], tl.float32)
+            sums1, sums2 = (), ()
+            for i in tl.static_range(G):
+                raw = tl.sum(qg1[i] * v1, axis=1) + tl.sum(qg2[i] * v2, axis=1)          # (H_PAD,)
+                alpha = tl.where(head_mask, tl.exp(r * raw - lse[i]), 0.0)
+                dlogit = alpha * (tl.sum(dout1[i] * v1, axis=1) + tl.sum(dout2[i] * v2, axis=1) - coupling[i])
+                g_dk1 += dlogit[:, None] * qg1[i]
+                g_dk2 += dlogit[:, None] * qg2[i]
+                value1 += alpha[:, None] * dout1[i]
+                value2 += alpha[:, None] * dout2[i]
+                dk_v += dlogit * raw
+                sums1 += (qg_grad1[i] + (dlogit * r)[:, None] * v1,)
+                sums2 += (qg_grad2[i] + (dlogit * r)[:, None] * v2,)
+            qg_grad1, qg_grad2 = sums1, sums2
+            norm_coupling = r * r * r / D * tl.sum(dk_v)
             grad1 = earlier1 + r * g_dk1 - norm_coupling * v1 + value1
             grad2 = earlier2 + r * g_dk2 - norm_coupling * v2 + value2
-            qg_grad1 += (dlogit * r)[:, :, None] * v1[None, :, :]
-            qg_grad2 += (dlogit * r)[:, :, None] * v2[None, :, :]
             # This program owns the position: the read-modify-write of its rows needs no atomics.
             tl.store(grad_row + cols1, grad1, mask=mask1 & (index < own_lo))
             tl.store(grad_row + cols2, grad2, mask=mask2 & (index < own_lo))
             owned_row = owned_ptr + tl.maximum(n - own_lo, 0) * row_stride + pos * D
             tl.store(owned_row + cols1, grad1.to(SOURCE), mask=mask1 & (index >= own_lo))
             tl.store(owned_row + cols2, grad2.to(SOURCE), mask=mask2 & (index >= own_lo))
-    partial = qg_grad_ptr + program * G * D + sites[:, None, None] * D
-    tl.store(partial + cols1[None, :, :], qg_grad1, mask=tile1)
-    tl.store(partial + cols2[None, :, :], qg_grad2, mask=tile2)
+    partial = qg_grad_ptr + tl.program_id(0) * G * D      # read again: kept, it was spilled
+    for i in tl.static_range(G):
+        tl.store(partial + i * D + cols1, qg_grad1[i], mask=mask1)
+        tl.store(partial + i * D + cols2, qg_grad2[i], mask=mask2)
 
 
 @triton.jit(do_not_specialize=["offset"])
@@ -384,17 +401,29 @@ def _fits(width, heads, sites):
 
 def _num_warps(config, backward):
     # Tiles of up to 1024 lanes take 4 warps, so that each thread still loads several contiguous
-    # elements of a row at a time. Larger ones: the backward keeps three tiles and fits them at 8
-    # warps (see MAX_TILE); the forward spills at 8 warps past 4096 lanes, not at 16.
+    # elements of a row at a time. Larger ones: the forward spills at 8 warps past 4096 lanes, not
+    # at 16. The backward keeps 3·G rows of its sites: G·d <= 4096 fit 2 CTAs of 8 warps under 128
+    # registers (100M); more take 16 warps, whose 128 registers hold them (350M; 1B with
+    # _num_stages' two stages), so that 16 warps stay resident on an SM (docs/kernels.md). A
+    # one-site backward of 1024 lanes takes 8 (at 4, 350M's fp32 phase 2 spilled 8 bytes).
     tile = _tile(config)
-    return 4 if tile <= 1024 else 8 if backward or tile <= 4096 else 16
+    if backward:
+        return 4 if tile < 1024 else 8 if config["G"] * config["D"] <= 4096 else 16
+    return 4 if tile <= 1024 else 8 if tile <= 4096 else 16
+
+
+def _num_stages(config, backward):
+    """Source rows in flight: NUM_STAGES, but two for a grouped backward of 16 warps whose rows are
+    two tiles (1B): with three it spills 16-24 bytes of its 128 registers a thread."""
+    return 2 if backward and _num_warps(config, True) == 16 and config["K2"] else NUM_STAGES
 
 
 @memoized
 def _constexprs(width, heads, sites, dtype, init, backward):
     """The keyword arguments of a launch besides its tensors and ints: a launch asks at every call."""
     config = layout(width, heads, sites)
-    return dict(SOURCE=SOURCE_TYPES[dtype], INIT=init, SPLIT=dtype == torch.bfloat16, NUM_STAGES=NUM_STAGES,
+    return dict(SOURCE=SOURCE_TYPES[dtype], INIT=init, SPLIT=dtype == torch.bfloat16,
+                NUM_STAGES=_num_stages(config, backward),
                 num_warps=_num_warps(config, backward), **config)
 
 
@@ -884,17 +913,16 @@ def launch_bytes(launch, positions, width, heads, source_bytes, target=None):
     # source, the partial state read, the outputs (with remainders) and their lse written
     forward = (programs * G * (4 * d + 8 * (6 if init else 3))
                + M * (N * (8 + row) + G * (out + state) * (2 if init else 1)))
-    # backward: per program q ⊙ g, addresses, and the partial gradient of q ⊙ g; per position the
-    # output gradients and lse, the outputs of complete sites (with remainders), the coupling of
+    # backward: per program q ⊙ g and the partial gradient of q ⊙ g; per position the sites'
+    # addresses, the output gradients and lse, the outputs of complete sites (with remainders), the coupling of
     # continued ones; with a partial state its lse read, its output gradient and coupling written;
     # per source the table entry, the row, the fp32 gradient row (read unless fresh), and the gradient
     # written, to the buffer, or in the source dtype for a source this launch completes
     per_source = [8 + row + 4 * d * (n < launch.fresh_lo) + (4 * d if n < launch.own_lo else row)
                   for n in range(N)]
     continued = bin(launch.continued).count("1")
-    sites = G * (row + state) + (G - continued) * out + continued * state
-    backward = (backward_programs * G * (8 * d + 8 * (8 if init else 5))
-                + M * (sites + init * (2 * state + row) + sum(per_source)))
+    sites = G * (row + state + 8 * (8 if init else 5)) + (G - continued) * out + continued * state
+    backward = (backward_programs * G * 8 * d + M * (sites + init * (2 * state + row) + sum(per_source)))
     # and the address tables, written by _table_kernel in chunks
     tables = [8 * -(-(N + G * entries) // TABLE_CHUNK) * TABLE_CHUNK for entries in ((6, 8) if init else (3, 5))]
     return forward + tables[0], backward + tables[1]
