@@ -97,7 +97,7 @@ def test_fused_matches_readable_under_bf16_autocast(overrides, variant):
     readable one than 3x the readable one's own distance from the fp32 model's, + 3e-2 (a gate's
     gradient, one sum over every position, loses digits to cancellation on both paths)."""
     fused, readable = gpt_pair(**overrides, **variant)
-    idx = torch.randint(0, 128, (2, 9))
+    idx = torch.randint(0, 128, (1, 6))  # 2 rows for each of the interpreter's 3 programs
     logits, grads = bf16_loss_and_grads(readable, idx)
     fused_logits, fused_grads = bf16_loss_and_grads(fused, idx)
     readable.zero_grad()

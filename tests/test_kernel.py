@@ -694,7 +694,7 @@ def chain_grads(history, dtype, seed, sites=13, d=64, device="cpu"):
     weights, through a chain of `sites` sites whose sublayers are tanh(h W) with W random: distinct
     sources. The inputs are rounded to bf16 first on every path, so only the arithmetic differs."""
     gen = torch.Generator().manual_seed(seed)
-    s0 = torch.randn(2, 8, d, generator=gen).bfloat16().to(device, dtype).requires_grad_()
+    s0 = torch.randn(2, 6, d, generator=gen).bfloat16().to(device, dtype).requires_grad_()
     weights = [(torch.randn(d, d, generator=gen) / d ** 0.5).bfloat16().to(device, dtype).requires_grad_()
                for _ in range(sites - 1)]
     parameter = torch.float64 if dtype == torch.float64 else torch.float32
@@ -702,7 +702,7 @@ def chain_grads(history, dtype, seed, sites=13, d=64, device="cpu"):
                for _ in range(sites)]
     norms = [(1 + 0.1 * torch.randn(d, generator=gen)).to(device, parameter).requires_grad_()
              for _ in range(sites)]
-    dout = torch.randn(2, 8, d, generator=gen).bfloat16().to(device)
+    dout = torch.randn(2, 6, d, generator=gen).bfloat16().to(device)
     layers = [lambda h, w=w: torch.tanh(h @ w) for w in weights]
     out = network(history(queries, norms), s0, layers)
     out.backward(dout.to(out.dtype))
@@ -758,14 +758,14 @@ def routed_chain(history, dtype, sites, seed, d=32, heads=4):
 @pytest.mark.parametrize("group, sources_bound, qg_bound", [(1, 1.1, 0.1), (0, 1.6, 1.6)],
                          ids=["one-pass", "grouped"])
 def test_fused_bf16_gradients_round_once_on_a_long_chain(group, sources_bound, qg_bound):
-    """25 sites, bf16 sources, against float64: each output and each source gradient as close as
+    """17 sites, bf16 sources, against float64: each output and each source gradient as close as
     the float64 result rounded to bf16 once (its "floor": the gradient buffer stays fp32 however
     many sites add into it; one rounding per store would double the error). Grouped, a partial
-    state's output gradient is rounded to bf16 once more (1.44× the floor is measured); q ⊙ g's
+    state's output gradient is rounded to bf16 once more (1.40× the floor is measured); q ⊙ g's
     gradients are fp32, and one pass per site rounds nothing on their way."""
-    exact = routed_chain(None, torch.float64, 25, seed=0)
+    exact = routed_chain(None, torch.float64, 17, seed=0)
     fused = routed_chain(lambda q, g, heads: FusedHistory(mhar.depth_history(q, g, heads, 1e-6), group=group),
-                         torch.bfloat16, 25, seed=0)
+                         torch.bfloat16, 17, seed=0)
     ratios = [rel_err(a, b) / rel_err(b.bfloat16(), b) for a, b in zip(fused, exact)]
     print(f"error / floor: outputs {ratios[0]:.2f}, sources {ratios[1]:.2f}, q and g {ratios[2]:.3f}")
     assert ratios[0] <= 1.1 and ratios[1] <= sources_bound and ratios[2] <= qg_bound, ratios
