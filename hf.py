@@ -573,7 +573,7 @@ def main(argv=None):
         if isinstance(e, MachineError):  # hf.save's: the reason named
             exit_error("hf.py", str(e), status=1)
         if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":  # a full disk's, too
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else one_line(e)
+            reason = getattr(e, "strerror", None) or one_line(e)
             exit_error("hf.py", f"cannot write {directory} ({reason}): free some space or give "
                                 f"another directory", status=1)
         if isinstance(e, KeyboardInterrupt):

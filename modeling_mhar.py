@@ -127,14 +127,10 @@ class MHARPreTrainedModel(PreTrainedModel):
                              f"cache and the input, 0 for padding")
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None                       # no padding: the unmasked path, exactly
-        if position_ids is not None:
-            window = self.model.config.seq_len
-            if position_ids.size(-1) != T or not 0 <= int(position_ids.min()) <= int(
-                    position_ids.max()) < window:
-                raise ValueError(f"position_ids must be (B, {T}) in [0, {window})")
-            default = torch.arange(start, start + T, device=position_ids.device)
-            if attention_mask is None and bool((position_ids == default).all()):
-                position_ids = None                     # the default positions: the fast path
+        window = self.model.config.seq_len
+        if position_ids is not None and (position_ids.size(-1) != T or not 0 <= int(
+                position_ids.min()) <= int(position_ids.max()) < window):
+            raise ValueError(f"position_ids must be (B, {T}) in [0, {window})")
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
         states = []  # output_hidden_states: each attention sublayer's input, seen by a hook
