@@ -419,12 +419,14 @@ def _num_stages(config, backward):
 
 
 @memoized
-def _constexprs(width, heads, sites, dtype, init, backward):
-    """The keyword arguments of a launch besides its tensors and ints: a launch asks at every call."""
+def _launch_constants(width, heads, sites, dtype, init, backward, M):
+    """(positions per program, programs, the keyword arguments) of a launch over M positions: what
+    every launch asks besides its tensors, in one call."""
     config = layout(width, heads, sites)
-    return dict(SOURCE=SOURCE_TYPES[dtype], INIT=init, SPLIT=dtype == torch.bfloat16,
-                NUM_STAGES=_num_stages(config, backward),
-                num_warps=_num_warps(config, backward), **config)
+    warps = _num_warps(config, backward)
+    constexprs = dict(SOURCE=SOURCE_TYPES[dtype], INIT=init, SPLIT=dtype == torch.bfloat16,
+                      NUM_STAGES=_num_stages(config, backward), num_warps=warps, **config)
+    return (*_programs(M, warps=warps), constexprs)
 
 
 def _programs(M, target=None, warps=8):
@@ -451,15 +453,15 @@ def _backward_programs(M, width, heads, sites):
     return _programs(M, warps=_num_warps(layout(width, heads, sites), True))[1]
 
 
-def _address_table(addresses, like):
+def _address_table(addresses, like, table=None):
     """The kernels read their tensors through a table of addresses: no copy into one buffer. The
     table is written on the device by _table_kernel, TABLE_CHUNK entries a launch: nothing goes
-    up from the host, so the host never waits and a CUDA graph captures the launch. A null
-    address (an absent tensor, never read) becomes the first: every entry is then a 16-byte
-    aligned int64, and one variant of the kernel serves every chunk."""
-    entries = [address or addresses[0] for address in addresses]
-    entries += entries[:1] * (-len(entries) % TABLE_CHUNK)
-    table = like.new_empty(len(entries), dtype=torch.int64)             # on like's device
+    up from the host, so the host never waits and a CUDA graph captures the launch. Every entry
+    is a 16-byte aligned int64, and one variant of the kernel serves every chunk: the callers write a null
+    entry (an absent tensor, never read) as the first's address too."""
+    entries = addresses + addresses[:1] * (-len(addresses) % TABLE_CHUNK)
+    if table is None:                                           # (a history gives each launch one)
+        table = like.new_empty(len(entries), dtype=torch.int64)         # on like's device
     for offset in range(0, len(entries), TABLE_CHUNK):
         _table_kernel[(1,)](table, offset, tuple(entries[offset:offset + TABLE_CHUNK]), num_warps=1)
     return table
@@ -502,12 +504,12 @@ def _checked(sources, heads, sites):
     return sources, [t.data_ptr() for t in sources]
 
 
-def _route_forward(*, sources, qg, init, heads, eps, addresses=None, lses=None):
+def _route_forward(*, sources, qg, init, heads, eps, addresses=None, lses=None, table=None):
     """Route G sites over `sources` (each (B, T, d)); init = [] or, per site, the state (output,
     remainder, lse) of the partial state it continues. Returns the G outputs (sources' dtype),
     their G remainders (bf16: out − bf16(out); fp32 sources need none: empty) and G lse (fp32).
     addresses: the sources' addresses when the caller has checked and aligned them already; lses:
-    where to write the lse (None: new tensors)."""
+    where to write the lse, table: the address table's int64 entries (None: new tensors)."""
     source, G = sources[0], qg.shape[0]
     if addresses is None:
         sources, addresses = _checked(sources, heads, G)
@@ -521,21 +523,23 @@ def _route_forward(*, sources, qg, init, heads, eps, addresses=None, lses=None):
         lse = source.new_empty((*source.shape[:-1], heads), dtype=torch.float32)
         lses = [lse, *[torch.empty_like(lse) for _ in range(G - 1)]]
     per_site = [[outs[i], rests[i], lses[i], *init[i::G]] for i in range(G)]
-    table = _address_table(addresses + [t.data_ptr() for site in per_site for t in site], source)
-    constexprs = _constexprs(width, heads, G, source.dtype, bool(init), False)
-    per_program, programs = _programs(M, warps=constexprs["num_warps"])
+    null = addresses[0]                             # for an fp32 output's remainder: empty, never read
+    table = _address_table(addresses + [t.data_ptr() or null for site in per_site for t in site], source, table)
+    per_program, programs, constexprs = _launch_constants(width, heads, G, source.dtype, bool(init), False, M)
     _route_forward_kernel[(programs,)](table, qg, len(addresses), M, per_program, eps, **constexprs)
     return outs, rests, lses
 
 
 def _route_backward(grads, owned, qg_grads, init_grads, *, sources, qg, outs, rests, douts, lses,
-                    couplings, init_lse, heads, eps, row0, own_lo, fresh_lo, addresses=None):
+                    couplings, init_lse, heads, eps, row0, own_lo, fresh_lo, continued, addresses=None,
+                    table=None):
     """Add the gradients of `sources` into rows row0.. of the fp32 buffer `grads` (in place); write
     the final gradients of sources own_lo.. into `owned` (their dtype), each program's partial
     gradient of qg into `qg_grads` (programs, G, d), and the output gradient and coupling of the
     partial state whose lse is `init_lse` ([] or [lse]: phase 2) into init_grads. couplings: per
     site None, or for a partial state the coupling its phase 2 handed back (whose output and
-    remainder the kernel does not read: they may be None). douts: contiguous, one per site."""
+    remainder the kernel does not read: they may be None); `continued` has a bit for each of
+    those (Spec.continued). douts: contiguous, one per site. addresses, table: as _route_forward's."""
     source, G = douts[0], qg.shape[0]               # an output gradient has the sources' shape and dtype
     if addresses is None:
         sources, addresses = _checked(sources, heads, G)
@@ -543,14 +547,13 @@ def _route_backward(grads, owned, qg_grads, init_grads, *, sources, qg, outs, re
     M = source.numel() // width
     per_site = [[outs[i], rests[i], douts[i], lses[i], couplings[i], *init_lse, *init_grads]
                 for i in range(G)]
-    table = _address_table(addresses + [0 if t is None else t.data_ptr() for site in per_site for t in site],
-                           source)
-    given = sum(1 << i for i, coupling in enumerate(couplings) if coupling is not None)
-    constexprs = _constexprs(width, heads, G, source.dtype, bool(init_lse), True)
-    per_program, programs = _programs(M, warps=constexprs["num_warps"])
+    null = addresses[0]                             # for what is absent (None, empty): never read
+    table = _address_table(addresses + [null if t is None else t.data_ptr() or null
+                                        for site in per_site for t in site], source, table)
+    per_program, programs, constexprs = _launch_constants(width, heads, G, source.dtype, bool(init_lse), True, M)
     _route_backward_kernel[(programs,)](
-        table, qg, grads, owned, qg_grads, len(addresses), M, per_program, row0, own_lo, fresh_lo, given, eps,
-        **constexprs)
+        table, qg, grads, owned, qg_grads, len(addresses), M, per_program, row0, own_lo, fresh_lo, continued,
+        eps, **constexprs)
 
 
 # %% Autograd: one launch, two ways in
@@ -585,14 +588,14 @@ def _launch_forward(sources, qg, init, spec):
 
 
 def _launch_backward(backward, spec, *, sources, qg, outs, rests, lses, init_lse, douts, couplings,
-                     dcarrier, addresses=None, qg_grads=None):
+                     dcarrier, addresses=None, table=None, qg_grads=None):
     """The gradients of one launch's inputs, from those of its outputs: (the gradient buffer the
     carrier hands back, the final gradients of the sources it completes, q ⊙ g's per program
     (programs, G, d), and the output gradient and coupling of the partial state it continues:
     [] without one). outs, rests, lses: as the forward made them; douts per site (None: no
     gradient); couplings per site (None: a complete site); `backward` runs the kernel
     (_route_backward, or the operator through _traced_backward). sources: all of them, or (with
-    their addresses) any list led by the first. qg_grads: where the kernel writes q ⊙ g's partials
+    their addresses and address table) any list led by the first. qg_grads: where the kernel writes q ⊙ g's partials
     (None: a new tensor)."""
     like = sources[0]                                    # of the sources' shape and dtype
     douts = [torch.zeros_like(like) if d is None else d.contiguous() for d in douts]
@@ -612,7 +615,8 @@ def _launch_backward(backward, spec, *, sources, qg, outs, rests, lses, init_lse
     # by about 1 µs: the host pays it at every launch)
     backward(buffer, owned, qg_grads, init_grads, sources=sources, qg=qg, outs=outs, rests=rests,
              douts=douts, lses=lses, couplings=couplings, init_lse=init_lse, heads=spec.heads,
-             eps=spec.eps, row0=spec.row0, own_lo=spec.own_lo, fresh_lo=spec.fresh_lo, addresses=addresses)
+             eps=spec.eps, row0=spec.row0, own_lo=spec.own_lo, fresh_lo=spec.fresh_lo, continued=spec.continued,
+             addresses=addresses, table=table)
     return buffer, [owned] if n_owned == 1 else list(owned.unbind(0)), qg_grads, init_grads
 
 
@@ -656,16 +660,16 @@ def route_sites_backward(grads: Tensor, owned: Tensor, qg_grads: Tensor, init_gr
                          sources: list[Tensor], qg: Tensor, outs: list[Tensor], rests: list[Tensor],
                          douts: list[Tensor], lses: list[Tensor], couplings: list[Optional[Tensor]],
                          init_lse: list[Tensor], heads: int, eps: float, row0: int, own_lo: int,
-                         fresh_lo: int) -> None:
+                         fresh_lo: int, continued: int) -> None:
     """Backward of one route_sites launch: adds into the buffer `grads` in place, writes the final
     gradients of sources own_lo.. into `owned`, per-program partial gradients of qg into
     `qg_grads`, and the gradients of the partial state whose lse is `init_lse` into `init_grads`."""
     _route_backward(grads, owned, qg_grads, init_grads, sources=sources, qg=qg.contiguous(), outs=outs,
                     rests=rests, douts=douts, lses=lses, couplings=couplings, init_lse=init_lse, heads=heads,
-                    eps=eps, row0=row0, own_lo=own_lo, fresh_lo=fresh_lo)
+                    eps=eps, row0=row0, own_lo=own_lo, fresh_lo=fresh_lo, continued=continued)
 
 
-def _traced_backward(grads, owned, qg_grads, init_grads, *, addresses, **reads):
+def _traced_backward(grads, owned, qg_grads, init_grads, *, addresses, table, **reads):
     """route_sites_backward as _launch_backward calls it: traced code has no addresses."""
     route_sites_backward(grads, owned, qg_grads, init_grads, **reads)
 
@@ -771,11 +775,11 @@ def _index(values, device):
     return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
 
 
-Call = namedtuple("Call", "launch spec sources addresses init partials qg qg_parts lses")
+Call = namedtuple("Call", "launch spec sources addresses init partials qg qg_parts lses table")
 Call.__doc__ = """What one eager launch needs besides its autograd inputs: its Launch and Spec, the
 sources it reads and their addresses, `init` (the Partial a phase 2 continues; None in phase 1),
 `partials` (per site the Partial its state goes to; None for a site it completes), its q ⊙ g (G,
-d), the forward's QGGradients, and the tensors to write its lse into."""
+d), the forward's QGGradients, the tensors to write its lse into, and its address table's."""
 
 
 class RouteSites(torch.autograd.Function):
@@ -790,7 +794,7 @@ class RouteSites(torch.autograd.Function):
         init = call.init
         outs, rests, lses = _route_forward(
             sources=call.sources, qg=call.qg, init=[init.out, init.rest, init.lse] if init else [],
-            heads=call.spec.heads, eps=call.spec.eps, addresses=call.addresses, lses=call.lses)
+            heads=call.spec.heads, eps=call.spec.eps, addresses=call.addresses, lses=call.lses, table=call.table)
         if init:
             init.out = init.rest = None                  # free: only the lse is read again
         finals = []
@@ -825,7 +829,7 @@ class RouteSites(torch.autograd.Function):
         buffer, source_grads, _, init_grads = _launch_backward(
             _route_backward, call.spec, sources=call.sources, qg=call.qg, outs=outs, rests=ctx.rests,
             lses=ctx.lses, init_lse=call.init.lse if call.init else None, douts=douts, couplings=couplings,
-            dcarrier=grads[-1], addresses=call.addresses, qg_grads=slot)
+            dcarrier=grads[-1], addresses=call.addresses, table=call.table, qg_grads=slot)
         if call.init:
             call.init.grads = init_grads
         qg_grad = None
@@ -924,8 +928,16 @@ def launch_bytes(launch, positions, width, heads, source_bytes, target=None):
     sites = G * (row + state + 8 * (8 if init else 5)) + (G - continued) * out + continued * state
     backward = (backward_programs * G * 8 * d + M * (sites + init * (2 * state + row) + sum(per_source)))
     # and the address tables, written by _table_kernel in chunks
-    tables = [8 * -(-(N + G * entries) // TABLE_CHUNK) * TABLE_CHUNK for entries in ((6, 8) if init else (3, 5))]
-    return forward + tables[0], backward + tables[1]
+    tables = table_entries(launch)
+    return forward + 8 * tables[0], backward + 8 * tables[1]
+
+
+def table_entries(launch):
+    """Entries of one launch's forward and backward address tables, padded to whole chunks: the
+    sources', then per site 3 in the forward and 5 in the backward, 6 and 8 with a partial state."""
+    N = launch.hi - launch.lo + launch.partial
+    per_site = (6, 8) if launch.phase == 2 else (3, 5)
+    return tuple(-(-(N + launch.sites * entries) // TABLE_CHUNK) * TABLE_CHUNK for entries in per_site)
 
 
 def launch_time(launch, positions, width, heads, source_bytes, target=None):
@@ -951,26 +963,29 @@ def auto_group(reads, width, heads):
     return min(groups, key=predicted)
 
 
-Plan = namedtuple("Plan", "launch spec continued first_lse")
+Plan = namedtuple("Plan", "launch spec continued first_lse number")
 Plan.__doc__ = """A launch as FusedHistory makes it: its Launch and Spec, per site of the launch
-whether its state goes on to a phase 2, and the index of its first site's lse among all the
-lse of the forward."""
+whether its state goes on to a phase 2, the index of its first site's lse among all the lse of
+the forward, and its place among the forward's launches."""
 
 
 @memoized
 def _plans(reads, group, heads, eps):
     """(per site the Plans its read launches, the number of lse all the launches write, the sites
-    with a phase 2). Tuples: torch.compile reads them as constants (a dict's .get it cannot)."""
-    plans, rows, first = {}, reads[-1][0], 0
-    for launch in schedule(reads, group):
+    with a phase 2, the entries of each launch's address table). Tuples: torch.compile reads them
+    as constants (a dict's .get it cannot)."""
+    plans, rows, first, tables = {}, reads[-1][0], 0, []
+    for number, launch in enumerate(schedule(reads, group)):
         spec = Spec(heads=heads, eps=eps, rows=rows, row0=launch.lo, own_lo=launch.own_lo,
                     fresh_lo=launch.fresh_lo, last=launch.last, continued=launch.continued)
         continued = tuple(bool(launch.continued >> i & 1) for i in range(launch.sites))
-        plans.setdefault(launch.site, []).append(Plan(launch, spec, continued, first))
+        plans.setdefault(launch.site, []).append(Plan(launch, spec, continued, first, number))
         first += launch.sites
+        tables.append(max(table_entries(launch)))        # its backward's: written after its forward's
     continued_sites = tuple(site for site, entries in plans.items()
                             for plan in entries if plan.launch.phase == 2)
-    return tuple(tuple(plans.get(site, ())) for site in range(len(reads))), first, continued_sites
+    return (tuple(tuple(plans.get(site, ())) for site in range(len(reads))), first, continued_sites,
+            tuple(tables))
 
 
 # %% FusedHistory: a readable history, routed by the kernels
@@ -997,7 +1012,7 @@ class FusedHistory:
         reads = tuple(history.reads(site) for site in range(n_sites))
         self.group = group = group or auto_group(reads, width, self.heads)
         layout(width, self.heads, group)                                  # fails here if a group cannot fit
-        self.plans, self.lse_count, continued = _plans(reads, group, self.heads, self.eps)
+        self.plans, self.lse_count, continued, self.table_entries = _plans(reads, group, self.heads, self.eps)
         self.rows_total = reads[-1][0]
         self.rows = []              # the history's committed sources (eager: aligned)
         self.appended = 0
@@ -1008,6 +1023,7 @@ class FusedHistory:
         # eager: where q ⊙ g's gradient gathers
         self.qg_parts = None if self.traced else QGGradients(n_sites, group, continued)
         self.lses = None            # eager: per site of each launch, where it writes its lse
+        self.tables = None          # eager: per launch, its address table (forward's, then backward's)
         self.partials = {}          # site -> its phase-1 state, until its phase 2 (eager: a Partial)
         self.outputs = {}           # site -> its routed output, once complete
 
@@ -1045,9 +1061,10 @@ class FusedHistory:
         values = qg if self.traced else qg.detach()
         by_site = values.split(1)                                    # (1, d) per site
         self.qg = values.split(self.group) if self.group > 1 else by_site, by_site   # (G, d) per group
-        if not self.traced:     # every launch's lse, in one tensor (they are kept until backward)
+        if not self.traced:     # every launch's lse and address table, in one tensor each
             self.lses = source.new_empty((self.lse_count, *source.shape[:-1], self.heads),
                                          dtype=torch.float32).unbind(0)
+            self.tables = source.new_empty(sum(self.table_entries), dtype=torch.int64).split(self.table_entries)
 
     def read(self, site):
         """The routed input of site `site` (B, T, d), once the history holds its sources."""
@@ -1082,7 +1099,7 @@ class FusedHistory:
             call = Call(launch=launch, spec=spec, sources=sources, addresses=addresses,
                         init=self.partials.pop(launch.site) if launch.phase == 2 else None,
                         partials=partials, qg=qg, qg_parts=self.qg_parts,
-                        lses=self.lses[plan.first_lse:plan.first_lse + launch.sites])
+                        lses=self.lses[plan.first_lse:plan.first_lse + launch.sites], table=self.tables[plan.number])
             *finals, self.carrier = RouteSites.apply(self.carrier, self.qg_all if first else None, call,
                                                      *sources[spec.own_lo:])
         finals = iter(finals)
