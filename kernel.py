@@ -459,9 +459,11 @@ def _address_table(addresses, like, table=None):
     up from the host, so the host never waits and a CUDA graph captures the launch. Every entry
     is a 16-byte aligned int64, and one variant of the kernel serves every chunk: the callers write a null
     entry (an absent tensor, never read) as the first's address too."""
-    entries = addresses + addresses[:1] * (-len(addresses) % TABLE_CHUNK)
+    entries = addresses + addresses[:1] * (_chunks(len(addresses)) - len(addresses))
     if table is None:                                           # (a history gives each launch one)
         table = like.new_empty(len(entries), dtype=torch.int64)         # on like's device
+    elif table.numel() < len(entries):          # the kernel would write past it, into other tables
+        raise RuntimeError(f"an address table of {table.numel()} entries for {len(addresses)} addresses")
     for offset in range(0, len(entries), TABLE_CHUNK):
         _table_kernel[(1,)](table, offset, tuple(entries[offset:offset + TABLE_CHUNK]), num_warps=1)
     return table
@@ -927,17 +929,21 @@ def launch_bytes(launch, positions, width, heads, source_bytes, target=None):
     continued = bin(launch.continued).count("1")
     sites = G * (row + state + 8 * (8 if init else 5)) + (G - continued) * out + continued * state
     backward = (backward_programs * G * 8 * d + M * (sites + init * (2 * state + row) + sum(per_source)))
-    # and the address tables, written by _table_kernel in chunks
+    # and the address tables, written by _table_kernel in whole chunks
     tables = table_entries(launch)
-    return forward + 8 * tables[0], backward + 8 * tables[1]
+    return forward + 8 * _chunks(tables[0]), backward + 8 * _chunks(tables[1])
 
 
 def table_entries(launch):
-    """Entries of one launch's forward and backward address tables, padded to whole chunks: the
-    sources', then per site 3 in the forward and 5 in the backward, 6 and 8 with a partial state."""
+    """The addresses in one launch's forward and backward tables: the sources', then per site 3
+    in the forward and 5 in the backward, 6 and 8 with a partial state."""
     N = launch.hi - launch.lo + launch.partial
-    per_site = (6, 8) if launch.phase == 2 else (3, 5)
-    return tuple(-(-(N + launch.sites * entries) // TABLE_CHUNK) * TABLE_CHUNK for entries in per_site)
+    return (N + launch.sites * (6 if launch.phase == 2 else 3), N + launch.sites * (8 if launch.phase == 2 else 5))
+
+
+def _chunks(entries):
+    """Entries rounded up to whole chunks of TABLE_CHUNK: what _table_kernel writes."""
+    return -(-entries // TABLE_CHUNK) * TABLE_CHUNK
 
 
 def launch_time(launch, positions, width, heads, source_bytes, target=None):
@@ -981,7 +987,7 @@ def _plans(reads, group, heads, eps):
         continued = tuple(bool(launch.continued >> i & 1) for i in range(launch.sites))
         plans.setdefault(launch.site, []).append(Plan(launch, spec, continued, first, number))
         first += launch.sites
-        tables.append(max(table_entries(launch)))        # its backward's: written after its forward's
+        tables.append(_chunks(max(table_entries(launch))))   # forward's, then backward's
     continued_sites = tuple(site for site, entries in plans.items()
                             for plan in entries if plan.launch.phase == 2)
     return (tuple(tuple(plans.get(site, ())) for site in range(len(reads))), first, continued_sites,

@@ -499,7 +499,12 @@ METERED = {   # id: (n_layer, width, heads, B·T, group, block, delta)
 
 @interpreted
 @pytest.mark.parametrize("case", METERED.values(), ids=METERED.keys())
-def test_meter_counts_what_the_model_predicts(case):
+def test_meter_counts_what_the_model_predicts(case, monkeypatch):
+    """Bytes as the interpreter counts them, and the addresses of every launch's tables: a history
+    sizes each launch's table from table_entries, so too few there would write into the next."""
+    tables = []
+    monkeypatch.setattr(kernel, "_address_table", lambda addresses, *args, make=kernel._address_table:
+                        tables.append(len(addresses)) or make(addresses, *args))
     n_layer, d, heads, positions, group, block, delta = case
     sites = 2 * n_layer + 1
     torch.manual_seed(0)
@@ -513,6 +518,9 @@ def test_meter_counts_what_the_model_predicts(case):
     with bench_kernel.count_bytes() as backward:
         out.backward(torch.ones_like(out))
     model = bench_kernel.traffic(n_layer, d, heads, positions, group, block, delta, source_bytes=2, target=None)
+    launches = [plan.launch for plans in history.plans for plan in plans]
+    assert tables == ([kernel.table_entries(launch)[0] for launch in launches]
+                      + [kernel.table_entries(launch)[1] for launch in reversed(launches)])
     assert forward["load"] + forward["store"] == model["forward"]["kernels"]
     assert backward["load"] + backward["store"] == model["backward"]["kernels"]
     if case == METERED["grouped-12-layers"]:
