@@ -38,10 +38,10 @@ deterministic.
 
 The file reads: the kernels; their launchers; autograd, first the shared launch, then the custom
 operators (torch.compile) and the eager path; the schedule of launches, with the traffic model
-and the roofline that pick G (`launch_bytes` counts every byte a launch's kernels load and store:
-a test compares it with what the Triton interpreter loads and stores); `FusedHistory`, which routes a readable
-history of mhar.py through the kernels. bench_kernel.py checks the kernels against `mhar.route`,
-prints the bytes both algorithms move, benchmarks them and measures the host's time per site.
+(`launch_bytes`: every byte a launch's kernels move, as a test counts them in the interpreter) and
+the roofline that pick G; `FusedHistory`, which routes a readable history of mhar.py through the
+kernels. bench_kernel.py checks them against `mhar.route`, prints the bytes both algorithms move,
+benchmarks them and measures the host's time per site.
 
 Without a CUDA GPU the kernels run in the Triton interpreter, on CPU tensors, when
 TRITON_INTERPRET=1 is set before this file is imported (slow; for tests).
@@ -420,8 +420,7 @@ def _num_stages(config, backward):
 
 @memoized
 def _launch_constants(width, heads, sites, dtype, init, backward, M):
-    """(positions per program, programs, the keyword arguments) of a launch over M positions: what
-    every launch asks besides its tensors, in one call."""
+    """(positions per program, programs, keyword arguments) of a launch over M positions."""
     config = layout(width, heads, sites)
     warps = _num_warps(config, backward)
     constexprs = dict(SOURCE=SOURCE_TYPES[dtype], INIT=init, SPLIT=dtype == torch.bfloat16,
@@ -454,11 +453,10 @@ def _backward_programs(M, width, heads, sites):
 
 
 def _address_table(addresses, like, table=None):
-    """The kernels read their tensors through a table of addresses: no copy into one buffer. The
-    table is written on the device by _table_kernel, TABLE_CHUNK entries a launch: nothing goes
-    up from the host, so the host never waits and a CUDA graph captures the launch. Every entry
-    is a 16-byte aligned int64, and one variant of the kernel serves every chunk: the callers write a null
-    entry (an absent tensor, never read) as the first's address too."""
+    """The kernels read their tensors through a table of addresses (no copy into one buffer),
+    written on the device by _table_kernel, TABLE_CHUNK entries a launch: nothing goes up from the
+    host, which never waits, and a CUDA graph captures the launch. Every entry is a 16-byte aligned
+    int64 (the callers write an absent tensor's as the first's), so one kernel variant serves all."""
     entries = addresses + addresses[:1] * (_chunks(len(addresses)) - len(addresses))
     if table is None:                                           # (a history gives each launch one)
         table = like.new_empty(len(entries), dtype=torch.int64)         # on like's device
@@ -525,8 +523,8 @@ def _route_forward(*, sources, qg, init, heads, eps, addresses=None, lses=None, 
         lse = source.new_empty((*source.shape[:-1], heads), dtype=torch.float32)
         lses = [lse, *[torch.empty_like(lse) for _ in range(G - 1)]]
     per_site = [[outs[i], rests[i], lses[i], *init[i::G]] for i in range(G)]
-    null = addresses[0]                             # for an fp32 output's remainder: empty, never read
-    table = _address_table(addresses + [t.data_ptr() or null for site in per_site for t in site], source, table)
+    table = _address_table(addresses + [t.data_ptr() or addresses[0] for site in per_site for t in site],
+                           source, table)           # (an fp32 output's remainder is empty: no address)
     per_program, programs, constexprs = _launch_constants(width, heads, G, source.dtype, bool(init), False, M)
     _route_forward_kernel[(programs,)](table, qg, len(addresses), M, per_program, eps, **constexprs)
     return outs, rests, lses
@@ -549,8 +547,7 @@ def _route_backward(grads, owned, qg_grads, init_grads, *, sources, qg, outs, re
     M = source.numel() // width
     per_site = [[outs[i], rests[i], douts[i], lses[i], couplings[i], *init_lse, *init_grads]
                 for i in range(G)]
-    null = addresses[0]                             # for what is absent (None, empty): never read
-    table = _address_table(addresses + [null if t is None else t.data_ptr() or null
+    table = _address_table(addresses + [(t.data_ptr() if t is not None else 0) or addresses[0]
                                         for site in per_site for t in site], source, table)
     per_program, programs, constexprs = _launch_constants(width, heads, G, source.dtype, bool(init_lse), True, M)
     _route_backward_kernel[(programs,)](
@@ -562,15 +559,14 @@ def _route_backward(grads, owned, qg_grads, init_grads, *, sources, qg, outs, re
 #
 # A launch routes G sites over a list of sources, optionally continuing a partial state. It
 # makes per site an output, its remainder (a bf16 output's rounding error, which backward and
-# phase 2 add back) and its log-sum-exp, and it passes on the carrier: a tensor of the gradient
-# buffer's shape and no memory (a stride-0 view of one element). Autograd hands the buffer from
-# launch to launch backward as the carrier's gradient, which orders the launches' backward
-# exactly in reverse, under torch.compile too.
+# phase 2 add back) and its log-sum-exp, and passes on the carrier: a tensor of the gradient
+# buffer's shape and no memory (a stride-0 view of one element), whose gradient autograd hands
+# from launch to launch backward, exactly in reverse order, under torch.compile too.
 #
-# torch.compile traces the custom operators route_sites and route_sites_backward, every state
-# and q ⊙ g an input or output (traced code cannot read addresses). Eager code calls the launch
-# through RouteSites, a torch.autograd.Function: an operator's dispatch of its tensor lists costs
-# the host a few hundred µs per launch, the Function a few µs. Both run the functions below.
+# torch.compile traces the custom operators route_sites and route_sites_backward, every state and
+# q ⊙ g an input or output (traced code cannot read addresses). Eager code goes through RouteSites,
+# a torch.autograd.Function: the operators' dispatch of tensor lists costs the host a few hundred
+# µs per launch, the Function a few µs. Both run the functions below.
 
 Spec = namedtuple("Spec", "heads eps rows row0 own_lo fresh_lo last continued")
 Spec.__doc__ = """A launch's ints, in the order of route_sites's last parameters: H, the norm's
@@ -583,12 +579,6 @@ def _carrier(like, rows):
     return like.new_zeros((), dtype=torch.float32).expand(rows, *like.shape)
 
 
-def _launch_forward(sources, qg, init, spec):
-    """(outs, remainders, lses) of the G sites, and the carrier."""
-    outs, rests, lses = _route_forward(sources=sources, qg=qg, init=init, heads=spec.heads, eps=spec.eps)
-    return outs, rests, lses, _carrier(sources[0], 0 if spec.last else spec.rows)
-
-
 def _launch_backward(backward, spec, *, sources, qg, outs, rests, lses, init_lse, douts, couplings,
                      dcarrier, addresses=None, table=None, qg_grads=None):
     """The gradients of one launch's inputs, from those of its outputs: (the gradient buffer the
@@ -596,25 +586,20 @@ def _launch_backward(backward, spec, *, sources, qg, outs, rests, lses, init_lse
     (programs, G, d), and the output gradient and coupling of the partial state it continues:
     [] without one). outs, rests, lses: as the forward made them; douts per site (None: no
     gradient); couplings per site (None: a complete site); `backward` runs the kernel
-    (_route_backward, or the operator through _traced_backward). sources: all of them, or (with
-    their addresses and address table) any list led by the first. qg_grads: where the kernel writes q ⊙ g's partials
-    (None: a new tensor)."""
+    (_route_backward, or the operator through _traced_backward). sources: all, or (with their
+    addresses and table) any list led by the first. qg_grads: for q ⊙ g's partials (None: new)."""
     like = sources[0]                                    # of the sources' shape and dtype
     douts = [torch.zeros_like(like) if d is None else d.contiguous() for d in douts]
-    if spec.last:   # the first launch in backward: no gradient yet, and every row it reads is fresh
-        buffer = like.new_empty((spec.rows, *like.shape), dtype=torch.float32)
-    else:
-        buffer = dcarrier.contiguous()
-    n_sources = len(sources) if addresses is None else len(addresses)
-    n_owned = n_sources - spec.own_lo                  # one, mostly: then no stack to unbind
+    # the forward's last launch is the first in backward: no gradient yet, every row it reads fresh
+    buffer = like.new_empty((spec.rows, *like.shape), dtype=torch.float32) if spec.last else dcarrier.contiguous()
+    n_owned = (len(sources) if addresses is None else len(addresses)) - spec.own_lo   # 1 mostly: no unbind
     owned = torch.empty_like(like) if n_owned == 1 else like.new_empty((n_owned, *like.shape))
     if qg_grads is None:
         M, (G, d) = like.numel() // like.shape[-1], qg.shape
         qg_grads = qg.new_empty((_backward_programs(M, d, spec.heads, G), G, d))         # fp32, as qg
     init_lse = [] if init_lse is None else [init_lse]
     init_grads = [torch.empty_like(like), torch.empty_like(init_lse[0])] if init_lse else []
-    # the tensors it writes first, then what it reads (past 15 keyword arguments a call slows down
-    # by about 1 µs: the host pays it at every launch)
+    # the tensors it writes first, then what it reads
     backward(buffer, owned, qg_grads, init_grads, sources=sources, qg=qg, outs=outs, rests=rests,
              douts=douts, lses=lses, couplings=couplings, init_lse=init_lse, heads=spec.heads,
              eps=spec.eps, row0=spec.row0, own_lo=spec.own_lo, fresh_lo=spec.fresh_lo, continued=spec.continued,
@@ -630,17 +615,13 @@ def route_sites(carrier: Tensor, sources: list[Tensor], qg: Tensor, init: list[T
                 continued: int) -> list[Tensor]:
     """Route the G = len(qg) sites over `sources`: [out × G, remainder × G, lse × G, carrier].
 
-    The sources are rows row0.. of the history's gradient buffer of `rows` rows (an extra source
-    past them, a block's partial sum, has no row); own_lo and fresh_lo say which of them this
-    launch completes and which it touches first in backward. init: [] or the (out, remainder,
-    lse) of the partial state a phase 2 continues. The last launch of a forward passes on an
-    empty carrier: nothing consumes it, and a gradient for it would be zero-filled.
-    `continued`: a bit per site whose state a later launch continues (see Launch).
+    The sources are rows row0.. of the history's gradient buffer (an extra source past them, a
+    block's partial sum, has no row); init: [] or the (out, remainder, lse) of the partial state a
+    phase 2 continues; the ints: Spec's. The last launch of a forward passes on an empty carrier:
+    nothing consumes it, and a gradient for it would be zero-filled.
     """
-    spec = Spec(heads=heads, eps=eps, rows=rows, row0=row0, own_lo=own_lo, fresh_lo=fresh_lo, last=last,
-                continued=continued)
-    outs, rests, lses, carrier = _launch_forward(sources, qg.contiguous(), init, spec)
-    return [*outs, *rests, *lses, carrier]
+    outs, rests, lses = _route_forward(sources=sources, qg=qg.contiguous(), init=init, heads=heads, eps=eps)
+    return [*outs, *rests, *lses, _carrier(sources[0], 0 if last else rows)]
 
 
 @route_sites.register_fake
@@ -663,9 +644,7 @@ def route_sites_backward(grads: Tensor, owned: Tensor, qg_grads: Tensor, init_gr
                          douts: list[Tensor], lses: list[Tensor], couplings: list[Optional[Tensor]],
                          init_lse: list[Tensor], heads: int, eps: float, row0: int, own_lo: int,
                          fresh_lo: int, continued: int) -> None:
-    """Backward of one route_sites launch: adds into the buffer `grads` in place, writes the final
-    gradients of sources own_lo.. into `owned`, per-program partial gradients of qg into
-    `qg_grads`, and the gradients of the partial state whose lse is `init_lse` into `init_grads`."""
+    """Backward of one route_sites launch: _route_backward, writing into the first four."""
     _route_backward(grads, owned, qg_grads, init_grads, sources=sources, qg=qg.contiguous(), outs=outs,
                     rests=rests, douts=douts, lses=lses, couplings=couplings, init_lse=init_lse, heads=heads,
                     eps=eps, row0=row0, own_lo=own_lo, fresh_lo=fresh_lo, continued=continued)
@@ -723,8 +702,9 @@ def fused_route(V, q, g, heads, eps=1e-6):
 # the carrier fixes (a later launch's backward runs first): a partial state from its phase 1 to
 # its phase 2 as a Partial, and its gradients back; each launch's per-program partials of q ⊙ g's
 # gradient, which the forward's first launch, the last backward, sums at once (QGGradients). The
-# sources' addresses are those FusedHistory checked once, when they were appended. (Each of these
-# cut the host's time: `python bench_kernel.py --host` measures it.)
+# sources' addresses are those FusedHistory checked once, when they were appended, and each
+# launch's address table a slice of one tensor per forward. (Each cut the host's time: `python
+# bench_kernel.py --host` measures it.)
 
 class Partial:
     """A site's phase-1 state on its way to its phase 2, outside autograd (eager code): forward
@@ -930,19 +910,18 @@ def launch_bytes(launch, positions, width, heads, source_bytes, target=None):
     sites = G * (row + state + 8 * (8 if init else 5)) + (G - continued) * out + continued * state
     backward = (backward_programs * G * 8 * d + M * (sites + init * (2 * state + row) + sum(per_source)))
     # and the address tables, written by _table_kernel in whole chunks
-    tables = table_entries(launch)
-    return forward + 8 * _chunks(tables[0]), backward + 8 * _chunks(tables[1])
+    forward_entries, backward_entries = table_entries(launch)
+    return forward + 8 * _chunks(forward_entries), backward + 8 * _chunks(backward_entries)
 
 
 def table_entries(launch):
-    """The addresses in one launch's forward and backward tables: the sources', then per site 3
-    in the forward and 5 in the backward, 6 and 8 with a partial state."""
+    """The addresses in a launch's forward and backward tables: the sources', then per site 3 and
+    5 (6 and 8 in phase 2)."""
     N = launch.hi - launch.lo + launch.partial
-    return (N + launch.sites * (6 if launch.phase == 2 else 3), N + launch.sites * (8 if launch.phase == 2 else 5))
+    return tuple(N + launch.sites * entries for entries in ((6, 8) if launch.phase == 2 else (3, 5)))
 
 
-def _chunks(entries):
-    """Entries rounded up to whole chunks of TABLE_CHUNK: what _table_kernel writes."""
+def _chunks(entries):                     # what _table_kernel writes: whole chunks
     return -(-entries // TABLE_CHUNK) * TABLE_CHUNK
 
 
@@ -971,15 +950,14 @@ def auto_group(reads, width, heads):
 
 Plan = namedtuple("Plan", "launch spec continued first_lse number")
 Plan.__doc__ = """A launch as FusedHistory makes it: its Launch and Spec, per site of the launch
-whether its state goes on to a phase 2, the index of its first site's lse among all the lse of
-the forward, and its place among the forward's launches."""
+whether its state goes on to a phase 2, its first site's index among all the lse of the forward,
+and its own among the forward's launches."""
 
 
 @memoized
 def _plans(reads, group, heads, eps):
-    """(per site the Plans its read launches, the number of lse all the launches write, the sites
-    with a phase 2, the entries of each launch's address table). Tuples: torch.compile reads them
-    as constants (a dict's .get it cannot)."""
+    """(per site the Plans its read launches, the lse they write, the sites with a phase 2, each
+    launch's table entries): tuples, which torch.compile reads as constants (not a dict's .get)."""
     plans, rows, first, tables = {}, reads[-1][0], 0, []
     for number, launch in enumerate(schedule(reads, group)):
         spec = Spec(heads=heads, eps=eps, rows=rows, row0=launch.lo, own_lo=launch.own_lo,
@@ -990,8 +968,7 @@ def _plans(reads, group, heads, eps):
         tables.append(_chunks(max(table_entries(launch))))   # forward's, then backward's
     continued_sites = tuple(site for site, entries in plans.items()
                             for plan in entries if plan.launch.phase == 2)
-    return (tuple(tuple(plans.get(site, ())) for site in range(len(reads))), first, continued_sites,
-            tuple(tables))
+    return tuple(tuple(plans.get(site, ())) for site in range(len(reads))), first, continued_sites, tuple(tables)
 
 
 # %% FusedHistory: a readable history, routed by the kernels
@@ -1105,7 +1082,8 @@ class FusedHistory:
             call = Call(launch=launch, spec=spec, sources=sources, addresses=addresses,
                         init=self.partials.pop(launch.site) if launch.phase == 2 else None,
                         partials=partials, qg=qg, qg_parts=self.qg_parts,
-                        lses=self.lses[plan.first_lse:plan.first_lse + launch.sites], table=self.tables[plan.number])
+                        lses=self.lses[plan.first_lse:plan.first_lse + launch.sites],
+                        table=self.tables[plan.number])
             *finals, self.carrier = RouteSites.apply(self.carrier, self.qg_all if first else None, call,
                                                      *sources[spec.own_lo:])
         finals = iter(finals)
