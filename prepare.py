@@ -741,9 +741,8 @@ def main(argv=None):
     except MachineError as e:
         exit_error("prepare.py", str(e), status=1)
     except KeyboardInterrupt as e:
-        signum = signal.Signals[str(e) or "SIGINT"]
-        print(f"prepare.py: interrupted ({signum.name}); nothing written", file=sys.stderr)
-        raise SystemExit(128 + signum) from None  # the shell's convention: 130 for Ctrl-C, 143 for SIGTERM
+        signum = signal.Signals[str(e) or "SIGINT"]  # the shell's convention: 130 for Ctrl-C, 143 for SIGTERM
+        exit_error("prepare.py", f"interrupted ({signum.name}); nothing written", status=128 + signum)
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -474,7 +474,7 @@ def test_prepare_terminated_removes_its_temporary_folder(tmp_path):
     _, err = proc.communicate(timeout=120)
     os.close(fd)
     assert proc.returncode == 128 + signal.SIGTERM  # 143, the shell's convention
-    assert err == "prepare.py: interrupted (SIGTERM); nothing written\n"
+    assert err == "prepare.py: error: interrupted (SIGTERM); nothing written\n"
     assert not out.exists()  # its temporary folder, and the folder it created for it
 
 
@@ -492,7 +492,7 @@ def test_prepare_ctrl_c_removes_its_temporary_folder(tmp_path, capsys, monkeypat
     monkeypatch.setattr(prepare.Progress, "update", interrupt)
     with pytest.raises(SystemExit) as exc:
         prepare.main(["--input", str(tmp_path / "c"), "--out", str(out)])
-    assert exc.value.code == 130 and capsys.readouterr().err == "prepare.py: interrupted (SIGINT); nothing written\n"
+    assert exc.value.code == 130 and capsys.readouterr().err == "prepare.py: error: interrupted (SIGINT); nothing written\n"
     assert not out.exists()
     # the folder's name says whose it is, for the clean-up of killed runs
     assert seen[0].name.startswith(f".c.tmp-{socket.gethostname()}-{os.getpid()}-")
