@@ -489,13 +489,13 @@ def main(argv=None):
         rows=with_deltas(rows), pairs=with_metrics(paired(rows), rows, metrics),
         versus={v: paired(versus(rows, v)) for v in args.versus}, train_flags=train_flags,
         eval_tasks=args.eval_tasks), indent=2)}
-    for name, text in tables.items():  # each whole or not at all: a full disk leaves the previous
-        try:
-            write_atomically(out_dir / name, lambda f: f.write(text.encode()))
-        except OSError as e:
-            exit_error("compare.py", f"cannot write {out_dir / name} ({e.strerror or one_line(e)}): "
-                                     f"free some space and run the same command again (the trained "
-                                     f"runs are reused)", status=1)
+    try:            # both whole or neither: a disk that fills up keeps the previous pair together
+        with staged(out_dir) as tmp:
+            for name, text in tables.items():
+                write_atomically(tmp / name, lambda f: f.write(text.encode()))
+    except MachineError as e:
+        exit_error("compare.py", f"the tables: {e} (the same command again writes them from the trained runs)",
+                   status=1)
     figures = write_figures(rows, out_dir)
     if figures is None:
         print("loss curves: pip install matplotlib, then run this command again (the trained runs are reused)")

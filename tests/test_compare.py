@@ -324,24 +324,31 @@ def test_a_rerun_reuses_runs_and_evaluations(compared, monkeypatch):
     assert asked == [("mhar-s0", None)]
 
 
-def test_tables_that_cannot_be_written_keep_the_previous_ones(compared, monkeypatch, capsys):
-    """A full disk when the tables are written: one line, exit status 1, results.md and results.json
-    as they were (written whole or not at all), no temporary file; the runs are kept for a rerun."""
+@pytest.mark.parametrize("room", [0, 1], ids=["full-before-the-first", "full-after-the-first"])
+def test_tables_that_cannot_be_written_keep_the_previous_ones(compared, monkeypatch, capsys, room):
+    """The disk fills up before the tables are written, or between them: one line, exit status 1,
+    results.md and results.json both as they were (never a new one beside an old one), no temporary
+    file; the runs are kept for a rerun."""
     import eval
     out, argv, _ = compared
     before = {name: (out / name).read_text() for name in ("results.md", "results.json")}
     monkeypatch.setattr(eval, "evaluate", lambda folder, tasks, **options: json.loads(
         (folder / "eval.json").read_text()))                    # what the runs' evaluations said
+    synced, fsync = [], os.fsync
 
-    def full_disk(*args):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def full_disk(fd):
+        if len(synced) == room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        synced.append(fsync(fd))
     monkeypatch.setattr(os, "fsync", full_disk)
+    monkeypatch.setattr(compare, "report", lambda *args: "the new table")       # differs from before
     with pytest.raises(SystemExit) as exit:
         compare.main(argv)
     last = capsys.readouterr().err.splitlines()[-1]
-    assert exit.value.code == 1 and last.startswith("compare.py: error: cannot write") and "No space" in last
+    assert exit.value.code == 1 and last.startswith("compare.py: error: the tables: cannot write"), last
+    assert "No space" in last
     assert {name: (out / name).read_text() for name in before} == before
-    assert not list(out.glob("*.tmp"))
+    assert not list(out.glob(".tmp*")) and not list(out.glob("*.tmp"))
 
 
 def test_figures_that_cannot_be_written_keep_the_previous_ones(compared, monkeypatch, capsys):
