@@ -957,7 +957,7 @@ and its own among the forward's launches."""
 @memoized
 def _plans(reads, group, heads, eps):
     """(per site the Plans its read launches, the lse they write, the sites with a phase 2, each
-    launch's table entries): tuples, which torch.compile reads as constants (not a dict's .get)."""
+    launch's table size, whole chunks): tuples, which torch.compile reads as constants."""
     plans, rows, first, tables = {}, reads[-1][0], 0, []
     for number, launch in enumerate(schedule(reads, group)):
         spec = Spec(heads=heads, eps=eps, rows=rows, row0=launch.lo, own_lo=launch.own_lo,
@@ -995,7 +995,7 @@ class FusedHistory:
         reads = tuple(history.reads(site) for site in range(n_sites))
         self.group = group = group or auto_group(reads, width, self.heads)
         layout(width, self.heads, group)                                  # fails here if a group cannot fit
-        self.plans, self.lse_count, continued, self.table_entries = _plans(reads, group, self.heads, self.eps)
+        self.plans, self.lse_count, continued, self.table_sizes = _plans(reads, group, self.heads, self.eps)
         self.rows_total = reads[-1][0]
         self.rows = []              # the history's committed sources (eager: aligned)
         self.appended = 0
@@ -1047,7 +1047,7 @@ class FusedHistory:
         if not self.traced:     # every launch's lse and address table, in one tensor each
             self.lses = source.new_empty((self.lse_count, *source.shape[:-1], self.heads),
                                          dtype=torch.float32).unbind(0)
-            self.tables = source.new_empty(sum(self.table_entries), dtype=torch.int64).split(self.table_entries)
+            self.tables = source.new_empty(sum(self.table_sizes), dtype=torch.int64).split(self.table_sizes)
 
     def read(self, site):
         """The routed input of site `site` (B, T, d), once the history holds its sources."""
