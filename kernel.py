@@ -1044,7 +1044,7 @@ class FusedHistory:
         values = qg if self.traced else qg.detach()
         by_site = values.split(1)                                    # (1, d) per site
         self.qg = values.split(self.group) if self.group > 1 else by_site, by_site   # (G, d) per group
-        if not self.traced:     # every launch's lse and address table, in one tensor each
+        if not self.traced:     # every launch's lse and address table (whole chunks: aligned), in one tensor each
             self.lses = source.new_empty((self.lse_count, *source.shape[:-1], self.heads),
                                          dtype=torch.float32).unbind(0)
             self.tables = source.new_empty(sum(self.table_sizes), dtype=torch.int64).split(self.table_sizes)
