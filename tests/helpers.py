@@ -28,7 +28,10 @@ def sigint_as_in_a_terminal():
 def interrupted_while_importing(argv, module, tmp_path):
     """`python argv` from the repository root, SIGINT'd (as a terminal's Ctrl-C) while it imports
     `module`, which a sitecustomize.py holds (after a marker file) until the signal comes:
-    (returncode, stdout, stderr)."""
+    (returncode, stdout, stderr). It holds in short sleeps, as an import runs Python between its C
+    calls: Python runs a signal's handler between two instructions, and a signal that did not cut
+    one long C sleep short (as when the system hands it another thread) may wait for its end (in
+    one CI run the child, held in one two-minute sleep, outlived the test's minute)."""
     marker = tmp_path / "importing"
     (tmp_path / "sitecustomize.py").write_text(
         "import sys, time\n"
@@ -36,7 +39,8 @@ def interrupted_while_importing(argv, module, tmp_path):
         "    def find_spec(self, name, path=None, target=None):\n"
         f"        if name == {module!r}:\n"
         f"            open({str(marker)!r}, 'w').close()\n"
-        "            time.sleep(120)\n"
+        "            for _ in range(1200):\n"
+        "                time.sleep(0.1)\n"
         "sys.meta_path.insert(0, SlowImport())\n")
     p = subprocess.Popen([sys.executable, *map(str, argv)], cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, stdout=subprocess.PIPE,
