@@ -14,8 +14,9 @@ attention_mask with padding (left or right; no token attends to padding, and rou
 position), position_ids (the rotary positions; default: each row's count of tokens before, as
 transformers numbers a padded batch), a dynamic cache followed by one token or several. What it
 refuses, with one ValueError each: inputs_embeds, output_attentions, a static cache, an
-attn_implementation other than "sdpa", any other keyword. hidden_states are the input of each block's attention sublayer (for a routed model, its
-routed read) and the final normed state: L + 1 tensors, as Qwen3's.
+attn_implementation other than "sdpa", any other keyword. hidden_states are the input of each
+block's attention sublayer (for a routed model, its routed read) and the final normed state:
+L + 1 tensors, as Qwen3's.
 """
 import torch
 from transformers import GenerationMixin, PreTrainedModel

@@ -616,8 +616,7 @@ def make_optimizer(gpt, args, device_type):
     """AdamW over mhar.GPT.param_groups (weight decay on all parameters), or with --decay_on
     matrices over midtrain.param_groups (the mid-training recipe: not the embedding, norms,
     routing); the routing group at --routing_lr."""
-    groups = None if args.decay_on != "matrices" else midtrain.param_groups(gpt, args.lr,
-                                                                            args.weight_decay)
+    groups = midtrain.param_groups(gpt, args.lr, args.weight_decay) if args.decay_on == "matrices" else None
     optimizer = adamw(gpt, args.weight_decay, args.lr, BETAS, ADAM_EPS, device_type, groups)
     for group in optimizer.param_groups:
         if group["name"] == "routing":
