@@ -83,6 +83,17 @@ COUNT, STEPS = number(int, 0, strict=True), number(int, 0, strict=False)  # >= 1
 RATE, AMOUNT = number(float, 0, strict=True), number(float, 0, strict=False)  # > 0, >= 0
 
 
+SEED_MAX = 2**63 - 1  # a seed is an int64 everywhere it is stored (torch's generators take up to 2**64 - 1)
+
+
+def seed(text):
+    """An argparse type: a seed, an integer in [0, 2**63 - 1]."""
+    value = STEPS(text)
+    if value > SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be in [0, {SEED_MAX}] (an int64), not {text}")
+    return value
+
+
 def fraction(text):
     """An argparse type: a fraction in [0, 1]."""
     value = AMOUNT(text)

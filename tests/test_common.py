@@ -140,3 +140,18 @@ def test_a_script_exiting_on_a_signal_ignores_more_but_a_test_calling_it_does_no
                        capture_output=True, text=True)
     assert (p.returncode, p.stdout, p.stderr) == (130, "[True, True]\n",
                                                   "sample.py: error: interrupted (Ctrl-C)\n")
+
+
+@pytest.mark.parametrize("text, value", [("0", 0), ("1", 1), (str(common.SEED_MAX), common.SEED_MAX),
+                                         (str(common.SEED_MAX + 1), None), ("-1", None),
+                                         ("99999999999999999999999", None), ("", None), ("1.5", None)],
+                         ids=["zero", "one", "largest", "one-past", "negative", "huge", "empty", "fraction"])
+def test_a_seed_is_an_int64_at_or_above_zero(text, value):
+    """Every script's --seed (and compare.py's --seeds): [0, 2**63 - 1], else argparse's one line that
+    names the range; the boundaries either side."""
+    import argparse
+    if value is None:
+        with pytest.raises(argparse.ArgumentTypeError):
+            common.seed(text)
+    else:
+        assert common.seed(text) == value
