@@ -1,0 +1,128 @@
+"""
+Mutation testing of one file, or of some of its functions, against the tests that reach them: mutmut 3
+(https://github.com/boxed/mutmut) plants one small bug at a time (a < that becomes <=, a 1 that becomes 2, a
+string or an argument dropped) and runs the tests that call the mutated function; a bug no test notices
+"survives", and names a behaviour that no test pins.
+
+    pip install mutmut==3.8.1
+    python tests/mutate.py compare.py paired versus           # two functions, tests/test_compare.py
+    python tests/mutate.py common.py seed --tests tests/test_common.py tests/test_train.py
+    python tests/mutate.py mhar.py GPT.hidden                  # a method: Class.method
+    python tests/mutate.py compromise.py                       # every function of the file
+
+The working tree (what git tracks, and new files it does not ignore) is copied into .mutmut/<file's stem>/, with
+a pyproject.toml that tells mutmut the file to mutate and the tests to run (default tests/test_<stem>.py), and
+mutmut runs there: the checkout is never touched. mutmut first runs those tests once to learn which of them
+call which function, then each mutant against the tests that call its function alone. A second command on
+the same file reuses what is unchanged. The end is a table: killed (a test failed: good), survived (no test
+noticed: add one, or say why the mutant is equivalent), no tests (no selected test calls the function),
+timeout (counted as killed: the bug made a test hang), and the score = killed / (killed + survived), with
+the diff of every survivor. `mutmut show NAME` inside the folder shows any mutant.
+mutmut leaves decorated functions alone (but @staticmethod and @classmethod): the Triton kernels (@triton.jit),
+which its trampolines would break, and the few @torch.no_grad() functions are not mutated.
+"""
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COUNTED = ("killed", "timeout", "survived", "no tests", "suspicious", "skipped", "segfault")
+
+
+def mutant_pattern(module, function=None):
+    """mutmut's name of a function's mutants, as a glob: seed -> "common.x_seed__mutmut_*", GPT.hidden ->
+    "mhar.xǁGPTǁhidden__mutmut_*"; none: every mutant of the module."""
+    if function is None:
+        return f"{module}.*"
+    *cls, name = function.split(".")
+    if len(cls) > 1 or not name.isidentifier() or not all(c.isidentifier() for c in cls):
+        raise ValueError(f"{function!r} is not a function or Class.method name")
+    return f"{module}." + (f"xǁ{cls[0]}ǁ{name}" if cls else f"x_{name}") + "__mutmut_*"
+
+
+def tally(lines, patterns):
+    """{status: [mutant names]} of `mutmut results --all true` lines ("    name: status"), for the mutants
+    matching one of the patterns."""
+    import fnmatch
+    found = {}
+    for line in lines:
+        name, _, status = line.strip().rpartition(": ")
+        if name and any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            found.setdefault(status, []).append(name)
+    return found
+
+
+def score(found):
+    """killed / (killed + survived), timeouts counted as killed; None when nothing was checked."""
+    killed = len(found.get("killed", [])) + len(found.get("timeout", []))
+    checked = killed + len(found.get("survived", []))
+    return killed / checked if checked else None
+
+
+def workspace(file, tests):
+    """.mutmut/<stem>/ holding a copy of the working tree and mutmut's configuration for `file`."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split("\n")
+    tops = sorted({p.split("/")[0] for p in listed if p and (ROOT / p).exists()})
+    folder = ROOT / ".mutmut" / Path(file).stem
+    folder.mkdir(parents=True, exist_ok=True)
+    for top in tops:
+        source, copy = ROOT / top, folder / top
+        if source.is_dir():
+            shutil.copytree(source, copy, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(source, copy)
+    (folder / "pyproject.toml").write_text(
+        "[tool.mutmut]\n"
+        f"source_paths = [{json.dumps(file)}]\n"
+        f"also_copy = {json.dumps([t for t in tops if t not in (file, 'tests')])}\n"  # what the tests import
+        f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
+        'process_isolation = "forkserver"\n')  # torch is not safe to fork once it has run
+    return folder
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="mutate.py", description=__doc__.split("\n\n")[0].strip())
+    p.add_argument("file", help="a Python file at the repository's top level, e.g. compare.py")
+    p.add_argument("functions", nargs="*", help="its functions (Class.method for a method); none: all of them")
+    p.add_argument("--tests", nargs="+", help="test files to run (default tests/test_<stem>.py)")
+    p.add_argument("--jobs", type=int, help="mutants tested at a time (default: one per core)")
+    args = p.parse_args(argv)
+    if not re.fullmatch(r"[\w]+\.py", args.file) or not (ROOT / args.file).is_file():
+        p.error(f"{args.file} is not a Python file at the repository's top level")
+    if shutil.which("mutmut") is None:
+        p.error("mutmut is not installed: pip install mutmut==3.8.1")
+    module = Path(args.file).stem
+    tests = args.tests or [f"tests/test_{module}.py"]
+    missing = [t for t in tests if not (ROOT / t).is_file()]
+    if missing:
+        p.error(f"no test file {missing[0]}: name the tests with --tests")
+    try:
+        patterns = [mutant_pattern(module, f) for f in args.functions] or [mutant_pattern(module)]
+    except ValueError as e:
+        p.error(str(e))
+    folder = workspace(args.file, tests)
+    jobs = ["--max-children", str(args.jobs)] if args.jobs else []
+    run = subprocess.run(["mutmut", "run", *jobs, *patterns], cwd=folder)
+    if run.returncode != 0:
+        sys.exit(f"mutate.py: error: mutmut stopped with status {run.returncode} (its output is above)")
+    results = subprocess.run(["mutmut", "results", "--all", "true"], cwd=folder, capture_output=True,
+                             text=True, check=True).stdout.splitlines()
+    found = tally(results, patterns)
+    if not found:
+        sys.exit(f"mutate.py: error: no mutant matches {' '.join(args.functions)} in {args.file}")
+    print(f"\n{args.file} {' '.join(args.functions)} against {' '.join(tests)}:")
+    print("  " + ", ".join(f"{len(found[s])} {s}" for s in COUNTED if s in found))
+    s = score(found)
+    print(f"  score {'—' if s is None else f'{s:.0%}'} (killed / (killed + survived), timeouts as killed)")
+    for name in sorted(found.get("survived", [])):
+        diff = subprocess.run(["mutmut", "show", name], cwd=folder, capture_output=True, text=True).stdout
+        print("\n" + "\n".join(line for line in diff.splitlines() if line.startswith(("#", "-", "+", "@"))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""tests/mutate.py's own arithmetic: the mutant names it selects, its tally of mutmut's results and its score
+(running mutmut itself takes minutes: the README's "Testing" section says how)."""
+import pytest
+
+from mutate import mutant_pattern, score, tally
+
+
+@pytest.mark.parametrize("function, pattern", [
+    (None, "mhar.*"), ("route", "mhar.x_route__mutmut_*"), ("GPT.hidden", "mhar.xǁGPTǁhidden__mutmut_*")],
+    ids=["file", "function", "method"])
+def test_mutant_pattern_names_mutmuts_mangled_functions(function, pattern):
+    assert mutant_pattern("mhar", function) == pattern
+
+
+@pytest.mark.parametrize("function", ["", "a.b.c", "GPT.", "1x", "route*"],
+                         ids=["empty", "nested", "no-method", "not-identifier", "glob"])
+def test_mutant_pattern_refuses_what_is_not_a_name(function):
+    with pytest.raises(ValueError, match="not a function or Class.method"):
+        mutant_pattern("mhar", function)
+
+
+def test_tally_keeps_the_selected_mutants_and_score_counts_timeouts_as_killed():
+    lines = ["    mhar.x_route__mutmut_1: killed", "    mhar.x_route__mutmut_2: survived",
+             "    mhar.x_route__mutmut_3: timeout", "    mhar.x_route_weights__mutmut_1: survived",
+             "    mhar.xǁGPTǁhidden__mutmut_1: no tests", "    mhar.x_route__mutmut_4: killed", ""]
+    found = tally(lines, [mutant_pattern("mhar", "route")])  # route_weights is another function
+    assert found == {"killed": ["mhar.x_route__mutmut_1", "mhar.x_route__mutmut_4"],
+                     "survived": ["mhar.x_route__mutmut_2"], "timeout": ["mhar.x_route__mutmut_3"]}
+    assert score(found) == 3 / 4
+
+
+@pytest.mark.parametrize("found, expected", [({}, None), ({"no tests": ["a"]}, None), ({"killed": ["a"]}, 1.0),
+                                             ({"survived": ["a"]}, 0.0)],
+                         ids=["empty", "untested-only", "all-killed", "all-survived"])
+def test_score_at_its_edges(found, expected):
+    assert score(found) == expected
