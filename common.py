@@ -311,8 +311,8 @@ def read_meta(folder):
     if not (type(vocab_size) is int and vocab_size >= 1 and isinstance(counts, dict)
             and all(type(n) is int and n >= 0 for n in counts.values())):
         raise UserError(f"{path}: vocab_size must be a whole number >= 1 and tokens an object of "
-                        f"counts, not {meta.get('vocab_size')!r} and {meta.get('tokens')!r}: run "
-                        f"prepare.py again")
+                        f"whole counts >= 0, not {meta.get('vocab_size')!r} and "
+                        f"{meta.get('tokens')!r}: run prepare.py again")
     return meta
 
 
@@ -382,7 +382,8 @@ def sample_rows(tokens, keys, n, lo, hi, seq_len, vocab_size):
     if tokens is None:
         return torch.randint(vocab_size, (n, seq_len + 1), generator=g)[lo:hi]
     starts = torch.randint(len(tokens) - seq_len, (n,), generator=g)[lo:hi].tolist()
-    rows = np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int64)
+    rows = np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int64) if starts else \
+        np.empty((0, seq_len + 1), np.int64)  # no row (lo == hi), as the synthetic draw gives
     if rows.size and rows.max() >= vocab_size:  # past the embedding: an IndexError, a GPU's assert
         raise UserError(f"token id {rows.max()} at or past the model's vocabulary of {vocab_size}: "
                         f"the token files do not hold what meta.json says (its vocab_size, its "

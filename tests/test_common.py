@@ -155,3 +155,53 @@ def test_a_seed_is_an_int64_at_or_above_zero(text, value):
             common.seed(text)
     else:
         assert common.seed(text) == value
+
+
+@pytest.mark.parametrize("count", [-1, -(2**63), 0, 1, 2**63 - 1],
+                         ids=["minus-one", "most-negative", "zero", "one", "largest"])
+def test_a_negative_token_count_in_meta_json_is_refused_in_one_line(tmp_path, capsys, count):
+    """prepare.py records how many tokens each split holds: a count below zero is no count (read_tokens
+    would compare the file's size with a negative number of bytes), one line; zero and above are counts."""
+    from helpers import error_line
+    folder = token_folder(tmp_path / "data", 100, 10, dict(train=count, val=10))
+    if count >= 0:
+        assert common.read_meta(folder)["tokens"] == dict(train=count, val=10)
+        return
+    with pytest.raises(common.UserError, match=re.escape(f"whole counts >= 0, not 64 and {{'train': {count}")):
+        common.read_meta(folder)
+    with pytest.raises(common.UserError, match="whole counts >= 0"):
+        common.read_tokens(folder)
+    import train
+    line = error_line(capsys, train.main, ["--preset", "tiny", "--data", folder, "--max_steps", 1,
+                                           "--out_dir", tmp_path / "out", "--seq_len", 16])
+    assert "meta.json: vocab_size must be a whole number >= 1 and tokens an object of whole counts >= 0" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("largest, refused", [(62, False), (63, False), (64, True), (65, True), (65535, True)],
+                         ids=["two-below", "vocab-minus-one", "vocab", "vocab-plus-one", "uint16-max"])
+def test_a_token_id_at_the_vocabulary_size_is_refused(largest, refused):
+    """sample_rows, every row a batch holds: ids 0 .. vocab_size - 1 are tokens, vocab_size and past it
+    would index past the embedding (an IndexError on a CPU, a device-side assert on a GPU)."""
+    tokens = (np.arange(100) * 7 % 60).astype(np.uint16)
+    tokens[57] = largest
+    rows = lambda: common.sample_rows(tokens, ("train", 0), 2, 0, 2, 99, 64)  # noqa: E731 each row all 100
+    if refused:
+        with pytest.raises(common.UserError, match=f"token id {largest} at or past the model's vocabulary of 64"):
+            rows()
+        return
+    assert torch.equal(rows(), torch.from_numpy(tokens.astype(np.int64)).expand(2, -1))
+
+
+@pytest.mark.parametrize("lo, hi", [(0, 0), (3, 3), (0, 1), (2, 4), (0, 4)],
+                         ids=["none-first", "none-last", "first", "last-two", "all"])
+def test_a_ranks_slice_of_the_drawn_rows_is_those_rows(lo, hi):
+    """sample_rows(lo, hi) is rows lo:hi of the n drawn, whatever the slice: none (a rank without a row), one,
+    all; and the synthetic draw's slices have the same shapes."""
+    tokens = (np.arange(1000) * 7 % 64).astype(np.uint16)
+    every = common.sample_rows(tokens, ("train", 3), 4, 0, 4, 16, 64)
+    rows = common.sample_rows(tokens, ("train", 3), 4, lo, hi, 16, 64)
+    assert rows.dtype == torch.int64 and torch.equal(rows, every[lo:hi])
+    assert len(set(map(tuple, every.tolist()))) == 4  # four different rows: a wrong slice shows
+    synthetic = common.sample_rows(None, ("train", 3), 4, lo, hi, 16, 64)
+    assert synthetic.shape == rows.shape == (hi - lo, 17)
