@@ -10,6 +10,9 @@ with the same logits; a routed model (attnres, mhar, hyper) becomes a checkpoint
 which transformers runs with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
 and hf.load reads back, both exactly (hf.py says how). Tensors past
 --max_shard_size (default 5GB) are split into shards and an index, as transformers writes them.
+The directory is new, empty or an earlier export, which is replaced: a folder that holds another
+model (its config.json without the "mhar" section every export writes), a train.py run or any
+file an export does not write is refused, and left as it was.
 --tokenizer copies the tokenizer files and special token ids of a Hugging Face model directory;
 by default those of the directory the run was initialized from, when there is one. A run that
 kept a weight average (train.py --ema) is exported with the averaged weights, which the paper
@@ -26,7 +29,9 @@ from common import FlagParser, MachineError, UserError, exit_error, load_model, 
 def parse_args(argv=None):
     p = FlagParser(prog="export.py", description=__doc__.split("\n\n")[0].strip())
     p.add_argument("ckpt", help="a train.py checkpoint (ckpt.pt)")
-    p.add_argument("out_dir", help="the directory to write (created; an earlier export is replaced)")
+    p.add_argument("out_dir", help="the directory to write: new (created), empty, or an earlier "
+                                   "export, which is replaced; one that holds anything else is "
+                                   "refused")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="the tensors' dtype in the files (default: as trained)")
     p.add_argument("--tokenizer", help="a Hugging Face model directory whose tokenizer files to copy "
@@ -46,12 +51,14 @@ def main(argv=None):
         if args.tokenizer and not Path(args.tokenizer).is_dir():
             raise UserError(f"--tokenizer {args.tokenizer} is not a directory: give a Hugging Face "
                             f"model directory")
+        # out_dir before the checkpoint, which may take long to read: another model or a run
+        # folder there is refused first, and left as it was
+        out = hf.export_folder(output_folder(args.out_dir, "out_dir"))
         model, ckpt = load_model(args.ckpt, average=not args.raw)
         averaged = bool(ckpt.get("ema")) and not args.raw
         init_from = (ckpt.get("args") or {}).get("init_from")
         from_dir = init_from and Path(init_from, "config.json").is_file()
         source = args.tokenizer or (init_from if from_dir else None)
-        out = output_folder(args.out_dir, "out_dir")
         created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
         hf.save(model, out, source=source, dtype=args.dtype, max_shard_size=args.max_shard_size)
     except Exception as e:

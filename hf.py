@@ -46,6 +46,11 @@ restate it), and an "mhar" section with mhar.Config's fields; the tensors under 
 hf.load reads it too, and the layout written before it: mhar.safetensors with the
 Qwen3 names above plus "mhar.<name>" for what routing adds, no code (transformers refuses it).
 
+A baseline's config.json carries an "mhar" section too (residual "baseline"), which transformers
+ignores: it marks every export as this project's. save writes into a new or empty folder, or over
+an earlier export; a folder that holds another model, a train.py run or a file of the user's is
+refused, untouched (export_folder).
+
 Only safetensors is needed here (and huggingface_hub to fetch a model by its hub id);
 transformers, the tests' oracle, is imported by the CPU demonstration alone (python hf.py), at the
 end of the file; the paper's 8B mid-training recipe, for train.py --init_from DIR, is midtrain.py.
@@ -53,6 +58,7 @@ end of the file; the paper's 8B mid-training recipe, for train.py --init_from DI
 import dataclasses
 import errno
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -191,16 +197,21 @@ def config_to_hf(config, dtype):
         rope_theta=config.rope_theta,  # where transformers 4.x reads it
         tie_word_embeddings=config.tie_embeddings, attention_bias=False, attention_dropout=0.0,
         use_sliding_window=False, sliding_window=None, dtype=str(dtype).removeprefix("torch."))
-    if config.residual != "baseline":
-        hf_config.update(architectures=["MHARForCausalLM"], model_type=MODEL_TYPE,
-                         auto_map=AUTO_MAP, use_cache=True)
-        fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in Config.RUNTIME}
+    if config.residual == "baseline":  # the section marks the export as this project's (save)
         hf_config[MODEL_TYPE] = {
-            **fields,
-            "note": "Multi-Head Attention Residuals (Luo, Cai, Hu, 2026) on a Qwen3 decoder, "
-                    "mhar.Config's fields: AutoModelForCausalLM.from_pretrained(DIR, "
-                    "trust_remote_code=True) runs it (modeling_mhar.py), as does "
-                    "hf.load"}
+            "residual": "baseline",
+            "note": "this project's baseline, a plain Qwen3 checkpoint: transformers' "
+                    "Qwen3ForCausalLM and hf.load read the fields above, not this section"}
+        return hf_config
+    hf_config.update(architectures=["MHARForCausalLM"], model_type=MODEL_TYPE,
+                     auto_map=AUTO_MAP, use_cache=True)
+    fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in Config.RUNTIME}
+    hf_config[MODEL_TYPE] = {
+        **fields,
+        "note": "Multi-Head Attention Residuals (Luo, Cai, Hu, 2026) on a Qwen3 decoder, "
+                "mhar.Config's fields: AutoModelForCausalLM.from_pretrained(DIR, "
+                "trust_remote_code=True) runs it (modeling_mhar.py), as does "
+                "hf.load"}
     return hf_config
 
 
@@ -410,15 +421,63 @@ def shards(tensors, stem, max_shard_size):
     return {f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors": group for i, group in enumerate(groups)}
 
 
+# The weights files save writes (or wrote, in the "mhar" layout): one file, or shards and an index
+WEIGHTS_FILE = re.compile(r"(model|mhar)(\.safetensors(\.index\.json)?"
+                          r"|-\d{5}-of-\d{5}\.safetensors)")
+
+
+def export_folder(directory):
+    """`directory` as a Path if save may write into it: a new or empty folder, or an earlier export
+    of this project (config.json with the "mhar" section every export carries) holding nothing
+    but what save writes. CheckpointError naming what else it holds: another model, a train.py
+    run folder, a file of the user's. Nothing is read but config.json and the names."""
+    directory = Path(directory)
+    if not directory.exists():
+        return directory
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is a file, not a folder: export into a folder (it is "
+                              f"created if it does not exist)")
+    held = sorted(p.name for p in directory.iterdir())
+    if not held:
+        return directory
+    instead = "export into a new or empty folder, or remove what it holds first"
+    config = directory / "config.json"
+    if not config.is_file():
+        raise CheckpointError(f"{directory} holds {held[0]}, which an export does not write (no "
+                              f"config.json of an earlier export): {instead}")
+    try:
+        hf_config = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        hf_config = None
+    if isinstance(hf_config, dict) and {"config", "args"} <= hf_config.keys():
+        raise CheckpointError(f"{directory} is a train.py run folder (its config.json is the run's "
+                              f"record), which an export would overwrite: export into another "
+                              f"folder, e.g. {directory / 'hf'}")
+    if not isinstance(hf_config, dict) or not isinstance(hf_config.get(MODEL_TYPE), dict):
+        what = (f"model_type {hf_config.get('model_type')!r}" if isinstance(hf_config, dict)
+                else "not a JSON object")
+        raise CheckpointError(f"{directory} holds a model that is not an export of this project "
+                              f"(config.json: {what}, without the {MODEL_TYPE!r} section every "
+                              f"export writes), which an export would overwrite: {instead}")
+    ours = {"config.json", *REMOTE_CODE, *TOKENIZER_FILES}
+    foreign = [name for name in held if not (directory / name).is_file()
+               or name not in ours and not WEIGHTS_FILE.fullmatch(name)]
+    if foreign:
+        raise CheckpointError(f"{directory} holds an earlier export and {foreign[0]}, which an "
+                              f"export does not write: {instead}")
+    return directory
+
+
 def save(model, directory, source=None, dtype=None, max_shard_size=MAX_SHARD_SIZE):
     """Write `model` as a Hugging Face directory: a baseline as a Qwen3 checkpoint, a routed model
     as a checkpoint transformers runs with the code written beside it (trust_remote_code; see the
     top of the file). The tokenizer files and special token ids of `source` (default: the
     directory load read) come along. dtype: the tensors' dtype in the files (default:
     the model's); past max_shard_size they are split into shards and an index, as transformers
-    writes them."""
+    writes them. `directory` is new, empty or an earlier export (export_folder): another model or
+    a file of the user's there is one CheckpointError, and nothing is written."""
     safetensors = safetensors_api()
-    config, directory, state = model.config, Path(directory), model.state_dict()
+    config, directory, state = model.config, export_folder(directory), model.state_dict()
     dtype = torch_dtype(dtype, state["embed.weight"].dtype, "hf.save")
     source = source or getattr(model, "pretrained_from", None)
     source = Path(source) if source else None
@@ -441,6 +500,10 @@ def save(model, directory, source=None, dtype=None, max_shard_size=MAX_SHARD_SIZ
     # every file written into a staging folder inside the directory, then moved in: a full disk or a
     # read-only folder leaves no half-written export (MachineError, with the reason)
     with staged(directory) as tmp:
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        # safetensors writes a private temporary file (mode 0600) and renames it: each weights file
+        # takes the mode of config.json, made as every file is (0666 less the umask)
+        mode = (tmp / "config.json").stat().st_mode & 0o777
         for file, group in files.items():
             try:  # metadata format "pt": transformers 4 checks it
                 safetensors.torch.save_file(group, tmp / file, metadata={"format": "pt"})
@@ -448,6 +511,7 @@ def save(model, directory, source=None, dtype=None, max_shard_size=MAX_SHARD_SIZ
                 if type(e).__name__ != "SafetensorError":
                     raise
                 raise OSError(errno.EIO, one_line(e)) from None
+            os.chmod(tmp / file, mode)
         if len(files) > 1:
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             weight_map = {name: file for file, group in files.items() for name in group}
@@ -458,7 +522,6 @@ def save(model, directory, source=None, dtype=None, max_shard_size=MAX_SHARD_SIZ
         for name in TOKENIZER_FILES:
             if source and (source / name).is_file() and source.resolve() != directory.resolve():
                 shutil.copyfile(source / name, tmp / name)
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     # an earlier export's weights, index or code would be read in place of these
     written = set(files) | ({index} if len(files) > 1 else set())
     stale = [*(() if kind == "remote" else REMOTE_CODE), *(f"{stem}.safetensors.index.json"
@@ -481,19 +544,27 @@ DEMO_SHAPE = dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_h
                   rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
 
 
+def check_demo_folders(directory):
+    """The demonstration writes its models over `directory`, DIR-mhar and DIR-baseline: never over
+    another model. transformers writes the first (an earlier demonstration's has its shape), save
+    the other two (new, empty or an earlier export): all checked before anything runs."""
+    folder = Path(directory)
+    if folder.exists() and not folder.is_dir():
+        raise CheckpointError(f"{folder} is a file: give the demonstration a directory, "
+                              f"python hf.py DIR")
+    if folder.is_dir() and any(folder.iterdir()):
+        config = read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
+        shape = [k for k in DEMO_SHAPE if k.endswith(("_size", "_heads", "_layers", "_dim"))]
+        if any(config.get(k) != DEMO_SHAPE[k] for k in shape):
+            raise CheckpointError(f"{folder} holds something else (model_type "
+                                  f"{config.get('model_type')!r}), which the demonstration would "
+                                  f"overwrite: give it a new directory, python hf.py DIR")
+    for folder in (Path(f"{directory}-mhar"), Path(f"{directory}-baseline")):
+        export_folder(folder)
+
+
 def demo(directory, steps=5):
-    # it writes its models over `directory`, DIR-mhar and DIR-baseline: never over another model
-    for folder in (Path(directory), Path(f"{directory}-mhar"), Path(f"{directory}-baseline")):
-        if folder.exists() and not folder.is_dir():
-            raise CheckpointError(f"{folder} is a file: give the demonstration a directory, "
-                                  f"python hf.py DIR")
-        if folder.is_dir() and any(folder.iterdir()):
-            config = read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
-            if any(config.get(k) != DEMO_SHAPE[k] for k in DEMO_SHAPE if k.endswith(("_size", "_heads",
-                                                                                      "_layers", "_dim"))):
-                raise CheckpointError(f"{folder} holds something else (model_type "
-                                      f"{config.get('model_type')!r}), which the demonstration would "
-                                      f"overwrite: give it a new directory, python hf.py DIR")
+    check_demo_folders(directory)
     import time
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 

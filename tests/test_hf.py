@@ -4,6 +4,8 @@ their own directory (modeling_mhar.py), in a process that never imported this pr
 import dataclasses
 import json
 import os
+import re
+import stat
 import subprocess
 import sys
 import types
@@ -348,6 +350,7 @@ def test_an_earlier_export_still_loads(qwen3, tmp_path):
 def test_shards_past_the_size_limit_as_transformers_writes_them(qwen3, tmp_path):
     from safetensors.torch import load_file
     model = open_routing(hf.load(qwen3["tied"][0], residual="attnres"))
+    tmp_path, beside = tmp_path / "out", tmp_path  # a folder of the export's, another beside it
     hf.save(model, tmp_path, max_shard_size="20KB")
     files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     n = len(files)
@@ -363,9 +366,9 @@ def test_shards_past_the_size_limit_as_transformers_writes_them(qwen3, tmp_path)
     assert torch.equal(logits_of(hf.load(tmp_path), tokens()),
                        logits_of(model, tokens()))
     baseline = hf.load(qwen3["tied"][0])  # a Qwen3 in shards, as transformers reads
-    hf.save(baseline, tmp_path / "qwen3", max_shard_size="20KB")
-    assert (tmp_path / "qwen3" / "model.safetensors.index.json").is_file()
-    theirs = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "qwen3").eval()
+    hf.save(baseline, beside / "qwen3", max_shard_size="20KB")
+    assert (beside / "qwen3" / "model.safetensors.index.json").is_file()
+    theirs = transformers.Qwen3ForCausalLM.from_pretrained(beside / "qwen3").eval()
     assert torch.equal(logits_of(theirs, tokens()), logits_of(qwen3["tied"][1], tokens()))
     hf.save(model, tmp_path)  # under the limit again: one file, no stale shard or index
     assert sorted(p.name for p in tmp_path.glob("model*.safetensors*")) == ["model.safetensors"]
@@ -468,16 +471,20 @@ def test_export_errors_are_one_line(tmp_path, capsys):
 ], ids=["full_disk", "read_only_folder", "read_only_export_folder"])
 def test_export_onto_a_full_disk_or_into_a_read_only_folder(tmp_path, fault, reason):
     """One line, status 1 (safetensors' own error is read for its reason); the folders the export made are
-    gone, and an export folder that was there keeps what it held."""
-    ckpt = write_checkpoint(tmp_path / "ckpt.pt", GPT(tiny("baseline")))
+    gone, and an earlier export that was there keeps what it held."""
+    model = GPT(tiny("baseline"))
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", model)
     disk, out = tmp_path / "disk", tmp_path / "disk" / "hf"
-    (out if fault == "read-only-existing" else disk).mkdir(parents=True)
+    disk.mkdir()
     if fault == "read-only-existing":
-        (out / "README.md").write_text("mine")
+        hf.save(model, out)
+    before = {name: (disk / name).read_bytes() for name in files_in(disk) if (disk / name).is_file()}
     p = run_script("export.py", ckpt, out / "new" if fault == "full" else out, fault=fault.removesuffix("-existing"),
                    under=disk)
     assert reason in one_error_line(p, "export.py", status=1)
-    assert files_in(disk) == (["hf", "hf/README.md"] if fault == "read-only-existing" else [])
+    assert files_in(disk) == (["hf", "hf/config.json", "hf/model.safetensors"] if fault == "read-only-existing"
+                              else [])
+    assert {name: (disk / name).read_bytes() for name in files_in(disk) if (disk / name).is_file()} == before
 
 
 def test_an_export_of_a_shorter_trained_window_runs_to_its_sources(qwen3, tmp_path):
@@ -514,6 +521,98 @@ def test_save_is_whole_or_nothing(qwen3, tmp_path, monkeypatch):
     assert {name: (tmp_path / "hf" / name).read_bytes() for name in files_in(tmp_path / "hf")} == before
     assert files_in(tmp_path) == ["hf", *(f"hf/{name}" for name in sorted(before))]
     monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+
+
+def bytes_in(folder):
+    """{name: bytes} of every file under `folder`: what a refused export must leave as it was."""
+    return {name: (folder / name).read_bytes() for name in files_in(folder) if (folder / name).is_file()}
+
+
+# what export.py finds in its out_dir, and the start of its refusal (None: it writes there)
+OUT_DIRS = {"empty": None, "new": None, "earlier-export": None,
+            "llama": "holds a model that is not an export of this project (config.json: model_type 'llama', "
+                     "without the 'mhar' section every export writes)",
+            "run-folder": "is a train.py run folder (its config.json is the run's record)",
+            "stray-file": "holds notes.txt, which an export does not write (no config.json",
+            "export-and-stray-file": "holds an earlier export and notes.txt, which an export does not write"}
+
+
+@pytest.mark.parametrize("kind", OUT_DIRS)
+def test_export_writes_over_nothing_but_an_earlier_export(tmp_path, capsys, kind):
+    """export.py (and hf.save) writes into a new or empty folder, or over an earlier export of this project
+    (a baseline's here, replaced by a routed model); onto another model, a train.py run folder (the mistake
+    `export.py RUN/ckpt.pt RUN`) or a file it did not write, one line, status 2, and every file there keeps
+    its bytes."""
+    import export
+    model = open_routing(GPT(tiny("mhar")))
+    ckpt, out = tmp_path / "ckpt.pt", tmp_path / "out"
+    if kind == "llama":  # a Llama's config.json and weights
+        from safetensors.torch import save_file
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps(dict(
+            architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=100, hidden_size=64,
+            intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)))
+        save_file({"model.embed_tokens.weight": torch.randn(100, 64)}, out / "model.safetensors")
+    elif kind == "run-folder":  # as train.py leaves it: the run's record, its log, its checkpoint
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps(dict(config=dataclasses.asdict(model.config),
+                                                         args={"out_dir": str(out)}, world_size=1)))
+        (out / "log.jsonl").write_text('{"step": 0, "loss": 4.85}\n')
+        ckpt = out / "ckpt.pt"
+    elif kind != "new":
+        out.mkdir()
+    write_checkpoint(ckpt, model)
+    if kind in ("earlier-export", "export-and-stray-file"):
+        hf.save(GPT(tiny("baseline")), out, max_shard_size="20KB")  # in shards, with their index
+    if kind in ("stray-file", "export-and-stray-file"):
+        (out / "notes.txt").write_text("mine")
+    before = bytes_in(out)
+    if OUT_DIRS[kind] is None:
+        export.main([str(ckpt), str(out)])
+        assert set(files_in(out)) == {"config.json", "model.safetensors", *hf.REMOTE_CODE}
+        assert torch.equal(logits_of(hf.load(out), tokens()), logits_of(model, tokens()))
+        return
+    line = error_line(capsys, export.main, [ckpt, out])
+    assert line.startswith(f"export.py: error: {out} {OUT_DIRS[kind]}"), line
+    with pytest.raises(CheckpointError, match=re.escape(OUT_DIRS[kind])):
+        hf.save(model, out)
+    assert bytes_in(out) == before
+
+
+@pytest.mark.parametrize("name, written", [
+    ("model.safetensors", True), ("mhar.safetensors", True), ("model.safetensors.index.json", True),
+    ("model-00001-of-00002.safetensors", True), ("model-00099-of-99999.safetensors", True),
+    ("mhar.safetensors.index.json", True), ("tokenizer.json", True), ("generation_config.json", True),
+    ("modeling_mhar.py", True), ("model-1-of-2.safetensors", False), ("model.safetensors.bak", False),
+    ("pytorch_model.bin", False), ("llama.safetensors", False), ("README.md", False), (".hidden", False),
+    ("logs/", False), ("model.safetensors/", False)])
+def test_an_earlier_export_holds_only_what_an_export_writes(tmp_path, name, written):
+    """export_folder's list of what save writes, name by name: the weights in one file or in shards and
+    their index (either layout's stem), the code, the tokenizer files; a folder of any name is not one."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "mhar": {"residual": "baseline"}}))
+    if name.endswith("/"):
+        (tmp_path / name).mkdir()
+    else:
+        (tmp_path / name).write_text("")
+    if written:
+        assert hf.export_folder(tmp_path) == tmp_path
+    else:
+        with pytest.raises(CheckpointError, match=f"holds an earlier export and {re.escape(name.rstrip('/'))},"):
+            hf.export_folder(tmp_path)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077, 0o002], ids=["022", "027", "077", "002"])
+def test_every_exported_file_has_the_mode_a_new_file_gets(tmp_path, umask):
+    """The weights (in shards, with their index) are as readable as config.json and the code beside them:
+    0666 less the umask, not the 0600 of safetensors' private temporary file."""
+    previous = os.umask(umask)
+    try:
+        hf.save(GPT(tiny("mhar")), tmp_path / "out", max_shard_size="20KB")
+    finally:
+        os.umask(previous)
+    modes = {name: oct(stat.S_IMODE((tmp_path / "out" / name).stat().st_mode)) for name in files_in(tmp_path / "out")}
+    assert len(modes) > 6 and "model.safetensors.index.json" in modes  # shards, index, code, config
+    assert modes == {name: oct(0o666 & ~umask) for name in modes}
 
 
 def test_export_out_dir_naming_a_file_is_one_line(tmp_path):
