@@ -117,6 +117,83 @@ def test_paired_differences_and_their_standard_error():
     assert diff == -3.0 and math.isnan(se) and ratio == 0.25
 
 
+@pytest.mark.parametrize("method, residual, rotated, temperature", [
+    ("baseline", "baseline", False, 1.0), ("attnres", "attnres", False, 1.0),
+    ("attnres-tau", "attnres", False, 2.0), ("mhar", "mhar", False, 1.0),
+    ("attnres-rotated", "attnres", True, 1.0), ("mhar-rotated", "mhar", True, 1.0),
+], ids=["baseline", "attnres", "attnres-tau", "mhar", "attnres-rotated", "mhar-rotated"])
+def test_each_method_is_built_on_the_codes_and_routing_it_names(method, residual, rotated,
+                                                               temperature):
+    """Written out, not read from METHODS: a control on the wrong codes (a rotated method on the
+    aligned ones) would compare nothing with nothing, and no other test would notice."""
+    net = compromise.model(method, d=32, heads=2, seed=0)
+    assert torch.equal(net.embed.weight, compromise.codes(32, seed=0, rotated=rotated))
+    assert not torch.equal(net.embed.weight, compromise.codes(32, seed=0, rotated=not rotated))
+    assert net.config.residual == residual and net.config.route_temperature == temperature
+    assert net.config.depth_heads == {"baseline": 0, "attnres": 1, "mhar": 2}[residual]
+
+
+def test_the_paired_statistics_use_only_the_seeds_both_methods_ran():
+    """runs has seeds 0, 1, 2 and the reference 1, 2, 3: only 1 and 2 are pairs. Over every seed
+    of each, the ratio would be 6.5 / 10 and the difference meaningless."""
+    runs = {0: {"val_loss": 4.0}, 1: {"val_loss": 1.0}, 2: {"val_loss": 1.5}}
+    reference = {1: {"val_loss": 2.0}, 2: {"val_loss": 2.5}, 3: {"val_loss": 5.5}}
+    diff, se, ratio = compromise.paired(runs, reference)
+    assert ratio == pytest.approx(2.5 / 4.5)                   # (1 + 1.5) / (2 + 2.5)
+    assert diff == pytest.approx(-1.0)                         # differences -1, -1
+    assert se == pytest.approx(0.0)
+    diff, se, ratio = compromise.paired(runs, {2: {"val_loss": 3.0}, 5: {"val_loss": 1.0}})
+    assert (diff, ratio) == (pytest.approx(-1.5), pytest.approx(0.5)) and math.isnan(se)
+
+
+@pytest.mark.parametrize("step, steps, factor", [
+    (0, 250, 1 / 30), (1, 250, 2 / 30), (28, 250, 29 / 30), (29, 250, 1.0), (30, 250, 1.0),
+    (249, 250, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 219 / 220))), (250, 250, 0.1),
+    (0, 3, 1 / 30), (2, 3, 3 / 30),
+], ids=["first-step", "second-step", "warmup-one-before-last", "warmup-last", "peak",
+        "last-step", "past-the-end", "short-run-first", "short-run-last"])
+def test_the_learning_rate_warms_up_from_its_first_step_then_decays_to_a_tenth(step, steps,
+                                                                              factor):
+    assert compromise.lr_factor(step, steps) == pytest.approx(factor)
+
+
+def test_the_first_update_is_taken_at_a_nonzero_learning_rate(monkeypatch):
+    """An update at lr 0 is a step lost: fit sets each step's lr before the update."""
+    seen, make = [], compromise.adamw
+
+    def recording(*args, **kwargs):
+        opt = make(*args, **kwargs)
+        update = opt.step
+
+        def step(*a, **k):
+            seen.append([group["lr"] for group in opt.param_groups])
+            return update(*a, **k)
+        opt.step = step
+        return opt
+    monkeypatch.setattr(compromise, "adamw", recording)
+    compromise.fit(compromise.model("mhar", d=32, heads=2, seed=0), seed=0, steps=2)
+    groups = len(seen[0])                                 # every group at the same lr
+    assert seen == [[pytest.approx(compromise.LR / 30)] * groups,
+                    [pytest.approx(2 * compromise.LR / 30)] * groups]
+
+
+def test_the_mean_alpha_is_over_the_scored_positions_of_every_sequence():
+    """α (N_j, B, T, H) of a stand-in model: the first LAG positions, not scored, hold 100; a mean
+    that kept them, or that cut sequences instead of positions, would not be 0.5 + ... below."""
+    from types import SimpleNamespace
+    N, B, T, H, lag = 2, 3, 6, 2, compromise.LAG
+    alpha = torch.arange(N * B * T * H, dtype=torch.float64).view(N, B, T, H) / 1000
+    alpha[:, :, :lag] = 100.0
+    net = SimpleNamespace(config=SimpleNamespace(routed=True), routing_weights=lambda idx: [alpha])
+    expected = [[sum(alpha[n, b, t, h].item() for b in range(B) for t in range(lag, T))
+                 / (B * (T - lag)) for h in range(H)] for n in range(N)]
+    torch.testing.assert_close(torch.tensor(compromise.mean_alphas(net, None)),
+                               torch.tensor([expected]), rtol=1e-12, atol=0)
+    assert max(max(row) for row in expected) < 1                   # no 100 got in
+    baseline = SimpleNamespace(config=SimpleNamespace(routed=False))
+    assert compromise.mean_alphas(baseline, None) is None
+
+
 def tiny_run(out, capsys, seeds, jobs):
     compromise.main(["--steps", "3", "--seeds", seeds, "--d", "32", "--out_dir", str(out),
                      "--jobs", str(jobs)])
