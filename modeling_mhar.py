@@ -128,9 +128,11 @@ class MHARPreTrainedModel(PreTrainedModel):
                              f"cache and the input, 0 for padding")
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None                       # no padding: the unmasked path, exactly
+        # past the window, GPT.hidden's own error says so: the positions that generate derives
+        # and passes, out of range then too, are checked only where the sequence fits
         window = self.model.config.seq_len
-        if position_ids is not None and (position_ids.size(-1) != T or not 0 <= int(
-                position_ids.min()) <= int(position_ids.max()) < window):
+        if position_ids is not None and start + T <= window and (position_ids.size(-1) != T or not (
+                0 <= int(position_ids.min()) <= int(position_ids.max()) < window)):
             raise ValueError(f"position_ids must be (B, {T}) in [0, {window})")
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states

@@ -597,7 +597,8 @@ def test_an_earlier_export_holds_only_what_an_export_writes(tmp_path, name, writ
     if written:
         assert hf.export_folder(tmp_path) == tmp_path
     else:
-        with pytest.raises(CheckpointError, match=f"holds an earlier export and {re.escape(name.rstrip('/'))},"):
+        refusal = f"holds an earlier export and {name.rstrip('/')},"
+        with pytest.raises(CheckpointError, match=re.escape(refusal)):
             hf.export_folder(tmp_path)
 
 
@@ -610,7 +611,8 @@ def test_every_exported_file_has_the_mode_a_new_file_gets(tmp_path, umask):
         hf.save(GPT(tiny("mhar")), tmp_path / "out", max_shard_size="20KB")
     finally:
         os.umask(previous)
-    modes = {name: oct(stat.S_IMODE((tmp_path / "out" / name).stat().st_mode)) for name in files_in(tmp_path / "out")}
+    out = tmp_path / "out"
+    modes = {name: oct(stat.S_IMODE((out / name).stat().st_mode)) for name in files_in(out)}
     assert len(modes) > 6 and "model.safetensors.index.json" in modes  # shards, index, code, config
     assert modes == {name: oct(0o666 & ~umask) for name in modes}
 
@@ -1138,3 +1140,139 @@ def test_lm_evals_hf_model_gives_eval_pys_loglikelihoods_and_generations(fresh):
                 assert theirs == pytest.approx(expected, rel=1e-5, abs=1e-5), (task, doc_id)
                 compared += 1
     assert compared == 3 * 3 + 1 + len(GEN_PROMPTS)
+
+
+# ----------------------------------------------------------------------------------------------
+# A routed export's code in this process: its window's edges, padding, a cache, hidden_states
+
+WINDOW = 16
+
+
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory):
+    """A routed export of a window of WINDOW positions and the MHARForCausalLM that transformers builds
+    from it, in this process: the directory's own three files imported as a package (as
+    trust_remote_code does, but without writing into the user's module cache)."""
+    import importlib
+    import importlib.machinery
+    import importlib.util
+    directory = tmp_path_factory.mktemp("remote")
+    torch.manual_seed(0)
+    model = open_routing(GPT(tiny("mhar", vocab_size=100, seq_len=WINDOW, route_block=2)).eval())
+    hf.save(model, directory)
+    spec = importlib.machinery.ModuleSpec("exported_mhar", None, is_package=True)
+    spec.submodule_search_locations = [str(directory)]
+    sys.modules["exported_mhar"] = importlib.util.module_from_spec(spec)
+    try:
+        modeling = importlib.import_module("exported_mhar.modeling_mhar")
+        theirs = modeling.MHARForCausalLM.from_pretrained(directory).eval()
+        yield types.SimpleNamespace(model=model, theirs=theirs, directory=directory)
+    finally:
+        for name in [n for n in sys.modules if n.split(".")[0] == "exported_mhar"]:
+            del sys.modules[name]
+
+
+def window_tokens(B=2, T=WINDOW, seed=1):
+    return torch.randint(0, 100, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("new", [1, 2, 3, WINDOW - 7], ids=["one", "two", "three", "to-the-window"])
+def test_tokens_after_a_cache_without_a_mask_are_those_of_the_whole_sequence(remote, new):
+    """`new` tokens after a cache of 7, no attention_mask: each block's hidden state and the logits of the
+    whole sequence's forward at those positions (up to the rounding of another attention shape). Two is the
+    fewest that need a causal mask among themselves, which SDPA's is_causal would misplace after a cache."""
+    idx = window_tokens()[:, :7 + new]
+    with torch.no_grad():
+        whole = remote.theirs(idx, output_hidden_states=True)
+        first = remote.theirs(idx[:, :7])
+        after = remote.theirs(idx[:, 7:], past_key_values=first.past_key_values, output_hidden_states=True)
+    assert after.past_key_values.get_seq_length() == 7 + new
+    assert len(after.hidden_states) == remote.model.config.n_layer + 1
+    for state, full in zip(after.hidden_states, whole.hidden_states):
+        assert rel_err(state, full[:, 7:]) < 1e-6
+    assert rel_err(after.logits, logits_of(remote.model, idx)[:, 7:]) < 1e-6
+
+
+@pytest.mark.parametrize("lengths, side", [
+    ([WINDOW, 9, 1], "left"), ([WINDOW, 9, 1], "right"), ([WINDOW - 1, 5], "left"), ([WINDOW, 0, 3], "left"),
+    ([WINDOW, 0], "right")], ids=["fills-window-left", "fills-window-right", "one-short-left",
+                                  "fully-padded-row-left", "fully-padded-row-right"])
+def test_a_padded_batch_whose_longest_row_fills_the_window(remote, lengths, side):
+    """Rows of `lengths` tokens padded to the longest: every row's logits are those it gives alone (the
+    default positions count each row's tokens from 0, so a row of WINDOW reaches WINDOW - 1), and nothing
+    is NaN: a padding query, in a row of padding alone too, keeps its own key where SDPA would have none
+    (a softmax over nothing: NaN, or zeros in this torch's CPU math), so before any token of its row (left
+    padding) its logits are those of its token alone, at position 0. Right padding reads the row before
+    it."""
+    width, idx = max(lengths), window_tokens(B=len(lengths))
+    ids, mask = (torch.zeros(len(lengths), width, dtype=torch.long) for _ in range(2))
+    for i, n in enumerate(lengths):
+        at = slice(width - n, width) if side == "left" else slice(0, n)
+        ids[i, at], mask[i, at] = idx[i, :n], 1
+    with torch.no_grad():
+        logits = remote.theirs(ids, attention_mask=mask).logits
+    assert torch.isfinite(logits).all()
+    padding = logits_of(remote.model, torch.zeros(1, 1, dtype=torch.long))[0, 0]  # the padding id, 0, alone
+    for i, n in enumerate(lengths):
+        at = slice(width - n, width) if side == "left" else slice(0, n)
+        if n:
+            assert rel_err(logits[i, at], logits_of(remote.model, idx[i:i + 1, :n])[0]) < 1e-6
+        for j in range(width - n if side == "left" else width * (n == 0)):  # padding before the row
+            assert rel_err(logits[i, j], padding) < 1e-6, (i, j)
+
+
+@pytest.mark.parametrize("T, first, accepted", [
+    (1, WINDOW - 1, True), (1, WINDOW, False), (1, -1, False), (1, 0, True), (WINDOW, 0, True),
+    (2, WINDOW - 1, False), (3, 5, True)],
+    ids=["last-position", "window", "negative", "zero", "whole-window", "past-the-window", "middle"])
+def test_position_ids_reach_the_window_and_no_further(remote, T, first, accepted):
+    """position_ids first, first + 1, ... (T tokens): up to WINDOW - 1 they are the rotary positions
+    GPT.hidden takes; at WINDOW or below 0, one ValueError that names the range (not an IndexError in the
+    rotary table)."""
+    idx, positions = window_tokens(T=T), (first + torch.arange(T)).expand(2, -1)
+    if not accepted:
+        with pytest.raises(ValueError, match=re.escape(f"position_ids must be (B, {T}) in [0, {WINDOW})")):
+            remote.theirs(idx, position_ids=positions)
+        return
+    with torch.no_grad():
+        expected = remote.model.lm_head(remote.model.hidden(idx, positions=positions)).float()
+        assert torch.equal(remote.theirs(idx, position_ids=positions).logits, expected)
+
+
+@pytest.mark.parametrize("new, use_cache", [(WINDOW - 9, True), (WINDOW - 8, True), (WINDOW - 9, False),
+                                            (WINDOW - 8, False)],
+                         ids=["fills-window-cached", "past-window-cached", "fills-window", "past-window"])
+def test_generate_past_the_window_says_that_the_window_is_full(remote, new, use_cache):
+    """transformers' generate from 10 tokens: the last token of a full window predicts one more (GPT.generate's
+    tokens); one step further, the error of a plain forward past the window, not one about the position_ids
+    that generate derived (the caller passed none)."""
+    model = remote.theirs
+    prompt = window_tokens(T=10)
+    settings = dict(max_new_tokens=new, do_sample=False, use_cache=use_cache, eos_token_id=None, pad_token_id=0)
+    if new == WINDOW - 9:  # the last step reads 10 + new - 1 = WINDOW tokens
+        generated = model.generate(prompt, **settings)
+        assert torch.equal(generated, remote.model.generate(prompt, new, temperature=0))
+        return
+    with pytest.raises(ValueError) as refused:
+        model.generate(prompt, **settings)
+    assert str(refused.value) == f"sequence of {WINDOW + 1} tokens is longer than Config.seq_len={WINDOW}"
+    with pytest.raises(ValueError, match=re.escape(str(refused.value))):
+        model(window_tokens(T=WINDOW + 1))
+
+
+@pytest.mark.parametrize("configured", [False, True], ids=["config-off", "config-on"])
+def test_output_hidden_states_unsaid_follows_the_config(remote, configured, monkeypatch):
+    """As transformers' models: output_hidden_states=None takes config.output_hidden_states; said, it wins."""
+    monkeypatch.setattr(remote.theirs.config, "output_hidden_states", configured)
+    idx = window_tokens(T=8)
+    with torch.no_grad():
+        unsaid, said_no, said_yes = (remote.theirs(idx, output_hidden_states=said).hidden_states
+                                     for said in (None, False, True))
+        base = remote.theirs.model  # the GPT inside; its final state is the last of the L + 1
+        final = base.hidden(idx)
+    assert said_no is None and len(said_yes) == remote.model.config.n_layer + 1
+    assert torch.equal(said_yes[-1], final)
+    if configured:
+        assert all(torch.equal(a, b) for a, b in zip(unsaid, said_yes)) and len(unsaid) == len(said_yes)
+    else:
+        assert unsaid is None
