@@ -52,40 +52,61 @@ stdout every few seconds; a summary of what was written closes the run. Bad inpu
 path, an empty corpus, an unknown extension, a file that cannot be read or is not UTF-8) ends with
 one line on stderr and exit status 2, and leaves nothing behind: the files are written into a
 hidden temporary folder (.NAME.tmp-HOST-PID-XXXX beside the result) and moved into place only at
-the end. Ctrl-C and SIGTERM remove it; a run killed outright (SIGKILL, a crash) cannot, so every
+the end. Ctrl-C and SIGTERM remove it, whenever they come before that move, with one line
+("interrupted (SIGINT); nothing written") and exit status 130 (143); from the move on they are too
+late, and ignored: the run ends as finished. A run killed outright (SIGKILL, a crash) cannot, so every
 run first removes the temporary folders of runs on this host whose process no longer exists.
 """
 
-import argparse
-import errno
-import glob
-import hashlib
-import json
 import os
-import re
-import shutil
-import signal
-import socket
 import sys
-import sysconfig
-import tempfile
-import threading
-import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
 
-try:
-    import numpy as np
-    import tiktoken
+import _signal  # signal's C half, imported with the interpreter (signal itself imports enum: milliseconds)
 
-    from common import (DEFAULT_CORPUS, FlagParser, MachineError, UserError, exit_error, one_line,
-                        output_folder, remove_staging)
-except KeyboardInterrupt:  # torch takes seconds to import: Ctrl-C meanwhile is one line too
-    if __name__ != "__main__":
-        raise
-    print("prepare.py: error: interrupted (Ctrl-C)", file=sys.stderr)
-    sys.exit(130)
+
+def _interrupted(signum, frame):
+    """Ctrl-C or SIGTERM before the work begins (numpy, tiktoken and torch take a second or more to import), the
+    handler the script installs first: its one line, status 128 + the signal's number, at once. Nothing is written
+    yet. os._exit, not an exception: C code inside an import may swallow a KeyboardInterrupt (a Ctrl-C lost) or
+    turn it into an ImportError."""
+    try:
+        name = "SIGINT" if signum == _signal.SIGINT else "SIGTERM"
+        os.write(2, f"prepare.py: error: interrupted ({name}); nothing written\n".encode())
+    finally:
+        os._exit(128 + signum)
+
+
+try:  # the first thing the script does; a signal ignored (nohup, `cmd &` in a script) stays ignored
+    if __name__ == "__main__":
+        for _signum, _default in ((_signal.SIGINT, _signal.default_int_handler), (_signal.SIGTERM, _signal.SIG_DFL)):
+            if _signal.getsignal(_signum) == _default:
+                _signal.signal(_signum, _interrupted)
+except KeyboardInterrupt:  # a Ctrl-C in the microseconds before it
+    _interrupted(_signal.SIGINT, None)
+
+import argparse  # noqa: E402
+import errno  # noqa: E402
+import glob  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import sysconfig  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import numpy as np  # noqa: E402
+import tiktoken  # noqa: E402
+
+from common import (DEFAULT_CORPUS, FlagParser, MachineError, UserError, exit_error,  # noqa: E402
+                    ignore_stop_signals, one_line, output_folder, remove_staging)
 
 VOCAB_SIZE = 50257  # GPT-2's vocabulary; under 2**16, so every id fits in uint16
 EOT = 50256  # GPT-2's <|endoftext|>, the last id; written after every document
@@ -653,9 +674,10 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
                     val_fraction=val_fraction, max_tokens=max_tokens)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         final = out / name
-        final.mkdir(exist_ok=True)
-        for filename in ("train.bin", "val.bin", "meta.json"):  # meta.json last: it marks a finished folder
-            os.replace(tmp / filename, final / filename)
+        with _uninterrupted():  # the files move in together: a signal never leaves some of them, or an empty folder
+            final.mkdir(exist_ok=True)
+            for filename in ("train.bin", "val.bin", "meta.json"):  # meta.json last: it marks a finished folder
+                os.replace(tmp / filename, final / filename)
         tmp.rmdir()
     except BaseException as e:
         remove_staging(tmp, created)
@@ -667,6 +689,28 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
     if not quiet:
         report(name, final, counts, nbytes, sources, skipped, tok, time.time() - start)
     return final
+
+
+@contextmanager
+def _uninterrupted():
+    """The block runs to its end whatever signal comes. prepare.py's own process, whose result it moves into
+    place, is done: it ignores SIGINT and SIGTERM from here on (common.ignore_stop_signals; its teardown too), and
+    ends as a finished run. Elsewhere (train.py preparing its corpus, a test) a signal that comes meanwhile waits
+    for the block's end, then reaches the handler it would have reached: Python runs handlers in the main thread,
+    between two instructions, and a handler that only records the signal lets the block go on."""
+    if ignore_stop_signals("prepare.py") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came, previous = [], {}
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, lambda signum, frame: came.append(signum))
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    for signum in came:
+        signal.raise_signal(signum)
 
 
 def corpus(inputs, name, hf, hf_config, hf_split, text_field):
@@ -729,9 +773,14 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split (default: 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress, no summary")
     args = parser.parse_args(argv)
-    # SIGTERM (kill, a job scheduler) unwinds like Ctrl-C, through prepare()'s clean-up of its temporary folder
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = {}
     try:
+        # the work begins: a signal unwinds through prepare()'s clean-up of its temporary folder, SIGTERM (kill, a
+        # job scheduler) as Ctrl-C does. The script's first handlers give way; SIGINT stays as it is elsewhere (a
+        # test calling main), where SIGTERM's handler is put back at the end
+        for signum, handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, _interrupt)):
+            if signum == signal.SIGTERM or signal.getsignal(signum) is _interrupted:
+                previous[signum] = signal.signal(signum, handler)
         return prepare(inputs=args.input, name=args.name, out=args.out, val_fraction=args.val_fraction,
                        max_tokens=args.max_tokens, seed=args.seed, hf=args.hf, hf_config=args.hf_config,
                        hf_split=args.hf_split, text_field=args.text_field, tokenizer=args.tokenizer,
@@ -744,7 +793,9 @@ def main(argv=None):
         signum = signal.Signals[str(e) or "SIGINT"]  # the shell's convention: 130 for Ctrl-C, 143 for SIGTERM
         exit_error("prepare.py", f"interrupted ({signum.name}); nothing written", status=128 + signum)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            if handler is not _interrupted:  # the script's process, exiting, ignores signals from here on
+                signal.signal(signum, handler)
 
 
 def _interrupt(signum, frame):

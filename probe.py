@@ -80,26 +80,42 @@ probe.json (S = 2L + 1 sites, N = the most sources one site reads, H = routing h
   queries); null_frac_above = the fraction of null draws whose statistic is >= the observed one (small: the
   trained routing is unlike random routing of the same sharpness).
 """
-import argparse
-import dataclasses
-import itertools
-import json
-import math
-import sys
-from pathlib import Path
+import os
 
-try:
-    import numpy as np
-    import torch
+import _signal  # signal's C half, imported with the interpreter (signal itself imports enum: milliseconds)
 
-    import mhar
-    from common import (FlagParser, MachineError, UserError, exit_error, load_model, output_folder,
-                        pick_device, read_tokens, sample_rows, staged, training_data)
-except KeyboardInterrupt:  # torch takes seconds to import: Ctrl-C meanwhile is one line too
-    if __name__ != "__main__":
-        raise
-    print("probe.py: error: interrupted (Ctrl-C)", file=sys.stderr)
-    sys.exit(130)
+
+def _interrupted(signum, frame):
+    """Ctrl-C before the work begins (torch takes a second or more to import), the handler the script installs
+    first: its one line, status 130, at once. Nothing is written yet. os._exit, not an exception: C code inside an
+    import may swallow a KeyboardInterrupt (a Ctrl-C lost) or turn it into an ImportError."""
+    try:
+        os.write(2, b"probe.py: error: interrupted (Ctrl-C); nothing written\n")
+    finally:
+        os._exit(130)
+
+
+try:  # the first thing the script does; SIGINT left as it is where it is ignored (nohup, `cmd &` in a script)
+    if __name__ == "__main__" and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+        _signal.signal(_signal.SIGINT, _interrupted)
+except KeyboardInterrupt:  # a Ctrl-C in the microseconds before it
+    _interrupted(_signal.SIGINT, None)
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import signal  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import mhar  # noqa: E402
+from common import (FlagParser, MachineError, UserError, exit_error, ignore_stop_signals,  # noqa: E402
+                    load_model, output_folder, pick_device, read_tokens, sample_rows, staged,
+                    training_data)
 
 FIGURE_DPI = 110  # README-sized PNGs (tens of KB)
 
@@ -570,6 +586,9 @@ def probe(args):
                 summary["figures"].append("loss_curves.png")
         summary = jsonable(summary)
         (tmp / "probe.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
+        # every file is written: probe.py's process is done, and its files move into place whatever signal
+        # comes (ignored from here on, its teardown too)
+        ignore_stop_signals("probe.py")
     return summary, out_dir
 
 
@@ -623,6 +642,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     try:
+        if signal.getsignal(signal.SIGINT) is _interrupted:  # the work begins: Ctrl-C unwinds through staged()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         summary, out_dir = probe(parse_args(argv))
     except (UserError, ValueError) as e:
         exit_error("probe.py", str(e))

@@ -20,21 +20,39 @@ text: its prompt is a list of token ids ("--prompt '3 1 4'", empty = token 0) an
 model trained on --data synthetic (random tokens) is decoded with GPT-2's BPE: its text is noise.
 
 Bad input (a flag out of range, a missing or foreign checkpoint, an absent device) ends with one
-line on stderr and exit status 2; Ctrl-C with one line and exit status 130.
+line on stderr and exit status 2; Ctrl-C with one line and exit status 130, whenever it comes until the last
+sample is out (from then on it is too late, and ignored: the run ends as finished, with status 0).
 """
-import argparse
-import math
+import os
 import sys
 
-try:
-    import torch
+import _signal  # signal's C half, imported with the interpreter (signal itself imports enum: milliseconds)
 
-    from common import FlagParser, UserError, exit_error, load_model, pick_device, training_data
-except KeyboardInterrupt:  # torch takes seconds to import: Ctrl-C meanwhile is one line too
-    if __name__ != "__main__":
-        raise
-    print("sample.py: error: interrupted (Ctrl-C)", file=sys.stderr)
-    sys.exit(130)
+
+def _interrupted(signum, frame):
+    """Ctrl-C before the work begins (torch takes a second or more to import), the handler the script installs
+    first: one line, status 130, at once. Nothing is written yet. os._exit, not an exception: C code inside an
+    import may swallow a KeyboardInterrupt (a Ctrl-C lost) or turn it into an ImportError."""
+    try:
+        os.write(2, b"sample.py: error: interrupted (Ctrl-C)\n")
+    finally:
+        os._exit(130)
+
+
+try:  # the first thing the script does; SIGINT left as it is where it is ignored (nohup, `cmd &` in a script)
+    if __name__ == "__main__" and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+        _signal.signal(_signal.SIGINT, _interrupted)
+except KeyboardInterrupt:  # a Ctrl-C in the microseconds before it
+    _interrupted(_signal.SIGINT, None)
+
+import argparse  # noqa: E402
+import math  # noqa: E402
+import signal  # noqa: E402
+
+import torch  # noqa: E402
+
+from common import (FlagParser, UserError, exit_error, ignore_stop_signals, load_model,  # noqa: E402
+                    pick_device, training_data)
 
 
 class Codec:
@@ -159,6 +177,8 @@ def main(argv=None):
             current = i
         print(text, end="", flush=True)
     try:
+        if signal.getsignal(signal.SIGINT) is _interrupted:  # the work begins: Ctrl-C ends the sample's line first
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         model, ckpt = load_model(args.ckpt, pick_device(args.device))
         samples = sample(model, codec_for(model, ckpt, args.tokenizer), args.prompt, args.num_samples,
                          args.max_new_tokens, args.temperature, args.top_k or None, args.seed, show)
@@ -167,6 +187,8 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("" if current < 0 else "\n", end="", flush=True)  # the interrupted sample's line ends
         exit_error("sample.py", "interrupted (Ctrl-C)", status=130)
+    # every sample is out: a Ctrl-C from here on, the process's teardown included, is too late and ignored
+    ignore_stop_signals("sample.py")
     print(flush=True)
     return samples
 

@@ -54,6 +54,69 @@ def interrupted_while_importing(argv, module, tmp_path):
     return p.returncode, stdout, stderr
 
 
+def _held_run(argv, tmp_path, hook, then):
+    """`python argv` from the repository root, SIGINT reaching it as a terminal's Ctrl-C, and a sitecustomize.py
+    that runs `hook` (source that defines and installs it, with its marker file at MARKER): once the marker is
+    there, then(process) -> (returncode, stdout, stderr)."""
+    marker = tmp_path / "marker"
+    (tmp_path / "sitecustomize.py").write_text(hook.replace("MARKER", repr(str(marker))))
+    p = subprocess.Popen([sys.executable, *map(str, argv)], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1"},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=sigint_as_in_a_terminal)
+    try:
+        deadline = time.time() + 60
+        while not marker.exists():
+            assert p.poll() is None and time.time() < deadline, p.communicate()
+            time.sleep(0.005)
+        then(p, marker)
+        stdout, stderr = p.communicate(timeout=60)
+    finally:
+        p.kill()  # (a process that has ended already: nothing)
+    return p.returncode, stdout, stderr
+
+
+def interrupted_after(argv, delay, tmp_path):
+    """`python argv` from the repository root, SIGINT'd (as a terminal's Ctrl-C) `delay` seconds after the
+    interpreter has handed the script its first instruction, unless it has ended by then: (returncode, stdout,
+    stderr). The count starts there, not at the process's start: before it the interpreter runs alone (its start,
+    the site module, compiling the script: 10-30 ms, more on a loaded machine), where a Ctrl-C meets Python's own
+    handling, which no script can change (killed by the signal, or a KeyboardInterrupt traceback from line 0). A
+    sitecustomize.py writes a marker at the audit event "exec" of the script's code, the moment before it runs."""
+    script = str((ROOT / str(argv[0])).resolve())
+    hook = ("import sys\n"
+            "def started(event, args):\n"
+            f"    if event == 'exec' and getattr(args[0], 'co_filename', None) == {script!r}:\n"
+            "        open(MARKER, 'w').close()\n"
+            "sys.addaudithook(started)\n")
+
+    def interrupt(p, marker):
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)  # (Popen does nothing once it has seen the process end)
+    return _held_run(argv, tmp_path, hook, interrupt)
+
+
+def interrupted_while_exiting(argv, tmp_path):
+    """`python argv` from the repository root, SIGINT'd (as a terminal's Ctrl-C) once its work is done and it
+    exits: a sitecustomize.py registers an exit handler (atexit, which runs when the script has ended) that writes
+    a marker, then waits in short sleeps until the test has sent the signal (a second marker), at most a minute.
+    (returncode, stdout, stderr)."""
+    hook = ("import atexit, os, time\n"
+            "def held():\n"
+            "    open(MARKER, 'w').close()\n"
+            "    for _ in range(600):\n"
+            "        if os.path.exists(MARKER + '.sent'):\n"
+            "            time.sleep(0.2)\n"  # time for the signal to be handled, if it is
+            "            return\n"
+            "        time.sleep(0.1)\n"
+            "atexit.register(held)\n")
+
+    def interrupt(p, marker):
+        p.send_signal(signal.SIGINT)
+        (tmp_path / "marker.sent").touch()
+    return _held_run(argv, tmp_path, hook, interrupt)
+
+
 # fused kernels on CPU tensors: in the Triton interpreter, which conftest.py switches on without a GPU
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason=(
     "runs the fused kernels on CPU tensors, in the Triton interpreter: on a GPU machine the compiled "

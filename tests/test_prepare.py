@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tiktoken
 
+import common
 import prepare
 from helpers import error_line, files_in, one_error_line, run_script
 
@@ -476,6 +477,37 @@ def test_prepare_terminated_removes_its_temporary_folder(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM  # 143, the shell's convention
     assert err == "prepare.py: error: interrupted (SIGTERM); nothing written\n"
     assert not out.exists()  # its temporary folder, and the folder it created for it
+
+
+@pytest.mark.parametrize("at", ["train.bin", "meta.json"], ids=["first-move", "last-move"])
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"], ids=["ctrl-c", "sigterm"])
+def test_a_signal_while_the_files_move_in_comes_after_them(signame, at, tmp_path, monkeypatch):
+    """prepare() called from another script (train.py preparing its corpus): a signal while the three files move
+    into place (first or last move) is delivered once all three are there, to the handler it would have met
+    (here main's: both raise KeyboardInterrupt), and the handlers are then as they were; before, the first moves
+    stayed and the rest was removed (a train.bin without its meta.json)."""
+    import signal
+    _prep_corpus(tmp_path / "c")
+    signum = getattr(signal, signame)
+    replace = os.replace
+
+    def move(src, dst):  # the signal comes as `at` moves in
+        if pathlib.Path(dst).name == at:
+            signal.raise_signal(signum)
+        replace(src, dst)
+    handlers = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: prepare._interrupt}
+    previous = {s: signal.signal(s, h) for s, h in handlers.items()}  # a suite run with `&` ignores SIGINT
+    try:
+        monkeypatch.setattr(prepare.os, "replace", move)
+        with pytest.raises(KeyboardInterrupt) as e:
+            prepare.prepare(tmp_path / "c", out=tmp_path / "data", tokenizer="bytes", quiet=True)
+        monkeypatch.undo()
+        assert str(e.value) in ("", signame) and all(signal.getsignal(s) is h for s, h in handlers.items())
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    assert files_in(tmp_path / "data") == ["c", "c/meta.json", "c/train.bin", "c/val.bin"]
+    assert common.read_tokens(tmp_path / "data" / "c").meta["tokens"]["train"] > 0
 
 
 def test_prepare_ctrl_c_removes_its_temporary_folder(tmp_path, capsys, monkeypatch):

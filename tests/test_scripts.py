@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from helpers import ROOT, error_line, interrupted_while_importing
+from helpers import (ROOT, error_line, files_in, interrupted_after, interrupted_while_exiting,
+                     interrupted_while_importing, tiny)
 
 SCRIPTS = ["bench_head", "bench_kernel", "compare", "compromise", "eval", "export", "gpu_check", "hf", "prepare",
            "probe", "sample", "train"]
@@ -35,14 +36,87 @@ def test_a_missing_or_malformed_value_is_one_line(script, argv, capsys):
     error_line(capsys, importlib.import_module(script).main, argv)
 
 
-@pytest.mark.parametrize("script, module", [("sample", "torch"), ("probe", "torch"),
-                                            ("prepare", "numpy")])
+# A script's one line for a Ctrl-C, the same whenever it comes (prepare.py names the signal: it takes SIGTERM too)
+INTERRUPTED = {"sample": "sample.py: error: interrupted (Ctrl-C)\n",
+               "probe": "probe.py: error: interrupted (Ctrl-C); nothing written\n",
+               "prepare": "prepare.py: error: interrupted (SIGINT); nothing written\n"}
+
+
+@pytest.mark.parametrize("script, module", [("sample", "torch"), ("probe", "torch"), ("prepare", "numpy"),
+                                            ("sample", "argparse"), ("probe", "argparse"), ("prepare", "argparse"),
+                                            ("prepare", "datetime")])
 def test_ctrl_c_while_a_script_imports_is_one_line(script, module, tmp_path):
     """A Ctrl-C during the seconds torch (or numpy) takes to import: one line and status 130, as
     once the work has begun, not a KeyboardInterrupt traceback. The import is held until the
-    signal comes."""
+    signal comes. argparse: the first import, before torch's; datetime: numpy's C code imports it
+    (PyCapsule_Import) and turns a KeyboardInterrupt there into an ImportError (status 1, a
+    paragraph about a bad install)."""
     status, _, stderr = interrupted_while_importing([f"{script}.py"], module, tmp_path)
-    assert status == 130 and stderr == f"{script}.py: error: interrupted (Ctrl-C)\n", stderr
+    assert status == 130 and stderr == INTERRUPTED[script], stderr
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{script: argv} of a short run of each, and what it writes: sample.py on an untrained tiny checkpoint (token
+    ids: no tokenizer to load), prepare.py on two small documents as bytes (no tokenizer to load either)."""
+    import dataclasses
+
+    import torch
+
+    import mhar
+    folder = tmp_path_factory.mktemp("runs")
+    torch.manual_seed(0)
+    config = tiny()
+    torch.save(dict(model=mhar.GPT(config).state_dict(), config=dataclasses.asdict(config),
+                    args=dict(data="synthetic")), folder / "ckpt.pt")
+    (folder / "corpus").mkdir()
+    for name in ("a", "b"):
+        (folder / "corpus" / f"{name}.txt").write_text(f"document {name}\n")
+    return {"sample": ["sample.py", "--ckpt", folder / "ckpt.pt", "--max_new_tokens", 4, "--num_samples", 2,
+                       "--device", "cpu"],
+            "prepare": ["prepare.py", "--input", folder / "corpus", "--tokenizer", "bytes"]}
+
+
+def check_interrupted_or_finished(script, status, stdout, stderr, out):
+    """The one line and status 130, nothing written (prepare.py's --out `out`); or, when the run had finished
+    first, status 0 and all of its output."""
+    if status == 130:
+        assert stderr == INTERRUPTED[script] and not files_in(out), (stderr, files_in(out))
+        return
+    assert status == 0 and stderr == "", (status, stderr)
+    if script == "sample":  # two samples: the prompt (token 0) and 4 tokens each
+        assert [len(s.split()) for s in stdout.split("-" * 40)] == [5, 5], stdout
+    else:
+        assert files_in(out) == ["corpus", "corpus/meta.json", "corpus/train.bin", "corpus/val.bin"]
+        assert stdout.splitlines()[-1].startswith("done in "), stdout
+
+
+DELAYS = [0.05, 0.2, 0.5, 1, 2]
+
+
+@pytest.mark.parametrize("delay", DELAYS, ids=[f"at-{d:g}s" for d in DELAYS])
+@pytest.mark.parametrize("script", ["sample", "prepare"])
+def test_ctrl_c_at_any_moment_is_one_line_or_a_finished_run(script, delay, runs, tmp_path):
+    """A real Ctrl-C at some moment of a run (in its imports, between them, in its work, as it exits): one line and
+    status 130 with nothing written, or, once the run has finished (a Ctrl-C after the last sample, or once
+    prepare.py moves its files into place, is too late), the finished run: status 0, all of its output. Which
+    phase a delay meets depends on the machine's load: the test asserts what holds in every one. The count starts
+    at the script's first instruction (helpers.interrupted_after)."""
+    out = tmp_path / "data"
+    argv = runs[script] + (["--out", out] if script == "prepare" else [])
+    check_interrupted_or_finished(script, *interrupted_after(argv, delay, tmp_path), out)
+
+
+@pytest.mark.parametrize("script", ["sample", "prepare"])
+def test_ctrl_c_once_the_run_has_finished_is_too_late(script, runs, tmp_path):
+    """A Ctrl-C as the process exits, its work done (held there): ignored, the finished run's output and status 0;
+    before, a KeyboardInterrupt traceback from the exit handlers, or (in the interpreter's teardown, once it has
+    put SIGINT back to its default) a death by the signal without a word."""
+    out = tmp_path / "data"
+    argv = runs[script] + (["--out", out] if script == "prepare" else [])
+    status, stdout, stderr = interrupted_while_exiting(argv, tmp_path)
+    assert status == 0
+    check_interrupted_or_finished(script, status, stdout, stderr, out)
 
 
 def test_ctrl_c_while_probing_is_one_line(monkeypatch, capsys):
