@@ -34,6 +34,7 @@ import dataclasses
 import json
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -331,6 +332,45 @@ def task_manager(tasks, include_path=None):
     return manager
 
 
+def local_files(data_files):
+    """The files here that a task's dataset_kwargs.data_files names: a path, a list of them, or
+    {split: either}; URLs and glob patterns are datasets' to resolve."""
+    named = []
+    for value in data_files.values() if isinstance(data_files, dict) else [data_files]:
+        named += value if isinstance(value, (list, tuple)) else [value]
+    return [Path(p) for p in named if isinstance(p, (str, os.PathLike)) and Path(p).is_file()]
+
+
+def holds_nothing(path, chunk=1 << 20):
+    """Whether a file holds nothing but whitespace, read a chunk at a time (data may be large)."""
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            if block.strip():
+                return False
+    return True
+
+
+@contextmanager
+def empty_data_refused():
+    """While lm-eval builds its tasks, a local data file that holds nothing is one UserError
+    naming it: datasets, looking for its first row, raises a bare StopIteration. lm-eval's tasks
+    call datasets.load_dataset with keywords, through the module: that call is checked."""
+    import datasets
+    load_dataset = datasets.load_dataset
+
+    def checked(*args, **kwargs):
+        for path in local_files(kwargs.get("data_files")):
+            if holds_nothing(path):
+                raise UserError(f"a task's data file {path} is empty: give it the task's "
+                                f"documents, or leave the task out")
+        return load_dataset(*args, **kwargs)
+    datasets.load_dataset = checked
+    try:
+        yield
+    finally:
+        datasets.load_dataset = load_dataset
+
+
 def evaluate(ckpt, tasks, output=None, device="auto", batch_size=8, max_length=None,
              tokenizer=None, include_path=None, num_fewshot=None, limit=None, gen_kwargs=None,
              log_samples=False, manager=None):
@@ -359,10 +399,11 @@ def evaluate(ckpt, tasks, output=None, device="auto", batch_size=8, max_length=N
     model, tok, info = load(ckpt, pick_device(device), tokenizer)
     lm = MHARLM(model, tok, batch_size, max_length, info)
     try:
-        results = evaluator.simple_evaluate(
-            model=lm, tasks=tasks, task_manager=manager, num_fewshot=num_fewshot, limit=limit,
-            gen_kwargs=gen_kwargs, log_samples=log_samples,
-            batch_size=batch_size, device=str(lm.device))  # these two only for the record
+        with empty_data_refused():
+            results = evaluator.simple_evaluate(
+                model=lm, tasks=tasks, task_manager=manager, num_fewshot=num_fewshot,
+                limit=limit, gen_kwargs=gen_kwargs, log_samples=log_samples,
+                batch_size=batch_size, device=str(lm.device))  # these two only for the record
     except OSError as e:  # a built-in task's data, offline (ConnectionError is an OSError)
         raise UserError(f"a task's data could not be loaded ({one_line(e)}): lm-eval's built-in "
                         f"tasks download theirs from the Hugging Face Hub; go online, or define "

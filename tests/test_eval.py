@@ -369,6 +369,50 @@ def test_bad_input_is_one_line_and_status_2(run, tmp_path, capsys, monkeypatch):
                                         "--include_path", str(run.folder))
 
 
+@pytest.mark.parametrize("text", ["", "\n", " \n\n\t\n", json.dumps(dict(text=SENTENCE)) + "\n"],
+                         ids=["empty", "one-newline", "blank-lines", "one-document"])
+def test_a_local_task_over_an_empty_data_file_is_one_line_naming_it(run, tmp_path, capsys, text):
+    """A task whose JSON-lines file holds no document: one line that names the file, status 2, no results
+    (datasets, looking for the first row, raised a bare StopIteration); one document is a task."""
+    write_task(tmp_path, "tiny_empty", [], output_type="loglikelihood_rolling", doc_to_text="",
+               doc_to_target="{{text}}", metric_list=[{"metric": "word_perplexity"}])
+    (tmp_path / "tiny_empty.jsonl").write_text(text)
+    argv = ["--ckpt", str(run.folder), "--tasks", "tiny_empty", "--include_path", str(tmp_path),
+            "--output", str(tmp_path / "eval.json"), "--device", "cpu"]
+    if text.strip():
+        assert eval.main(argv)["results"]["tiny_empty"]["word_perplexity,none"] > 1
+        return
+    with pytest.raises(SystemExit) as exit:
+        eval.main(argv)
+    err = capsys.readouterr().err  # lm-eval's own warnings about the task come first
+    assert exit.value.code == 2 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == (f"eval.py: error: a task's data file {tmp_path / 'tiny_empty.jsonl'} is "
+                                    f"empty: give it the task's documents, or leave the task out")
+    assert not (tmp_path / "eval.json").exists()
+
+
+@pytest.mark.parametrize("data_files, expected", [
+    (None, []), ("a.jsonl", ["a.jsonl"]), (["a.jsonl", "b.jsonl"], ["a.jsonl", "b.jsonl"]),
+    ({"test": "a.jsonl", "train": ["b.jsonl", "missing.jsonl"]}, ["a.jsonl", "b.jsonl"]),
+    ({"test": "*.jsonl"}, []), ("https://example.com/a.jsonl", []), ([], [])],
+    ids=["none", "one-path", "list", "splits", "glob", "url", "empty-list"])
+def test_the_local_data_files_of_a_task(tmp_path, monkeypatch, data_files, expected):
+    """The files here that data_files names, in each form datasets takes; a glob, a URL or a missing file is
+    datasets' to resolve (and to report)."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text("")
+    assert eval.local_files(data_files) == [Path(name) for name in expected]
+
+
+@pytest.mark.parametrize("content, nothing", [(b"", True), (b" \n\t\r\n", True), (b"{}", False),
+                                              (b"\n" * (1 << 20) + b"x", False), (b"\n" * (1 << 20), True)],
+                         ids=["empty", "whitespace", "two-bytes", "text-after-a-chunk", "a-chunk-of-newlines"])
+def test_a_file_holds_nothing_when_it_is_empty_or_whitespace(tmp_path, content, nothing):
+    (tmp_path / "data.jsonl").write_bytes(content)
+    assert eval.holds_nothing(tmp_path / "data.jsonl") is nothing
+
+
 def test_results_that_cannot_be_written_are_one_line_and_status_1(run, tmp_path, capsys,
                                                                    monkeypatch):
     """A full disk or a read-only folder when the results are written: one line naming the file,
