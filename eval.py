@@ -353,8 +353,9 @@ def holds_nothing(path, chunk=1 << 20):
 @contextmanager
 def empty_data_refused():
     """While lm-eval builds its tasks, a local data file that holds nothing is one UserError
-    naming it: datasets, looking for its first row, raises a bare StopIteration. lm-eval's tasks
-    call datasets.load_dataset with keywords, through the module: that call is checked."""
+    naming it: datasets, looking for its first row, raises a bare StopIteration (an empty file) or
+    a ValueError about the split (blank lines). lm-eval's tasks call datasets.load_dataset with
+    keywords, through the module: that call is checked."""
     import datasets
     load_dataset = datasets.load_dataset
 
