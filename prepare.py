@@ -107,6 +107,7 @@ import tiktoken  # noqa: E402
 
 from common import (DEFAULT_CORPUS, FlagParser, MachineError, UserError, exit_error,  # noqa: E402
                     ignore_stop_signals, one_line, output_folder, remove_staging)
+from common import seed as SEED  # noqa: E402
 
 VOCAB_SIZE = 50257  # GPT-2's vocabulary; under 2**16, so every id fits in uint16
 EOT = 50256  # GPT-2's <|endoftext|>, the last id; written after every document
@@ -754,7 +755,7 @@ def report(name, final, counts, nbytes, sources, skipped, tok, seconds):
 
 # -----------------------------------------------------------------------------
 
-def main(argv=None):
+def parse_args(argv=None):
     parser = FlagParser(prog="prepare.py", description=__doc__.split("\n\n")[0].strip(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", metavar="PATH",
@@ -770,9 +771,14 @@ def main(argv=None):
     parser.add_argument("--out", default="data", help="parent folder of the output (default: data)")
     parser.add_argument("--val_fraction", type=float, default=0.005, help="fraction of documents for val (default: 0.005)")
     parser.add_argument("--max_tokens", type=int, help="stop after this many tokens, train and val together")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split (default: 0)")
+    parser.add_argument("--seed", type=SEED, default=0, help="seed of the train/val split, in [0, 2**63 - 1] "
+                                                          "(default: 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress, no summary")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     previous = {}
     try:
         # the work begins: a signal unwinds through prepare()'s clean-up of its temporary folder, SIGTERM (kill, a

@@ -116,6 +116,7 @@ import mhar  # noqa: E402
 from common import (FlagParser, MachineError, UserError, exit_error, ignore_stop_signals,  # noqa: E402
                     load_model, output_folder, pick_device, read_tokens, sample_rows, staged,
                     training_data)
+from common import seed as SEED  # noqa: E402
 
 FIGURE_DPI = 110  # README-sized PNGs (tens of KB)
 
@@ -631,7 +632,7 @@ def parse_args(argv=None):
     a("--batch_size", type=int, default=8, help="sequences per batch, of the model's seq_len tokens (default 8)")
     a("--null_draws", type=int, default=32, help="random queries per site for the null (default 32)")
     a("--slices", type=int, default=4, help="query slices of the width-disagreement probe, H = 1 only (default 4)")
-    a("--seed", type=int, default=0, help="seeds the null's random queries (default 0)")
+    a("--seed", type=SEED, default=0, help="seeds the null's random queries, in [0, 2**63 - 1] (default 0)")
     a("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, ... (default auto)")
     args = p.parse_args(argv)
     for flag in ("batches", "batch_size", "null_draws", "slices"):

@@ -53,6 +53,7 @@ import torch  # noqa: E402
 
 from common import (FlagParser, UserError, exit_error, ignore_stop_signals, load_model,  # noqa: E402
                     pick_device, training_data)
+from common import seed as SEED  # noqa: E402
 
 
 class Codec:
@@ -152,7 +153,7 @@ def parse_args(argv=None):
                                                                   "likeliest token every time (default 0.8)")
     p.add_argument("--top_k", type=int, default=200, help="sample among the k likeliest tokens, >= 0; 0 = all "
                                                           "(default 200)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--seed", type=SEED, default=0, help="random seed, in [0, 2**63 - 1] (default 0)")
     p.add_argument("--tokenizer", metavar="DIR", help="a model folder with tokenizer.json (default: the one "
                                                       "the training data's meta.json names, or GPT-2's)")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps (default auto)")

@@ -55,6 +55,7 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile ends as it does once the
                         logged_until, memory_for, one_line, os_error, peak_memory, read_checkpoint,
                         read_tokens, rng_states, sample_rows, save_checkpoint, set_rng_states,
                         unwrapped, write_text)
+    from common import seed as SEED
     from parallel import Session, set_precision, start_session, start_sharding, wrap_model
 except KeyboardInterrupt:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # exiting: common.ignore_stop_signals's reason
@@ -177,7 +178,8 @@ def add_run_flags(p):
                 "or mhar) and continue its run from its step; or convert a Hugging Face Qwen3 "
                 "directory (or hub id) and start a new run with the paper's mid-training recipe "
                 "as the defaults (docs/conversion.md: Grafting MHAR onto Qwen3)")
-    p.flag("seed", RUN, type=int, default=0, help="model init and data order (default 0)")
+    p.flag("seed", RUN, type=SEED, default=0,
+           help="model init and data order, an integer in [0, 2**63 - 1] (default 0)")
     p.flag("allow_data_change", MACHINE, action="store_true", default=False,
            help="--resume onto data that changed since the checkpoint (by default an error)")
 

@@ -36,6 +36,25 @@ def test_a_missing_or_malformed_value_is_one_line(script, argv, capsys):
     error_line(capsys, importlib.import_module(script).main, argv)
 
 
+SEEDS = {"0": 0, str(2**63 - 1): 2**63 - 1, str(2**63): "must be in [0, 9223372036854775807]",
+         "99999999999999999999999": "must be in [0, 9223372036854775807]", "-1": "must be >= 0", "": "is not a number"}
+
+
+@pytest.mark.parametrize("text", SEEDS, ids=["zero", "largest", "one-past", "huge", "negative", "empty"])
+@pytest.mark.parametrize("script", ["train", "sample", "probe", "prepare"])
+def test_a_seed_is_an_int64_at_or_above_zero_in_every_script(script, text, capsys):
+    """--seed takes common.seed: [0, 2**63 - 1] gets through argument parsing, anything else is one line that
+    names the flag and the range, status 2 (before: torch.manual_seed's overflow traceback once the run had
+    started, or numpy's for -1 in prepare.py)."""
+    module = importlib.import_module(script)
+    parse = (lambda argv: module.parse_args(argv)[0]) if script == "train" else module.parse_args
+    if isinstance(SEEDS[text], int):
+        assert parse(["--seed", text]).seed == SEEDS[text]
+        return
+    line = error_line(capsys, parse, ["--seed", text], prog=script)
+    assert "argument --seed: " in line and SEEDS[text] in line, line
+
+
 # A script's one line for a Ctrl-C, the same whenever it comes (prepare.py names the signal: it takes SIGTERM too)
 INTERRUPTED = {"sample": "sample.py: error: interrupted (Ctrl-C)\n",
                "probe": "probe.py: error: interrupted (Ctrl-C); nothing written\n",
