@@ -119,7 +119,9 @@ MACHINE = "machine"  # this session's alone: never taken from a checkpoint
 
 # What a model flag says beyond its mhar.Config field's comment (its help, see add_model_flags)
 FLAG_NOTES = {"vocab_size": "default: meta.json's vocab_size padded to a multiple of 64, or the "
-                            "preset's for synthetic data"}
+                            "preset's for synthetic data",
+              "delta": "default off; --init_from turns it on; without --init_from it trains delta "
+                       "routing from scratch, a mode of its own (docs/methods.md)"}
 CONFIG_FIELDS = [f.name for f in dataclasses.fields(mhar.Config)]
 
 
@@ -392,6 +394,18 @@ def take_pretrained_flags(args, given):
     midtrain.take_flags(args, given, directory, shape)
     args.init_from = str(directory)
     return directory
+
+
+def delta_note(config, ckpt, source):
+    """The line a new run of delta routing from scratch (--delta without --init_from) starts with, else None.
+    docs/methods.md: delta routing is the form for converting a trained baseline, which it starts as exactly;
+    from scratch it is a mode of its own, which the paper does not train and compare.py leaves out. Said, not
+    refused: a researcher may want that mode, but should not get it thinking they converted something. A
+    resumed run said it when it started."""
+    if not config.delta or ckpt is not None or source is not None:
+        return None
+    return ("train.py: note: --delta without --init_from trains delta routing from scratch, a mode of its own "
+            "(docs/methods.md): the paper's delta routing converts a trained baseline (--init_from CKPT)")
 
 
 def check_same_data(ckpt, data, args):
@@ -948,6 +962,7 @@ def train(args, given=frozenset()):
     # the model, its optimizer, and where the run stands
     gpt, optimizer, progress, baseline = build_model(args, config, ckpt, source, s)
     ema = WeightAverage(gpt, args.ema, ckpt) if args.ema else None
+    note = delta_note(config, ckpt, source)
     del ckpt, source
     # the first step's batch, before anything is written: one too large for memory stops here
     with memory_for("a step's batch of token ids", "--grad_accum or --batch_size"):
@@ -959,6 +974,8 @@ def train(args, given=frozenset()):
                   fingerprint(data), ema)
         start_wandb(run.report, args, progress)
         start_outputs(run)
+        if note and s.master:  # on stderr, after the run's header: every check has passed, the run starts
+            print(note, file=sys.stderr, flush=True)
         if baseline is not None:
             check_conversion(run, baseline)
             del baseline
