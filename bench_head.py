@@ -153,8 +153,12 @@ def main(argv=None):
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, ...")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # CASE HEAD: one peak measurement
     args = p.parse_args(argv)
-    if args.child:
-        return child(*args.child)
+    if args.child:  # peak_cpu's own child process: its arguments are checked all the same
+        case, head = args.child
+        if case not in CASES or head not in HEADS:
+            p.error(f"--child CASE HEAD takes a case of {list(CASES)} and a head of {list(HEADS)}, "
+                    f"not {case!r} {head!r}")
+        return child(case, head)
     cases = args.cases.split(",")
     unknown = [c for c in cases if c not in CASES]
     if unknown or args.steps < 1:

@@ -36,6 +36,17 @@ def test_a_missing_or_malformed_value_is_one_line(script, argv, capsys):
     error_line(capsys, importlib.import_module(script).main, argv)
 
 
+@pytest.mark.parametrize("argv", [["nope", "full"], ["small", "nope"], ["", ""], ["Small", "full"], ["small"]],
+                         ids=["unknown-case", "unknown-head", "empty", "case-miscased", "one-value"])
+def test_bench_heads_child_with_bad_arguments_is_one_line(argv, capsys):
+    """bench_head.py --child CASE HEAD, the process peak_cpu starts for one measurement: a case or head it does not
+    have is one line, status 2 (before: a KeyError traceback for a case, and an unknown head measured the chunked
+    one), checked before any model is built."""
+    import bench_head
+    line = error_line(capsys, bench_head.main, ["--child", *argv])
+    assert "--child" in line, line
+
+
 SEEDS = {"0": 0, str(2**63 - 1): 2**63 - 1, str(2**63): "must be in [0, 9223372036854775807]",
          "99999999999999999999999": "must be in [0, 9223372036854775807]", "-1": "must be >= 0", "": "is not a number"}
 
