@@ -68,16 +68,20 @@ Writes to --out_dir (default runs/compromise):
                      validation sequences and their scored positions (null for the baseline)
     depth_maps.png   the final site's α over its five sources, per head, averaged over the seeds
 The figure needs matplotlib (pip install matplotlib); without it results.json is still written.
-Bad input is one line on stderr and exit status 2; Ctrl-C ends with one line and exit status 130,
-leaving no results.json behind.
+Bad input is one line on stderr and exit status 2; an --out_dir that cannot be written into (a
+read-only folder, a full disk) is one line and status 1, found before the training. Ctrl-C, or
+SIGTERM (how a job scheduler stops a job), sent to the main process alone or to all of them, stops
+every worker and ends with one line and exit status 130 (143 for SIGTERM), leaving nothing behind:
+results.json and the figure are written together at the end, both whole or neither.
 """
 import argparse
 import json
 import math
+import os
 import signal
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from multiprocessing import get_context, resource_tracker
 from statistics import fmean as mean
 
@@ -86,8 +90,8 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile ends as it does later
     import torch.nn.functional as F
 
     import mhar
-    from common import (FlagParser, UserError, adamw, exit_error, output_folder, seed_of,
-                        write_atomically)
+    from common import (FlagParser, MachineError, UserError, adamw, exit_error, one_line,
+                        output_folder, remove_staging, seed_of, staged, write_atomically)
     from probe import FIGURE_DPI, pyplot
 except KeyboardInterrupt:
     print("compromise.py: error: interrupted (Ctrl-C): nothing written", file=sys.stderr)
@@ -273,10 +277,19 @@ def train(method, seed, d=64, heads=2, steps=250):
 # Running them all: two processes at a time, one thread each.
 #
 # Tiny models gain nothing from a second thread, so two single-threaded runs in parallel use a
-# 2-core machine fully. Only the main process hears Ctrl-C: the workers start with SIGINT blocked
-# and keep it so; a press while they start is held and raised once they are up, and the main
-# process then stops them. They are spawned, not forked: a fork copies a process's locks but not
-# its threads (torch's OpenMP pool among them), which can deadlock the child.
+# 2-core machine fully. They are spawned, not forked: a fork copies a process's locks but not its
+# threads (torch's OpenMP pool among them), which can deadlock the child.
+#
+# Stopping. Only the main process acts on Ctrl-C or SIGTERM, which it turns into KeyboardInterrupt
+# (main); it then stops the workers and waits for them. A terminal's Ctrl-C reaches the workers too:
+# they start with SIGINT blocked and keep it so. SIGTERM they take at its default, which is how the
+# main process stops them (Pool.terminate), and how a scheduler that signals every process of a job
+# stops them directly. The resource tracker multiprocessing starts ends by itself once every other
+# process has closed its pipe. A signal while the workers start, or while they are being stopped,
+# is held until that is done (signals_held): never a pool half started or half stopped.
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
 
 def one_thread():
     torch.set_num_threads(1)
@@ -287,29 +300,59 @@ def indexed_run(item):
     return i, train(**run)
 
 
+def interrupt(signum, frame):
+    """The main process's SIGTERM handler: the run unwinds as on Ctrl-C, the signal named."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 @contextmanager
-def ctrl_c_held():
-    """The processes started inside never hear Ctrl-C (they inherit the blocked SIGINT); a press
-    meanwhile is raised as KeyboardInterrupt at the end, never in the middle of starting one."""
-    pressed, handler = [], signal.getsignal(signal.SIGINT)
-    if handler is not signal.SIG_IGN:  # (started in the background, a press stays ignored)
-        signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
+def sigterm_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt("SIGTERM") inside the block (interrupt); restored after."""
+    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def signals_held():
+    """SIGINT and SIGTERM are noted, not acted on, while the block runs; the first one noted goes
+    to its handler once the block has ended, unless the block raised (its exception already stops
+    the run). A signal that is ignored (a job started in the background ignores Ctrl-C) or at its
+    default (no handler of ours: an in-process caller's own choice) is left as it is."""
+    held, handlers = [], {}
+    for signum in STOP_SIGNALS:
+        handler = signal.getsignal(signum)
+        if callable(handler):
+            handlers[signum] = handler
+            signal.signal(signum, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    if held:
+        handlers[held[0]](held[0], None)
+
+
+@contextmanager
+def starting_workers():
+    """The processes started inside never hear Ctrl-C (they inherit the blocked SIGINT); a stop
+    signal meanwhile is acted on at the end, never in the middle of starting one."""
+    with signals_held():
         resource_tracker.ensure_running()  # it unblocks SIGINT once started: start it first
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             yield
         finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a held press: pressed
-    finally:
-        signal.signal(signal.SIGINT, handler)
-    if pressed:
-        raise KeyboardInterrupt
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a held press: noted
 
 
 def run_all(runs, jobs, done):
     """Train every run (a dict of train()'s arguments), `jobs` at a time; done(result) is called
-    as each one finishes. Returns the results in the order of runs."""
+    as each one finishes. Returns the results in the order of runs. However it ends, no worker
+    outlives it: stopped at once on a signal, idle after the last result."""
     if jobs == 1:  # in this process
         results = []
         for run in runs:
@@ -318,15 +361,16 @@ def run_all(runs, jobs, done):
         return results
     results, pool = {}, None
     try:
-        with ctrl_c_held():
+        with starting_workers():
             pool = get_context("spawn").Pool(jobs, one_thread)
         for i, result in pool.imap_unordered(indexed_run, list(enumerate(runs))):
             results[i] = result
             done(result)
     finally:
-        if pool is not None:  # stopped at once on Ctrl-C; after the last result, idle
-            pool.terminate()
-            pool.join()
+        if pool is not None:
+            with signals_held():  # a second signal must not cut the stopping short
+                pool.terminate()
+                pool.join()
     return [results[i] for i in range(len(runs))]
 
 
@@ -486,12 +530,51 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
+PROBE_BYTES = 64 * 1024  # about what a run writes (results.json ~20 KB, depth_maps.png ~40 KB)
+
+
+def check_writable(folder):
+    """MachineError now, not after the training, when files cannot be written into `folder` (a
+    read-only file system, a full disk): a file of PROBE_BYTES is written there, flushed to disk and
+    removed, and so are the folders made for it (a run stopped later leaves nothing behind). A disk
+    that fills up during the training is found at the end, where nothing is written half."""
+    created = [d for d in (folder, *folder.parents) if not d.exists()]  # deepest first
+    probe = folder / f".probe-{os.getpid()}"
     try:
-        out_dir = output_folder(args.out_dir, "--out_dir")
-    except UserError as e:
-        exit_error("compromise.py", str(e))
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(bytes(PROBE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise MachineError(f"cannot write into {folder} ({e.strerror or one_line(e)}), found "
+                           f"before training: free some space or write elsewhere") from None
+    finally:
+        with suppress(OSError):
+            probe.unlink()
+        remove_staging(None, created)
+
+
+def write_results(out_dir, args, results):
+    """results.json and depth_maps.png moved into out_dir together (common.staged): both whole,
+    or neither. Returns the paths written."""
+    plt = pyplot()
+    if plt is None:
+        print("depth_maps.png not drawn: pip install matplotlib")
+    text, names = json.dumps(dict(args=vars(args), runs=results), indent=1), ["results.json"]
+    with staged(out_dir) as tmp:
+        write_atomically(tmp / "results.json", lambda f: f.write(text.encode()))
+        if plt is not None:
+            plot_depth_maps(plt, results, tmp / "depth_maps.png")
+            names.append("depth_maps.png")
+    return [out_dir / name for name in names]
+
+
+def run(args, written):
+    """The whole experiment: the folder checked, every run trained, the table printed, the files
+    written (their paths appended to `written`). Returns the results."""
+    out_dir = output_folder(args.out_dir, "--out_dir")
+    check_writable(out_dir)
     torch.set_num_threads(1)
     runs = [dict(method=m, seed=s, d=args.d, heads=args.heads, steps=args.steps)
             for s in args.seeds for m in METHODS]
@@ -505,26 +588,28 @@ def main(argv=None):
         print(f"[{finished:>2}/{len(runs)}] {r['method']:<16} seed {r['seed']}: val loss "
               f"{r['val_loss']:.4f}, accuracy {r['val_accuracy']:.1%} ({r['seconds']:.0f} s)",
               flush=True)
+    results = run_all(runs, min(args.jobs, len(runs)), done)
+    print(report(results))
+    with signals_held():  # a second or two: a stop meanwhile waits until both files are whole
+        written.extend(write_results(out_dir, args, results))
+    return results
+
+
+def main(argv=None):
+    args = parse_args(argv)
     written = []
     try:
-        results = run_all(runs, min(args.jobs, len(runs)), done)
-        print(report(results))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(dict(args=vars(args), runs=results), indent=1)
-        write_atomically(out_dir / "results.json", lambda f: f.write(text.encode()))
-        written.append(out_dir / "results.json")
-        plt = pyplot()
-        if plt is None:
-            print("depth_maps.png not drawn: pip install matplotlib")
-        else:
-            plot_depth_maps(plt, results, out_dir / "depth_maps.png")
-            written.append(out_dir / "depth_maps.png")
-    except KeyboardInterrupt:
-        kept = f": {written[0]} is whole, the figure not drawn" if written else ": nothing written"
-        exit_error("compromise.py", f"interrupted (Ctrl-C){kept}", status=130)
-    except OSError as e:  # a full disk, a read-only folder
-        exit_error("compromise.py", f"cannot write into {out_dir} ({e.strerror or e}); free some "
-                                    f"space or write elsewhere", status=1)
+        with sigterm_as_interrupt():
+            results = run(args, written)
+    except UserError as e:  # --out_dir is a file
+        exit_error("compromise.py", str(e))
+    except MachineError as e:  # a read-only folder, a full disk
+        exit_error("compromise.py", str(e), status=1)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (interrupt): every worker stopped
+        name = str(e) or "SIGINT"
+        kept = (f" after {' and '.join(map(str, written))} had been written whole" if written
+                else ": nothing written; the same command runs it again from the start")
+        exit_error("compromise.py", f"interrupted ({name}){kept}", status=128 + signal.Signals[name])
     print("wrote " + ", ".join(map(str, written)))
     return results
 

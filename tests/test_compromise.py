@@ -1,6 +1,8 @@
 """compromise.py: the task's targets, the frozen codes and their rotation, the frozen embedding
 through training, the table's paired statistics, a tiny run end to end (in this process and on
-two workers, which must agree), bad flags and Ctrl-C."""
+two workers, which must agree), bad flags, an --out_dir that cannot be written, and the stop
+signals (Ctrl-C, SIGTERM) with the workers they must end."""
+import errno
 import json
 import math
 import os
@@ -9,6 +11,8 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
+from pathlib import Path
 
 import pytest
 import torch
@@ -258,44 +262,224 @@ def test_bad_flags_are_one_line_and_status_2(argv, fragment, tmp_path, capsys):
     assert files_in(tmp_path) == []
 
 
-def test_an_out_dir_inside_a_file_is_one_line_and_status_2(tmp_path, capsys):
+def untrained(*args):
+    pytest.fail("it trained: the mistake should have been found before")
+
+
+@pytest.mark.parametrize("given", ["file", "file/out"], ids=["a-file", "inside-a-file"])
+def test_an_out_dir_that_is_or_lies_in_a_file_is_one_line_and_status_2(given, tmp_path, capsys,
+                                                                       monkeypatch):
     (tmp_path / "file").write_text("")
-    line = error_line(capsys, compromise.main, ["--out_dir", tmp_path / "file" / "out"])
+    monkeypatch.setattr(compromise, "run_all", untrained)
+    line = error_line(capsys, compromise.main, ["--out_dir", tmp_path / given])
     assert "is a file, not a folder" in line
+    assert files_in(tmp_path) == ["file"]
 
 
-def test_a_ctrl_c_while_the_workers_start_is_held_and_they_never_hear_one():
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as under a terminal
+def failing_open(fault):
+    """open() as compromise.py calls it, in a read-only folder (no file can be created) or on a
+    full disk (the file is created, its bytes go to /dev/full, whose writes fail with ENOSPC).
+    We run as root, whom chmod does not stop, and mounting a small file system needs privileges."""
+    def failing(path, mode="r", *args, **kwargs):
+        if fault == "read-only":
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        open(path, mode).close()
+        return open("/dev/full", mode)
+    return failing
+
+
+@pytest.mark.parametrize("fault, reason", [("read-only", "Read-only file system"),
+                                           ("full", "No space left on device")],
+                         ids=["read-only", "full-disk"])
+@pytest.mark.parametrize("exists", [True, False], ids=["existing-folder", "new-folders"])
+def test_an_out_dir_that_cannot_be_written_into_is_found_before_training(
+        fault, reason, exists, tmp_path, capsys, monkeypatch):
+    """Status 1 (the machine's problem, not the command's), before minutes of training that could
+    not be saved; the folders made for the probe are gone again, a folder that was there is kept."""
+    out = tmp_path / "out" if exists else tmp_path / "new" / "out"
+    if exists:
+        out.mkdir()
+        (out / "kept").write_text("")
+    monkeypatch.setattr(compromise, "open", failing_open(fault), raising=False)
+    monkeypatch.setattr(compromise, "run_all", untrained)
+    line = error_line(capsys, compromise.main, ["--out_dir", out], status=1)
+    assert line == (f"compromise.py: error: cannot write into {out} ({reason}), found before "
+                    f"training: free some space or write elsewhere")
+    assert files_in(tmp_path) == (["out", "out/kept"] if exists else [])
+
+
+def test_the_probe_writes_its_bytes_to_disk_and_leaves_the_folder_as_it_was(tmp_path,
+                                                                           monkeypatch):
+    synced, fsync = [], os.fsync
+
+    def recording(fd):
+        synced.append(os.fstat(fd).st_size)                   # what reached the file by then
+        return fsync(fd)
+    monkeypatch.setattr(os, "fsync", recording)
+    compromise.check_writable(tmp_path / "new" / "out")       # folders made for it: removed
+    assert files_in(tmp_path) == [] and synced == [compromise.PROBE_BYTES]
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "kept").write_text("")
+    compromise.check_writable(tmp_path / "out")               # a folder that was there: kept
+    assert files_in(tmp_path) == ["out", "out/kept"] and len(synced) == 2
+
+
+def test_a_disk_that_fills_during_training_leaves_neither_file(tmp_path, capsys, monkeypatch):
+    """results.json and the figure are written together: the figure's failure takes results.json
+    with it, and the folders made for them."""
+    def full(plt, results, path):
+        (path.parent / "depth_maps.png").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    monkeypatch.setattr(compromise, "pyplot", lambda: "matplotlib")  # installed or not
+    monkeypatch.setattr(compromise, "plot_depth_maps", full)
+    monkeypatch.setattr(compromise, "VAL_SEQUENCES", 8)              # a quicker run, in process
+    out = tmp_path / "new" / "out"
+    line = error_line(capsys, compromise.main, ["--steps", "1", "--seeds", "0", "--d", "32",
+                                                "--jobs", "1", "--out_dir", out], status=1)
+    assert f"cannot write into {out} (No space left on device): nothing written" in line
+    assert files_in(tmp_path) == []
+
+
+def test_a_signal_while_the_files_are_written_waits_for_both(tmp_path, capsys, monkeypatch):
+    """SIGTERM in the middle of writing (the figure drawn, results.json not yet moved in): it
+    stops the run once both files are whole, rather than throwing the finished runs away."""
+    write = compromise.write_results
+
+    def interrupted(out_dir, args, results):
+        os.kill(os.getpid(), signal.SIGTERM)                     # main's handler: held
+        return write(out_dir, args, results)
+    monkeypatch.setattr(compromise, "write_results", interrupted)
+    monkeypatch.setattr(compromise, "pyplot", lambda: None)       # results.json alone: quicker
+    monkeypatch.setattr(compromise, "VAL_SEQUENCES", 8)
+    out = tmp_path / "out"
+    line = error_line(capsys, compromise.main, ["--steps", "1", "--seeds", "0", "--d", "32",
+                                                "--jobs", "1", "--out_dir", out], status=143)
+    assert line == (f"compromise.py: error: interrupted (SIGTERM) after {out / 'results.json'} "
+                    f"had been written whole")
+    assert files_in(tmp_path) == ["out", "out/results.json"]
+    assert len(json.loads((out / "results.json").read_text())["runs"]) == len(compromise.METHODS)
+
+
+HANDLERS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: compromise.interrupt}
+
+
+@pytest.fixture
+def stop_handlers():
+    """SIGINT and SIGTERM as in compromise.py's main process under a terminal (both raise
+    KeyboardInterrupt); the suite's own handlers back afterwards."""
+    before = {s: signal.signal(s, handler) for s, handler in HANDLERS.items()}
+    yield
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_workers_start_is_held_and_they_never_hear_ctrl_c(signum,
+                                                                               stop_handlers):
     reached = False
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        with compromise.starting_workers():
+            os.kill(os.getpid(), signum)                      # a stop as the workers start
+            child = subprocess.run([sys.executable, "-c", "import signal; print(sorted(signal."
+                                    "pthread_sigmask(signal.SIG_BLOCK, [])))"],
+                                   capture_output=True, text=True)
+            reached = True
+    assert reached and str(stopped.value) == ("SIGTERM" if signum == signal.SIGTERM else "")
+    assert child.stdout == f"[{signal.SIGINT!r}]\n", child  # inherited: SIGINT alone blocked
+    assert all(signal.getsignal(s) is h for s, h in HANDLERS.items())  # restored
+
+
+@pytest.mark.parametrize("sent, raised", [
+    ([], None), ([signal.SIGTERM], "SIGTERM"), ([signal.SIGINT], ""),
+    ([signal.SIGTERM, signal.SIGINT, signal.SIGTERM], "SIGTERM"),
+    ([signal.SIGINT, signal.SIGTERM], ""),
+], ids=["none", "SIGTERM", "SIGINT", "three-the-first-acted-on", "SIGINT-first"])
+def test_signals_held_act_on_the_first_once_the_block_ends(sent, raised, stop_handlers):
+    done = False
     try:
-        with pytest.raises(KeyboardInterrupt):
-            with compromise.ctrl_c_held():
-                os.kill(os.getpid(), signal.SIGINT)              # a press as the workers start
-                child = subprocess.run([sys.executable, "-c", "import signal; print(signal.SIGINT "
-                                        "in signal.pthread_sigmask(signal.SIG_BLOCK, []))"],
-                                       capture_output=True, text=True)
-                reached = True
-        assert reached and child.stdout == "True\n", child  # raised after; inherited, blocked
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
-    finally:
-        signal.signal(signal.SIGINT, before)
+        with compromise.signals_held():
+            for signum in sent:
+                os.kill(os.getpid(), signum)
+            done = True
+        outcome = None
+    except KeyboardInterrupt as e:
+        outcome = str(e)
+    assert done and outcome == raised
+    assert all(signal.getsignal(s) is h for s, h in HANDLERS.items())
 
 
-def test_ctrl_c_stops_the_workers_with_one_line_and_status_130(tmp_path):
-    """A terminal's Ctrl-C reaches the whole process group: the workers, training, stay silent;
-    the main process stops them, writes nothing and exits 130."""
+def test_signals_held_leave_an_ignored_one_ignored_and_drop_one_when_the_block_raises(
+        stop_handlers):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)                # started in the background
+    with compromise.signals_held():
+        os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    with pytest.raises(ZeroDivisionError):                      # its error stops the run already
+        with compromise.signals_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            1 / 0
+    assert signal.getsignal(signal.SIGTERM) is compromise.interrupt
+
+
+def children(pid):
+    """The processes `pid` has started and not yet reaped (Linux: /proc/PID/task/*/children)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with suppress(OSError):                              # a thread that just ended
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def running(pid):
+    """Whether the process exists and has not ended (a zombie, waiting for init, has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("signum, everyone", [
+    (signal.SIGINT, True), (signal.SIGINT, False), (signal.SIGTERM, False),
+], ids=["ctrl-c-in-a-terminal", "SIGINT-to-the-main-process", "SIGTERM-to-the-main-process"])
+def test_a_stop_signal_ends_every_process_with_one_line(signum, everyone, tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group: the workers, training, stay silent. A
+    scheduler's SIGTERM, or a kill of the main process's pid, reaches the main process alone: it
+    must stop the workers itself (they trained on before, and the resource tracker with them). It
+    writes nothing and exits 128 + the signal, and its processes end with it: the workers before
+    it (it waits for them), the resource tracker right after (at the end of its pipe from every
+    other process: a moment, here a few ms, so it gets a few seconds)."""
     out = tmp_path / "out"
     p = subprocess.Popen([sys.executable, "compromise.py", "--steps", "100000", "--seeds", "0",
                           "--d", "32", "--out_dir", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"},
                          preexec_fn=sigint_as_in_a_terminal)
-    if not select.select([p.stdout], [], [], 120)[0]:  # its first line: the runs are starting
-        p.kill()
-        pytest.fail("compromise.py printed nothing for 2 minutes")
-    time.sleep(1)
-    os.killpg(p.pid, signal.SIGINT)
-    _, err = p.communicate(timeout=60)
-    assert p.returncode == 130, err
-    assert err == "compromise.py: error: interrupted (Ctrl-C): nothing written\n", err
+    try:
+        if not select.select([p.stdout], [], [], 120)[0]:  # its first line: the runs are starting
+            pytest.fail("compromise.py printed nothing for 2 minutes")
+        deadline = time.time() + 60
+        while len(started := children(p.pid)) < 3:          # the resource tracker and two workers
+            assert p.poll() is None and time.time() < deadline, started
+            time.sleep(0.05)
+        time.sleep(1)                                        # the workers importing, training
+        if everyone:
+            os.killpg(p.pid, signum)
+        else:
+            p.send_signal(signum)
+        try:
+            _, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"processes {[c for c in started if running(c)]} outlived compromise.py")
+    finally:
+        with suppress(ProcessLookupError):  # what a failure left running (start_new_session:
+            os.killpg(p.pid, signal.SIGKILL)  # the group is this run's)
+        p.wait()
+    name = signal.Signals(signum).name
+    assert p.returncode == 128 + signum, err
+    assert err == (f"compromise.py: error: interrupted ({name}): nothing written; the same "
+                   f"command runs it again from the start\n"), err
+    deadline = time.time() + 5
+    while (left := [c for c in started if running(c)]) and time.time() < deadline:
+        time.sleep(0.05)
+    assert left == []
     assert files_in(tmp_path) == []
