@@ -20,47 +20,63 @@ The file reads top to bottom: the recipe and run sizes, the flags, resuming and 
 the schedule and evaluation, the model and its optimizer, reporting, and train(); a run's safety
 (checkpoint files, the out_dir's lock, signals) is common.py's, ranks and devices parallel.py's.
 """
-import argparse
-import dataclasses
-import functools
-import inspect
-import json
-import math
 import os
-import re
-import signal
 import sys
-import time
-from contextlib import contextmanager, nullcontext, suppress
-from pathlib import Path
+
+import _signal  # signal's C half, imported with the interpreter (signal imports enum: milliseconds)
+
+
+def _interrupted(signum, frame):
+    """Ctrl-C before main() begins (torch takes seconds to import), the handler the script installs
+    first: the line of a run interrupted before training started, status 130, at once. Nothing is
+    written yet. os._exit, not an exception: C code inside an import may swallow a
+    KeyboardInterrupt (a Ctrl-C lost) or turn it into an ImportError."""
+    try:
+        os.write(2, b"train.py: error: interrupted before training started\n")
+    finally:
+        os._exit(130)
+
+
+try:  # the script's first instruction; SIGINT stays ignored where it is (nohup, `cmd &`)
+    if __name__ == "__main__" and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+        _signal.signal(_signal.SIGINT, _interrupted)
+except KeyboardInterrupt:  # a Ctrl-C in the microseconds before it
+    _interrupted(_signal.SIGINT, None)
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import signal  # noqa: E402
+import time  # noqa: E402
+from contextlib import contextmanager, nullcontext, suppress  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 # Set before torch starts OpenMP: threads waiting at a barrier sleep instead of spinning. On a
 # CPU shared with another busy process, spinning threads starve their siblings (the CPU demo
 # measured 4x slower steps).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-try:  # torch takes seconds to import: Ctrl-C meanwhile ends as it does once the run has begun
-    import numpy as np
-    import torch
-    import torch.distributed as dist
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
-    import head
-    import hf
-    import mhar
-    import midtrain
-    import parallel
-    import prepare
-    from common import (DEFAULT_CORPUS, CheckpointError, FlagParser, MachineError, StopSignals,
-                        UserError, AMOUNT, COUNT, RATE, STEPS, adamw, claim_out_dir, decay_rate,
-                        estimate_mfu, exit_error, fingerprint, fraction, largest_id, load_optimizer,
-                        logged_until, memory_for, one_line, os_error, peak_memory, read_checkpoint,
-                        read_tokens, rng_states, sample_rows, save_checkpoint, set_rng_states,
-                        unwrapped, write_text)
-    from common import seed as SEED
-    from parallel import Session, set_precision, start_session, start_sharding, wrap_model
-except KeyboardInterrupt:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # exiting: common.ignore_stop_signals's reason
-    print("train.py: error: interrupted before training started", file=sys.stderr, flush=True)
-    sys.exit(130)
+import head  # noqa: E402
+import hf  # noqa: E402
+import mhar  # noqa: E402
+import midtrain  # noqa: E402
+import parallel  # noqa: E402
+import prepare  # noqa: E402
+from common import (DEFAULT_CORPUS, CheckpointError, FlagParser, MachineError,  # noqa: E402
+                    StopSignals, UserError, AMOUNT, COUNT, RATE, STEPS, adamw, claim_out_dir,
+                    decay_rate, estimate_mfu, exit_error, fingerprint, fraction,
+                    ignore_stop_signals, largest_id, load_optimizer, logged_until, memory_for,
+                    one_line, os_error, peak_memory, read_checkpoint, read_tokens, rng_states,
+                    sample_rows, save_checkpoint, set_rng_states, unwrapped, write_text)
+from common import seed as SEED  # noqa: E402
+from parallel import Session, set_precision, start_session, start_sharding, wrap_model  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # The recipe (Multi-Head Attention Residuals, Luo, Cai, Hu 2026, "Training and reproducibility
@@ -1095,6 +1111,8 @@ def print_sample(run, prompt_tokens=48, new_tokens=128):
 def main(argv=None):
     """Train; the exit status is 0, or 128 + the number of the signal that stopped the run."""
     try:
+        if signal.getsignal(signal.SIGINT) is _interrupted:  # main begins: KeyboardInterrupt until training
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # starts, then StopSignals
         args, given = parse_args(argv)
         summary = train(args, given)
     except UserError as e:  # bad input: a flag, a file, a folder in use
@@ -1105,6 +1123,9 @@ def main(argv=None):
         fail(f"could not write {e.filename or 'the outputs'}: {e.strerror or one_line(e)}")
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
         exit_error("train.py", "interrupted before training started", status=130)
+    # the run is over, finished or stopped with its checkpoint: the script's process ignores
+    # signals from here on (too late; its teardown would otherwise die of one without a word)
+    ignore_stop_signals("train.py")
     if summary["stop_signal"]:
         sys.exit(128 + summary["stop_signal"])
     return summary

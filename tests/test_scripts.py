@@ -69,12 +69,13 @@ def test_a_seed_is_an_int64_at_or_above_zero_in_every_script(script, text, capsy
 # A script's one line for a Ctrl-C, the same whenever it comes (prepare.py names the signal: it takes SIGTERM too)
 INTERRUPTED = {"sample": "sample.py: error: interrupted (Ctrl-C)\n",
                "probe": "probe.py: error: interrupted (Ctrl-C); nothing written\n",
-               "prepare": "prepare.py: error: interrupted (SIGINT); nothing written\n"}
+               "prepare": "prepare.py: error: interrupted (SIGINT); nothing written\n",
+               "train": "train.py: error: interrupted before training started\n"}
 
 
 @pytest.mark.parametrize("script, module", [("sample", "torch"), ("probe", "torch"), ("prepare", "numpy"),
                                             ("sample", "argparse"), ("probe", "argparse"), ("prepare", "argparse"),
-                                            ("prepare", "datetime")])
+                                            ("prepare", "datetime"), ("train", "argparse")])
 def test_ctrl_c_while_a_script_imports_is_one_line(script, module, tmp_path):
     """A Ctrl-C during the seconds torch (or numpy) takes to import: one line and status 130, as
     once the work has begun, not a KeyboardInterrupt traceback. The import is held until the

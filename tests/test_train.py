@@ -402,6 +402,27 @@ def test_a_second_signal_stops_at_once_but_not_a_forwarded_copy():
     assert exit.value.code == 130
 
 
+@pytest.mark.parametrize("stop_signal", [0, signal.SIGINT, signal.SIGTERM],
+                         ids=["finished", "stopped-by-ctrl-c", "stopped-by-sigterm"])
+def test_a_run_that_is_over_ignores_signals_until_its_process_ends(stop_signal, monkeypatch):
+    """Once train() has returned, the run finished or stopped with its checkpoint, main has the
+    script's process ignore SIGINT and SIGTERM (common.ignore_stop_signals, which does so only in
+    train.py's own process): a Ctrl-C then is too late, and the interpreter's teardown, which puts
+    the signals back to their defaults, would otherwise die of it without a word. A real run held
+    as it exits: test_scripts.py's test_ctrl_c_once_the_run_has_finished_is_too_late, for
+    sample.py and prepare.py, which end as train.py does."""
+    ignored = []
+    monkeypatch.setattr(train, "train", lambda args, given: {"stop_signal": stop_signal})
+    monkeypatch.setattr(train, "ignore_stop_signals", ignored.append)
+    if stop_signal:
+        with pytest.raises(SystemExit) as e:
+            train.main([])
+        assert e.value.code == 128 + stop_signal
+    else:
+        assert train.main([]) == {"stop_signal": 0}
+    assert ignored == ["train.py"]
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_more_signals_while_a_stopped_run_exits_keep_its_status_and_checkpoint(data, tmp_path,
                                                                               signum):
