@@ -61,7 +61,7 @@ from pathlib import Path
 import mhar
 import prepare
 import probe
-from common import (FlagParser, MachineError, UserError, exit_error, one_line, output_folder, staged,
+from common import (FlagParser, MachineError, UserError, exit_error, one_line, output_folder, seed, staged,
                     training_data, write_atomically)
 
 HERE = Path(__file__).resolve().parent
@@ -86,6 +86,11 @@ def int_list(text):
     return [int(v) for v in text.split(",") if v.strip()]
 
 
+def seed_list(text):
+    """An argparse type: comma-separated seeds, each one common.seed takes (an int64 >= 0), e.g. "0,1,2"."""
+    return [seed(v.strip()) for v in text.split(",") if v.strip()]
+
+
 def parse_args(argv=None):
     p = FlagParser(prog="compare.py", description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--methods", help=f"comma-separated residual modes (default {','.join(METHODS)}; with "
@@ -93,8 +98,9 @@ def parse_args(argv=None):
     p.add_argument("--route_heads", help="comma-separated head counts: train mhar once per H")
     for name in SHAPE_FLAGS:
         p.add_argument(f"--{name}", help=f"train.py's --{name}; a comma-separated list is a grid axis")
-    p.add_argument("--seeds", default="0", help="comma-separated seeds of every run (default 0)")
-    p.add_argument("--baseline_seeds", default="", help="extra seeds for the baseline alone: the noise level")
+    p.add_argument("--seeds", type=seed_list, default="0", help="comma-separated seeds of every run (default 0)")
+    p.add_argument("--baseline_seeds", type=seed_list, default="",
+                   help="extra seeds for the baseline alone: the noise level")
     p.add_argument("--out_dir", default="runs/compare", help="one folder per run inside (default runs/compare)")
     p.add_argument("--nproc_per_node", type=int, default=1, help="processes per run; > 1 launches torchrun (DDP)")
     p.add_argument("--versus", default="", help="comma-separated methods (e.g. attnres,attnres-T4): a paired table "
@@ -112,13 +118,11 @@ def parse_args(argv=None):
         if any(f == flag or f.startswith(flag + "=") for f in train_flags):
             exit_error("compare.py", f"{flag} is set per run by compare.py; leave it out")
     try:
-        args.seeds = int_list(args.seeds)
-        args.baseline_seeds = int_list(args.baseline_seeds)
         args.route_heads = int_list(args.route_heads) if args.route_heads else None
         args.shape = {k: int_list(getattr(args, k)) for k in SHAPE_FLAGS if getattr(args, k)}
     except ValueError:
-        exit_error("compare.py", "--seeds, --route_heads and the shape flags take comma-separated integers, "
-                                 "e.g. --seeds 0,1")
+        exit_error("compare.py", "--route_heads and the shape flags take comma-separated integers, e.g. "
+                                 "--route_heads 1,2,4")
     if not args.seeds:
         exit_error("compare.py", "--seeds needs at least one seed, e.g. --seeds 0")
     default = ("baseline", "mhar") if args.route_heads else METHODS

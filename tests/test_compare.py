@@ -71,7 +71,7 @@ def test_a_temperature_method_is_attnres_at_its_route_temperature():
     (["--residual", "mhar"], "--residual is set per run by compare.py; leave it out"),
     (["--methods", "baseline,transformer"], "unknown method 'transformer'"),
     (["--methods", "baseline", "--route_heads", "2"], "--route_heads sweeps mhar's heads: add mhar to --methods"),
-    (["--n_kv_head", "1,x"], "--seeds, --route_heads and the shape flags take comma-separated integers"),
+    (["--n_kv_head", "1,x"], "--route_heads and the shape flags take comma-separated integers"),
     (["--methods", "baseline,attnres-T0", "--preset", "tiny"],
      "run attnres-T0-s0 cannot be built at preset tiny: Config.route_temperature: must be a positive number"),
     (["--methods", "baseline-T2"], "unknown method 'baseline-T2'"),
@@ -100,6 +100,21 @@ def test_an_out_dir_inside_a_file_stops_before_training_with_one_line(tmp_path, 
     (tmp_path / "notes.txt").write_text("mine")
     err = error_line(capsys, compare.main, ["--methods", "baseline", "--out_dir", tmp_path / "notes.txt"])
     assert "notes.txt is a file, not a folder" in err and files_in(tmp_path) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("flag, text, seeds", [
+    ("--seeds", "0", [0]), ("--seeds", "3,1,2", [3, 1, 2]), ("--seeds", "9223372036854775807", [2**63 - 1]),
+    ("--baseline_seeds", "", []), ("--baseline_seeds", " 5 , 6 ", [5, 6]),
+    ("--seeds", "9223372036854775808", "must be in [0, 9223372036854775807] (an int64), not 9223372036854775808"),
+    ("--seeds", "99999999999999999999999", "must be in [0, 9223372036854775807]"),
+    ("--baseline_seeds", "1,-1", "must be >= 0, not -1"), ("--seeds", "0,x", "'x' is not a number"),
+], ids=["one", "three", "largest", "none", "spaces", "one_past_the_largest", "huge", "negative", "not_a_number"])
+def test_seeds_are_int64s_at_least_zero(flag, text, seeds, capsys):
+    if isinstance(seeds, list):
+        assert getattr(compare.parse_args([flag, text])[0], flag[2:]) == seeds
+    else:
+        err = error_line(capsys, compare.parse_args, [flag, text], prog="compare")
+        assert err.startswith(f"compare.py: error: argument {flag}: {seeds}"), err
 
 
 def row(name, variant, baseline, seed, loss):
