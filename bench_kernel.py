@@ -15,20 +15,26 @@ import sys
 import time
 from contextlib import contextmanager
 
-import torch
+try:  # torch and triton take seconds to import: Ctrl-C meanwhile ends as it does later
+    import torch
 
-if __name__ == "__main__" and (not torch.cuda.is_available() or "--host" in sys.argv):
-    # without a GPU (and for --host anywhere) the kernels run in Triton's interpreter, which
-    # triton.jit consults when it decorates them: switch it on before kernel.py imports triton
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    if __name__ == "__main__" and (not torch.cuda.is_available() or "--host" in sys.argv):
+        # without a GPU (and for --host anywhere) the kernels run in Triton's interpreter, which
+        # triton.jit consults when it decorates them: switch it on before kernel.py imports triton
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
-try:
-    import kernel  # noqa: E402
-except RuntimeError as error:  # no triton: one line, as every script's
-    print(f"bench_kernel.py: error: {error}", file=sys.stderr)
-    raise SystemExit(2)
-import mhar  # noqa: E402
-from kernel import FusedHistory, fused_route  # noqa: E402
+    try:
+        import kernel
+    except RuntimeError as error:  # no triton: one line, as every script's
+        print(f"bench_kernel.py: error: {error}", file=sys.stderr)
+        raise SystemExit(2)
+    import mhar
+    from kernel import FusedHistory, fused_route
+except KeyboardInterrupt:
+    if __name__ != "__main__":  # imported (gpu_check.py, the tests): the importer says it
+        raise
+    print("bench_kernel.py: error: interrupted (Ctrl-C)", file=sys.stderr)
+    raise SystemExit(130)
 
 # The paper's kernel table: all 2L+1 sites forward + backward for one microbatch, bf16 sources,
 # (preset, d, L, B, T). H = 8 at every scale, as in the paper's later version (the earlier one
@@ -460,13 +466,22 @@ def _copy_bandwidth(timer):
 
 
 def main(argv=None):
-    from common import FlagParser  # one line for a wrong flag, as every script
+    from common import FlagParser, exit_error  # one line for a wrong flag, as every script
     parser = FlagParser(prog="bench_kernel.py", description="Check the fused routing against "
                         "mhar.route; with a GPU, benchmark it; --traffic prints the modeled bytes.")
     parser.add_argument("--traffic", action="store_true", help="the traffic model at the kernel-table shapes")
     parser.add_argument("--host", action="store_true",
                         help="the host (Python) time per site with the launches stubbed (CPU, interpreter)")
     args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        exit_error("bench_kernel.py", "interrupted (Ctrl-C): what finished is printed above",
+                   status=130)
+
+
+def run(args):
+    """What main's flags ask for; the exit status: 1 when the check failed."""
     if args.traffic:
         print_traffic()
         return 0

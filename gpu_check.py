@@ -39,21 +39,25 @@ import statistics
 import sys
 import time
 
-import torch
+try:  # torch and triton take seconds to import: Ctrl-C meanwhile ends as it does later
+    import torch
 
-if not torch.cuda.is_available():
-    # the kernels run in Triton's interpreter, which triton.jit consults when it decorates them
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    if not torch.cuda.is_available():
+        # the kernels run in Triton's interpreter, which triton.jit consults when it decorates them
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
-try:
-    import kernel  # noqa: E402
-except RuntimeError as error:  # no triton: one line, as every script's
-    print(f"gpu_check.py: error: {error}", file=sys.stderr)
-    raise SystemExit(2)
-import mhar  # noqa: E402
-from bench_kernel import (HEADS, KERNEL_TABLE, auto_group, fused_network,  # noqa: E402
-                          rounded_to_nearest, stacked_network, traffic)
-from common import AMOUNT, FlagParser, exit_error  # noqa: E402
+    try:
+        import kernel
+    except RuntimeError as error:  # no triton: one line, as every script's
+        print(f"gpu_check.py: error: {error}", file=sys.stderr)
+        raise SystemExit(2)
+    import mhar
+    from bench_kernel import (HEADS, KERNEL_TABLE, auto_group, fused_network,
+                              rounded_to_nearest, stacked_network, traffic)
+    from common import AMOUNT, FlagParser, exit_error
+except KeyboardInterrupt:
+    print("gpu_check.py: error: interrupted (Ctrl-C)", file=sys.stderr)
+    raise SystemExit(130)
 
 # (sites, B, T, d, H) of the parity chain: on a GPU the 100m depth and width, whose bf16 kernels
 # (G = 5) the routing and the 100m steps then find compiled; --tiny's
@@ -525,7 +529,11 @@ def main(argv=None):
     if not args.tiny and not torch.cuda.is_available():
         exit_error("gpu_check.py", "no CUDA GPU here: the check measures one; --tiny runs its "
                                    "code at tiny shapes, --plan prints its expected times")
-    _, verdict = run_check(args.tiny, args.budget)
+    try:
+        _, verdict = run_check(args.tiny, args.budget)
+    except KeyboardInterrupt:  # measured() lets it through: one part's failure, not a stop
+        exit_error("gpu_check.py", "interrupted (Ctrl-C): no table; what finished is printed above",
+                   status=130)
     return 1 if "FAILED" in verdict else 0
 
 

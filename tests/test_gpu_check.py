@@ -1,16 +1,26 @@
 """gpu_check.py's CPU part: the whole check at tiny shapes (kernels in the Triton interpreter,
 compiled configurations traced with aot_eager, the GPU's timings faked), its table's rows and
-columns and the arithmetic behind them."""
+columns and the arithmetic behind them, its budget's boundary; Ctrl-C in it and in
+bench_kernel.py's check, one line and status 130."""
 import io
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
 from contextlib import redirect_stdout
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import bench_kernel
 import gpu_check
 import train
 from bench_kernel import HEADS, traffic
-from helpers import interpreted
+from helpers import (ROOT, error_line, interpreted, interrupted_while_importing,
+                     sigint_as_in_a_terminal)
 
 
 def takes_compile_mode():
@@ -105,3 +115,111 @@ def test_the_plan_fits_five_minutes_with_every_captured_step(capsys):
     assert [part for part, _, run in rows if not run] == [("350m", "compiled")]
     gpu_check.main(["--plan"])
     assert capsys.readouterr().out.splitlines()[-1].split()[:3] == ["in", "all", str(total)]
+
+
+@pytest.mark.parametrize("budget, runs", [(25, True), (24, False), (26, True), (0, False)],
+                         ids=["equal-runs", "one-less-skips", "one-more-runs", "none"])
+def test_a_part_that_ends_exactly_at_the_budget_runs(budget, runs, monkeypatch):
+    monkeypatch.setitem(gpu_check.EXPECTED_S, "parity", 25)
+    check = gpu_check.Budget(budget, enforce=True)
+    monkeypatch.setattr(check, "elapsed", lambda: 0.0)
+    assert check.fits("parity") is runs
+    monkeypatch.setattr(check, "elapsed", lambda: 7.0)             # later: 7 + 25 against it
+    assert check.fits("parity") is (budget >= 32)
+    parts, _ = gpu_check.plan(budget)                              # the plan decides alike
+    assert parts[0] == ("parity", 25, runs)
+
+
+@pytest.mark.parametrize("spent, runs", [(22 + 3, True), (22 + 3 - 1, False)],
+                         ids=["two-parts-exactly", "one-second-short"])
+def test_the_plan_runs_a_part_that_ends_exactly_at_the_budget(spent, runs):
+    """parity (22 s) then the 100m routing (3 s): a budget of their sum runs both."""
+    parts, _ = gpu_check.plan(spent)
+    assert parts[1] == (("routing", "100m"), 3, runs) and parts[0][2] == (spent >= 22)
+
+
+def test_tokens_per_second_count_every_timed_step_and_no_other(monkeypatch):
+    """A stand-in step advances a stand-in clock: the first (compiling) 2 s, each later one 0.25 s.
+    Four timed steps of batch 1 x 8 tokens in 1 s: 32 tok/s; the first step's time apart."""
+    clock, durations = [0.0], iter([2.0] + [0.25] * 10)
+
+    def step(*args):
+        clock[0] += next(durations)
+    monkeypatch.setattr(train, "train_step", step)
+    monkeypatch.setattr(gpu_check, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    flags = gpu_check.step_config("tiny", "baseline", tiny=True)
+    assert flags[flags.index("--batch_size") + 1] == "1"
+    assert flags[flags.index("--seq_len") + 1] == "8"
+    r = gpu_check.train_steps(flags, gpu_check.FakeClock(), steps=4, warm=2)
+    assert r["first s"] == 2.0 and r["tok/s"] == pytest.approx(4 * 1 * 8 / (4 * 0.25))
+    assert next(durations) == 0.25 and clock[0] == 2.0 + 6 * 0.25  # 1 + 2 warm + 4 timed
+
+
+def test_x_base_is_the_row_tokens_per_second_over_the_baseline_s():
+    """A row twice as fast as the baseline reads 2.00x, half as fast 0.50x; without a measured
+    baseline (skipped, failed) no row has one."""
+    def steps(tok_s):
+        return {"first s": 1.0, "tok/s": tok_s, "peak GiB": 1.0, "graphs": 0, "recompiles": 0,
+                "cudagraph skips": 0}
+    stepped = {("100m", "baseline"): steps(1000.0), ("100m", "readable"): steps(500.0),
+               ("100m", "fused"): steps(2000.0), ("350m", "baseline"): "skipped: over the budget",
+               ("350m", "fused"): steps(700.0)}
+    rows, _ = gpu_check.table([], {}, stepped)
+    assert [row.get("x base") for row in rows] == [1.0, 0.5, 2.0, None, None]
+    assert [gpu_check.cell(row["x base"], "x base") for row in rows[:3]] == ["1.00", "0.50", "2.00"]
+
+
+def interrupted(*args):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("part", ["parity", "routing", "train_steps"])
+def test_ctrl_c_in_the_gpu_check_is_one_line_and_status_130(part, monkeypatch, capsys):
+    """Each part runs inside measured(), which makes a failure a row of the table: Ctrl-C is not a
+    failure, it ends the check (before: 63 lines of traceback)."""
+    for name in ("parity", "routing", "train_steps"):
+        monkeypatch.setattr(gpu_check, name, interrupted if name == part else
+                            (lambda *args: "stand-in: a row"))
+    try:
+        line = error_line(capsys, gpu_check.main, ["--tiny"], status=130)
+    except KeyboardInterrupt:  # escaping, it would stop pytest itself
+        pytest.fail("gpu_check.main let the KeyboardInterrupt through")
+    assert line == ("gpu_check.py: error: interrupted (Ctrl-C): no table; what finished is "
+                    "printed above")
+
+
+def test_ctrl_c_in_the_kernel_check_is_one_line_and_status_130(monkeypatch, capsys):
+    monkeypatch.setattr(bench_kernel, "_check", interrupted)  # the CPU's check, or the GPU's
+    try:
+        line = error_line(capsys, bench_kernel.main, [], status=130)
+    except KeyboardInterrupt:
+        pytest.fail("bench_kernel.main let the KeyboardInterrupt through")
+    assert line == "bench_kernel.py: error: interrupted (Ctrl-C): what finished is printed above"
+
+
+@pytest.mark.parametrize("script", ["gpu_check", "bench_kernel"])
+def test_ctrl_c_while_a_kernel_script_imports_is_one_line(script, tmp_path):
+    """torch and triton take seconds to import; the import of torch is held until the signal."""
+    status, _, stderr = interrupted_while_importing([f"{script}.py"], "torch", tmp_path)
+    assert status == 130 and stderr == f"{script}.py: error: interrupted (Ctrl-C)\n", stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's check: without a GPU")
+@pytest.mark.parametrize("delay", [0.0, 1.0], ids=["as-it-starts", "a-second-in"])
+def test_ctrl_c_in_bench_kernels_cpu_check_is_one_line_and_status_130(delay):
+    """The real thing, in the Triton interpreter, at two moments after the check has begun."""
+    p = subprocess.Popen([sys.executable, "bench_kernel.py"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_in_a_terminal,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert select.select([p.stdout], [], [], 120)[0], "bench_kernel.py printed nothing"
+        assert p.stdout.readline().startswith("no CUDA GPU: checking the kernels")
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+        p.wait()
+    assert p.returncode == 130, err
+    assert err == ("bench_kernel.py: error: interrupted (Ctrl-C): what finished is printed "
+                   "above\n"), err
