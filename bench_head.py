@@ -18,15 +18,41 @@ Peak memory: on a CPU each case and head runs two steps in a child process of it
 before any timed step, which reports its resident set before the first step (torch, the model, its
 data) and its maximum resident set (the kernel's count: a process's peak never comes down, hence
 the children); on CUDA, the allocator's peak of each step.
+
+Ctrl-C: one line and exit status 130, whenever it comes.
 """
-import argparse
-import functools
-import json
 import os
-import statistics
-import subprocess
 import sys
-import time
+
+import _signal  # signal's C half, imported with the interpreter (signal imports enum: milliseconds)
+
+
+def _interrupted(signum, frame):
+    """Ctrl-C before the work begins (torch takes a second or more to import), the handler the
+    script installs first: its one line, status 130, at once. os._exit, not an exception: C code
+    inside an import may swallow a KeyboardInterrupt (a Ctrl-C lost) or turn it into an
+    ImportError."""
+    try:
+        os.write(2, b"bench_head.py: error: interrupted (Ctrl-C)\n")
+    finally:
+        os._exit(130)
+
+
+try:  # the script's first instruction; SIGINT stays ignored where it is (nohup, `cmd &`)
+    if __name__ == "__main__" and _signal.getsignal(_signal.SIGINT) == _signal.default_int_handler:
+        # a measuring child (--child) dies of a terminal's Ctrl-C without a word: its parent, which
+        # the Ctrl-C reaches too, says it
+        _signal.signal(_signal.SIGINT, _signal.SIG_DFL if "--child" in sys.argv else _interrupted)
+except KeyboardInterrupt:  # a Ctrl-C in the microseconds before it
+    _interrupted(_signal.SIGINT, None)
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
 
 # Before torch starts OpenMP, as in train.py: spinning threads starve the other processes of a
 # shared CPU
@@ -35,8 +61,8 @@ import torch  # noqa: E402
 
 import mhar  # noqa: E402
 from head import linear_cross_entropy, squared_log_z  # noqa: E402
-from common import (FlagParser, UserError, adamw, max_resident_bytes, peak_memory,  # noqa: E402
-                    pick_device)
+from common import (FlagParser, UserError, adamw, exit_error, ignore_stop_signals,  # noqa: E402
+                    max_resident_bytes, peak_memory, pick_device)
 
 QWEN3_4K = dict(vocab_size=151936, seq_len=4096, n_embd=128, n_head=4, n_kv_head=2, ffn_hidden=384)
 CASES = {  # name: (preset, overrides, batch size, z_loss)
@@ -92,8 +118,13 @@ def peak_cpu(case, head):
     """(resident set before the steps, maximum resident set) of a child running two steps."""
     proc = subprocess.Popen([sys.executable, __file__, "--child", case, head],
                             stdout=subprocess.PIPE, text=True)
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
+    try:
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+    except BaseException:  # Ctrl-C: a child that it did not reach (kill -INT) stops too
+        proc.kill()
+        proc.wait()
+        raise
     if status != 0:
         sys.exit(f"bench_head.py: error: the {case} {head} child failed ({status})")
     return json.loads(out)["before"], max_resident_bytes(usage)
@@ -168,13 +199,19 @@ def main(argv=None):
         device = pick_device(args.device)
     except UserError as e:
         p.error(str(e))
-    print(f"{torch.get_num_threads()} threads, {device}, float32")
-    # the children first: a child's maximum resident set starts from this process's resident set
-    # when it forks, which the timed steps would raise
-    peaks = {(case, head): peak_cpu(case, head) for case in cases for head in HEADS
-             if device.type == "cpu"}
-    for case in cases:
-        bench(case, args.steps, device, {head: peaks.get((case, head)) for head in HEADS})
+    try:
+        if signal.getsignal(signal.SIGINT) is _interrupted:  # the work begins: Ctrl-C unwinds
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # (and stops a child)
+        print(f"{torch.get_num_threads()} threads, {device}, float32")
+        # the children first: a child's maximum resident set starts from this process's resident
+        # set when it forks, which the timed steps would raise
+        peaks = {(case, head): peak_cpu(case, head) for case in cases for head in HEADS
+                 if device.type == "cpu"}
+        for case in cases:
+            bench(case, args.steps, device, {head: peaks.get((case, head)) for head in HEADS})
+    except KeyboardInterrupt:
+        exit_error("bench_head.py", "interrupted (Ctrl-C)", status=130)
+    ignore_stop_signals("bench_head.py")  # every line is out: a Ctrl-C is too late (the teardown)
 
 
 if __name__ == "__main__":

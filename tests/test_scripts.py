@@ -2,8 +2,11 @@
 and exit status 2, never argparse's usage block (one style for every script, as the README's
 "Files" section says)."""
 import importlib
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -70,12 +73,14 @@ def test_a_seed_is_an_int64_at_or_above_zero_in_every_script(script, text, capsy
 INTERRUPTED = {"sample": "sample.py: error: interrupted (Ctrl-C)\n",
                "probe": "probe.py: error: interrupted (Ctrl-C); nothing written\n",
                "prepare": "prepare.py: error: interrupted (SIGINT); nothing written\n",
-               "train": "train.py: error: interrupted before training started\n"}
+               "train": "train.py: error: interrupted before training started\n",
+               "bench_head": "bench_head.py: error: interrupted (Ctrl-C)\n"}
 
 
 @pytest.mark.parametrize("script, module", [("sample", "torch"), ("probe", "torch"), ("prepare", "numpy"),
                                             ("sample", "argparse"), ("probe", "argparse"), ("prepare", "argparse"),
-                                            ("prepare", "datetime"), ("train", "argparse")])
+                                            ("prepare", "datetime"), ("train", "argparse"),
+                                            ("bench_head", "argparse"), ("bench_head", "torch")])
 def test_ctrl_c_while_a_script_imports_is_one_line(script, module, tmp_path):
     """A Ctrl-C during the seconds torch (or numpy) takes to import: one line and status 130, as
     once the work has begun, not a KeyboardInterrupt traceback. The import is held until the
@@ -84,6 +89,45 @@ def test_ctrl_c_while_a_script_imports_is_one_line(script, module, tmp_path):
     paragraph about a bad install)."""
     status, _, stderr = interrupted_while_importing([f"{script}.py"], module, tmp_path)
     assert status == 130 and stderr == INTERRUPTED[script], stderr
+
+
+def test_ctrl_c_ends_bench_heads_child_without_a_word(tmp_path):
+    """A terminal's Ctrl-C reaches bench_head.py and its measuring child alike: the child dies of it
+    silently (its parent says the one line), even while it imports torch."""
+    status, stdout, stderr = interrupted_while_importing(["bench_head.py", "--child", "small", "full"], "torch",
+                                                         tmp_path)
+    assert status == -signal.SIGINT and stdout == stderr == "", stderr
+
+
+def test_ctrl_c_while_benchmarking_is_one_line_and_stops_the_child(monkeypatch, capsys):
+    """A Ctrl-C while bench_head.py waits for a measuring child: one line, status 130, and the child
+    is stopped (a Ctrl-C sent to the parent alone, kill -INT, would have left it running)."""
+    import threading
+
+    import bench_head
+    children, popen = [], subprocess.Popen
+
+    def child(argv, **kwargs):  # a child that would measure for a minute
+        children.append(popen([sys.executable, "-c", "import time; time.sleep(60)"], **kwargs))
+        return children[-1]
+    monkeypatch.setattr(bench_head.subprocess, "Popen", child)
+    def interrupt():  # once the parent waits for its child
+        for _ in range(6000):
+            if children:
+                break
+            time.sleep(0.01)
+        time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGINT)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a suite run with `&` ignores it
+    try:
+        threading.Thread(target=interrupt, daemon=True).start()
+        line = error_line(capsys, bench_head.main, ["--cases", "small"], status=130)
+    except KeyboardInterrupt:  # escaping, it would stop pytest itself
+        pytest.fail("bench_head.main let the KeyboardInterrupt through")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert line == INTERRUPTED["bench_head"].strip()
+    assert len(children) == 1 and children[0].poll() is not None
 
 
 @pytest.fixture(scope="module")
