@@ -652,6 +652,9 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
     # write into a hidden temporary folder beside the result, move the files in at the end:
     # a failure, Ctrl-C or SIGTERM leaves neither half-written files nor folders we created
     out = output_folder(out, "--out")
+    if (out / name).exists() and not (out / name).is_dir():  # found now, not after the work
+        raise PrepareError(f"--out {out} --name {name}: {out / name} is a file, not a folder: choose "
+                           f"another --name (or --out)")
     created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
     tmp = None
     try:

@@ -395,6 +395,27 @@ def test_prepare_out_naming_a_file_is_one_line(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine" and sorted(files_in(tmp_path))[-1] == "notes.txt"
 
 
+@pytest.mark.parametrize("kind", ["file", "folder", "none"])
+def test_prepare_name_naming_a_file_is_one_line(kind, tmp_path, capsys):
+    """--out DIR --name NAME where DIR/NAME is a file: one line, status 2, the file kept, before any work
+    (before: a FileExistsError traceback once the corpus was tokenized). A folder there (a previous run's) or
+    nothing: written."""
+    _prep_corpus(tmp_path / "c")
+    (tmp_path / "data").mkdir()
+    if kind == "file":
+        (tmp_path / "data" / "c").write_text("mine")
+    elif kind == "folder":
+        (tmp_path / "data" / "c").mkdir()
+    argv = ["--input", tmp_path / "c", "--out", tmp_path / "data", "--tokenizer", "bytes", "--quiet"]
+    if kind != "file":
+        prepare.main([str(a) for a in argv])
+        assert files_in(tmp_path / "data") == ["c", "c/meta.json", "c/train.bin", "c/val.bin"]
+        return
+    line = error_line(capsys, prepare.main, argv)
+    assert f"{tmp_path / 'data' / 'c'} is a file, not a folder" in line, line
+    assert files_in(tmp_path / "data") == ["c"] and (tmp_path / "data" / "c").read_text() == "mine"
+
+
 def test_prepare_hf_offline_fails_cleanly(tmp_path, capsys, monkeypatch):
     def load_dataset(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'HuggingFaceFW/fineweb-edu' on the Hub\n(a second line)")
