@@ -316,11 +316,12 @@ def sigterm_as_interrupt():
 
 
 @contextmanager
-def signals_held():
+def signals_held(act=True):
     """SIGINT and SIGTERM are noted, not acted on, while the block runs; the first one noted goes
-    to its handler once the block has ended, unless the block raised (its exception already stops
-    the run). A signal that is ignored (a job started in the background ignores Ctrl-C) or at its
-    default (no handler of ours: an in-process caller's own choice) is left as it is."""
+    to its handler once the block has ended, unless the block raised or act is False (the run is
+    already ending, for its first reason). A signal that is ignored (a job started in the
+    background ignores Ctrl-C) or at its default (no handler of ours: an in-process caller's own
+    choice) is left as it is."""
     held, handlers = [], {}
     for signum in STOP_SIGNALS:
         handler = signal.getsignal(signum)
@@ -332,7 +333,7 @@ def signals_held():
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-    if held:
+    if held and act:
         handlers[held[0]](held[0], None)
 
 
@@ -359,16 +360,17 @@ def run_all(runs, jobs, done):
             results.append(train(**run))
             done(results[-1])
         return results
-    results, pool = {}, None
+    results, pool, finished = {}, None, False
     try:
         with starting_workers():
             pool = get_context("spawn").Pool(jobs, one_thread)
         for i, result in pool.imap_unordered(indexed_run, list(enumerate(runs))):
             results[i] = result
             done(result)
+        finished = True
     finally:
-        if pool is not None:
-            with signals_held():  # a second signal must not cut the stopping short
+        if pool is not None:  # a signal must not cut the stopping short; a second one is dropped
+            with signals_held(act=finished):
                 pool.terminate()
                 pool.join()
     return [results[i] for i in range(len(runs))]
@@ -609,7 +611,8 @@ def main(argv=None):
         name = str(e) or "SIGINT"
         kept = (f" after {' and '.join(map(str, written))} had been written whole" if written
                 else ": nothing written; the same command runs it again from the start")
-        exit_error("compromise.py", f"interrupted ({name}){kept}", status=128 + signal.Signals[name])
+        exit_error("compromise.py", f"interrupted ({name}){kept}",
+                   status=128 + signal.Signals[name])
     print("wrote " + ", ".join(map(str, written)))
     return results
 

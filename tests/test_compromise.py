@@ -408,7 +408,7 @@ def test_signals_held_act_on_the_first_once_the_block_ends(sent, raised, stop_ha
     assert all(signal.getsignal(s) is h for s, h in HANDLERS.items())
 
 
-def test_signals_held_leave_an_ignored_one_ignored_and_drop_one_when_the_block_raises(
+def test_signals_held_leave_an_ignored_one_ignored_and_drop_one_when_the_run_is_ending(
         stop_handlers):
     signal.signal(signal.SIGINT, signal.SIG_IGN)                # started in the background
     with compromise.signals_held():
@@ -418,6 +418,9 @@ def test_signals_held_leave_an_ignored_one_ignored_and_drop_one_when_the_block_r
         with compromise.signals_held():
             os.kill(os.getpid(), signal.SIGTERM)
             1 / 0
+    assert signal.getsignal(signal.SIGTERM) is compromise.interrupt
+    with compromise.signals_held(act=False):                   # a stop already under way
+        os.kill(os.getpid(), signal.SIGTERM)
     assert signal.getsignal(signal.SIGTERM) is compromise.interrupt
 
 
