@@ -86,8 +86,9 @@ import _signal  # signal's C half, imported with the interpreter (signal itself 
 
 
 def _interrupted(signum, frame):
-    """Ctrl-C before the work begins (torch takes a second or more to import), the handler the script installs
-    first: its one line, status 130, at once. Nothing is written yet. os._exit, not an exception: C code inside an
+    """Ctrl-C before probe() begins its files (torch takes a second or more to import; matplotlib, the
+    measurements), the handler the script installs first: its one line, status 130, at once. Nothing is written
+    yet. os._exit, not an exception: C code inside an
     import may swallow a KeyboardInterrupt (a Ctrl-C lost) or turn it into an ImportError."""
     try:
         os.write(2, b"probe.py: error: interrupted (Ctrl-C); nothing written\n")
@@ -577,6 +578,8 @@ def probe(args):
         summary["runs"] = summarize_runs(runs)
     if plt is None and (figures or runs):
         summary["notes"].append("matplotlib is not installed: no figures; pip install matplotlib, then run again")
+    if signal.getsignal(signal.SIGINT) is _interrupted:  # the files begin: a Ctrl-C unwinds through staged()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     with staged(out_dir) as tmp:  # every file whole, or none
         if plt is not None:
             for name, plot in figures:
@@ -643,8 +646,6 @@ def parse_args(argv=None):
 
 def main(argv=None):
     try:
-        if signal.getsignal(signal.SIGINT) is _interrupted:  # the work begins: Ctrl-C unwinds through staged()
-            signal.signal(signal.SIGINT, signal.default_int_handler)
         summary, out_dir = probe(parse_args(argv))
     except (UserError, ValueError) as e:
         exit_error("probe.py", str(e))

@@ -30,8 +30,8 @@ import _signal  # signal's C half, imported with the interpreter (signal itself 
 
 
 def _interrupted(signum, frame):
-    """Ctrl-C before the work begins (torch takes a second or more to import), the handler the script installs
-    first: one line, status 130, at once. Nothing is written yet. os._exit, not an exception: C code inside an
+    """Ctrl-C before sampling begins (torch takes a second or more to import), the handler the script installs
+    first: one line, status 130, at once. Nothing is printed yet. os._exit, not an exception: C code inside an
     import may swallow a KeyboardInterrupt (a Ctrl-C lost) or turn it into an ImportError."""
     try:
         os.write(2, b"sample.py: error: interrupted (Ctrl-C)\n")
@@ -178,11 +178,12 @@ def main(argv=None):
             current = i
         print(text, end="", flush=True)
     try:
-        if signal.getsignal(signal.SIGINT) is _interrupted:  # the work begins: Ctrl-C ends the sample's line first
-            signal.signal(signal.SIGINT, signal.default_int_handler)
         model, ckpt = load_model(args.ckpt, pick_device(args.device))
-        samples = sample(model, codec_for(model, ckpt, args.tokenizer), args.prompt, args.num_samples,
-                         args.max_new_tokens, args.temperature, args.top_k or None, args.seed, show)
+        codec = codec_for(model, ckpt, args.tokenizer)  # (imports prepare.py, tiktoken: the first handler's)
+        if signal.getsignal(signal.SIGINT) is _interrupted:  # printing begins: Ctrl-C ends the sample's line first
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        samples = sample(model, codec, args.prompt, args.num_samples, args.max_new_tokens, args.temperature,
+                         args.top_k or None, args.seed, show)
     except UserError as e:
         exit_error("sample.py", str(e))
     except KeyboardInterrupt:
