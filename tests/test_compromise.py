@@ -340,9 +340,21 @@ def test_a_disk_that_fills_during_training_leaves_neither_file(tmp_path, capsys,
     assert files_in(tmp_path) == []
 
 
-def test_a_signal_while_the_files_are_written_waits_for_both(tmp_path, capsys, monkeypatch):
-    """SIGTERM in the middle of writing (the figure drawn, results.json not yet moved in): it
-    stops the run once both files are whole, rather than throwing the finished runs away."""
+@pytest.fixture
+def stray_sigterm():
+    """SIGTERM at a handler that fails the test: a SIGTERM that main's handler does not catch would
+    otherwise end pytest itself."""
+    def stray(signum, frame):
+        raise AssertionError("SIGTERM reached the test's own handler: main installed none")
+    before = signal.signal(signal.SIGTERM, stray)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
+def test_a_signal_while_the_files_are_written_waits_for_both(tmp_path, capsys, monkeypatch,
+                                                               stray_sigterm):
+    """SIGTERM as the files are being written: it stops the run once they are whole, rather than
+    throwing the finished runs away."""
     write = compromise.write_results
 
     def interrupted(out_dir, args, results):
