@@ -905,7 +905,10 @@ def fresh(qwen3, tmp_path_factory):
                 prompts=GEN_PROMPTS)
     (root / "run").mkdir()
     (root / "run" / "check.py").write_text(FRESH_PROCESS)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the repository stays off
+    # the repository stays off; so does tests/mutate.py's mutant, whose trampolines in the exported copy of a
+    # mutated modeling_mhar.py would look for mutmut's configuration in this folder (the process runs the
+    # original functions, as it would under another module name anyway)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MUTANT_UNDER_TEST")}
     env.update(HF_HOME=str(root / "hf-home"), HF_MODULES_CACHE=str(root / "hf-modules"),
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS="1")
@@ -1151,24 +1154,25 @@ WINDOW = 16
 @pytest.fixture(scope="module")
 def remote(tmp_path_factory):
     """A routed export of a window of WINDOW positions and the MHARForCausalLM that transformers builds
-    from it, in this process: the directory's own three files imported as a package (as
-    trust_remote_code does, but without writing into the user's module cache)."""
-    import importlib
-    import importlib.machinery
+    from it, in this process: the directory's own three files, modeling_mhar.py imported as a package
+    whose folder is the directory (its relative imports read the directory's configuration_mhar.py and
+    mhar.py, as trust_remote_code's do, without writing into the user's module cache). It is named
+    modeling_mhar, as the repository's file is: tests/mutate.py's mutants of modeling_mhar.py, which
+    hf.save copies, reach it."""
     import importlib.util
     directory = tmp_path_factory.mktemp("remote")
     torch.manual_seed(0)
     model = open_routing(GPT(tiny("mhar", vocab_size=100, seq_len=WINDOW, route_block=2)).eval())
     hf.save(model, directory)
-    spec = importlib.machinery.ModuleSpec("exported_mhar", None, is_package=True)
-    spec.submodule_search_locations = [str(directory)]
-    sys.modules["exported_mhar"] = importlib.util.module_from_spec(spec)
+    spec = importlib.util.spec_from_file_location("modeling_mhar", directory / "modeling_mhar.py",
+                                                  submodule_search_locations=[str(directory)])
+    modeling = sys.modules["modeling_mhar"] = importlib.util.module_from_spec(spec)
     try:
-        modeling = importlib.import_module("exported_mhar.modeling_mhar")
+        spec.loader.exec_module(modeling)
         theirs = modeling.MHARForCausalLM.from_pretrained(directory).eval()
-        yield types.SimpleNamespace(model=model, theirs=theirs, directory=directory)
+        yield types.SimpleNamespace(model=model, theirs=theirs, directory=directory, modeling=modeling)
     finally:
-        for name in [n for n in sys.modules if n.split(".")[0] == "exported_mhar"]:
+        for name in [n for n in sys.modules if n.split(".")[0] == "modeling_mhar"]:
             del sys.modules[name]
 
 
