@@ -94,7 +94,8 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile ends as it does later
                         output_folder, remove_staging, seed_of, staged, write_atomically)
     from probe import FIGURE_DPI, pyplot
 except KeyboardInterrupt:
-    print("compromise.py: error: interrupted (Ctrl-C): nothing written", file=sys.stderr)
+    print("compromise.py: error: interrupted (SIGINT): nothing written; the same command runs it "
+          "again from the start", file=sys.stderr)
     sys.exit(130)
 
 # %%

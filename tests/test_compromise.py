@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import compromise
-from helpers import PNG_SIGNATURE, ROOT, error_line, files_in, sigint_as_in_a_terminal
+from helpers import (PNG_SIGNATURE, ROOT, error_line, files_in, interrupted_while_importing,
+                     sigint_as_in_a_terminal)
 
 
 @pytest.mark.parametrize("n", [1, 7], ids=["one-sequence", "seven-sequences"])
@@ -370,6 +371,13 @@ def test_a_signal_while_the_files_are_written_waits_for_both(tmp_path, capsys, m
                     f"had been written whole")
     assert files_in(tmp_path) == ["out", "out/results.json"]
     assert len(json.loads((out / "results.json").read_text())["runs"]) == len(compromise.METHODS)
+
+
+def test_ctrl_c_while_it_imports_says_as_much_as_later(tmp_path):
+    """torch takes seconds to import; the import is held until the signal comes."""
+    status, _, err = interrupted_while_importing(["compromise.py"], "torch", tmp_path)
+    assert status == 130 and err == ("compromise.py: error: interrupted (SIGINT): nothing "
+                                     "written; the same command runs it again from the start\n")
 
 
 HANDLERS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: compromise.interrupt}
