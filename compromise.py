@@ -328,7 +328,7 @@ def signals_held(act=True):
         handler = signal.getsignal(signum)
         if callable(handler):
             handlers[signum] = handler
-            signal.signal(signum, lambda signum, frame: held.append(signum))
+            signal.signal(signum, lambda noted, frame: held.append(noted))
     try:
         yield
     finally:
@@ -370,7 +370,9 @@ def run_all(runs, jobs, done):
             done(result)
         finished = True
     finally:
-        if pool is not None:  # a signal must not cut the stopping short; a second one is dropped
+        # a signal must not cut the stopping short; after a stop, a second one is dropped (the
+        # first names the stop)
+        if pool is not None:
             with signals_held(act=finished):
                 pool.terminate()
                 pool.join()
