@@ -812,4 +812,7 @@ def _interrupt(signum, frame):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # however main ended (--help: argparse exits by itself), a signal is too late: ignored
+        ignore_stop_signals("prepare.py")

@@ -1132,4 +1132,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # however main ended (--help: argparse exits by itself), a signal is too late: ignored
+        ignore_stop_signals("train.py")

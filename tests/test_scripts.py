@@ -184,16 +184,21 @@ def test_ctrl_c_at_any_moment_is_one_line_or_a_finished_run(script, delay, runs,
     check_interrupted_or_finished(script, *interrupted_after(argv, delay, tmp_path), out)
 
 
-@pytest.mark.parametrize("script", ["sample", "prepare"])
-def test_ctrl_c_once_the_run_has_finished_is_too_late(script, runs, tmp_path):
+@pytest.mark.parametrize("script, help", [("sample", False), ("prepare", False), ("prepare", True)],
+                         ids=["sample", "prepare", "prepare-help"])
+def test_ctrl_c_once_the_run_has_finished_is_too_late(script, help, runs, tmp_path):
     """A Ctrl-C as the process exits, its work done (held there): ignored, the finished run's output and status 0;
     before, a KeyboardInterrupt traceback from the exit handlers, or (in the interpreter's teardown, once it has
-    put SIGINT back to its default) a death by the signal without a word."""
+    put SIGINT back to its default) a death by the signal without a word. --help too, which argparse ends by
+    itself (before: the script's line, status 130, and the help lost when stdout is a pipe)."""
     out = tmp_path / "data"
-    argv = runs[script] + (["--out", out] if script == "prepare" else [])
+    argv = [f"{script}.py", "--help"] if help else runs[script] + (["--out", out] if script == "prepare" else [])
     status, stdout, stderr = interrupted_while_exiting(argv, tmp_path)
     assert status == 0, stderr
-    check_interrupted_or_finished(script, status, stdout, stderr, out)
+    if help:
+        assert stderr == "" and stdout.startswith(f"usage: {script}.py ") and not files_in(out), stderr
+    else:
+        check_interrupted_or_finished(script, status, stdout, stderr, out)
 
 
 def test_ctrl_c_while_probing_is_one_line(monkeypatch, capsys):
