@@ -23,8 +23,17 @@ run unchanged (--preset, --max_steps, --batch_size, ...), but --fused, which onl
 (attnres, mhar) take. Each run is a train.py process of its own (so its peak memory is its own) writing
 runs/compare/<name>/; a finished run is not trained again, and one stopped before its end (Ctrl-C,
 SIGTERM) goes on from its checkpoint (train.py --resume), so the same command continues a comparison.
+A run folder is reused or resumed only when the run it holds was trained as this one would be: its
+config.json (a finished run) or ckpt.pt (a stopped one) records the same preset, model, data (path and
+content), schedule, seed and method (only flags that say how a run computes or reports, as --device,
+--batch_size at the same global batch or --fused, may differ). Any other run there, or a summary.json
+without a config.json, stops the comparison before anything trains; a torn summary.json is a run that did
+not finish. Two runs that would train alike (--seeds 0,0, --methods mhar-T2,mhar-T2.0) are refused too.
 --jobs N trains N runs at a time, each with 1/N of the cores (OMP_NUM_THREADS, unless set) and its output
-in runs/compare/<name>.out.
+in runs/compare/<name>.out. A line says when each run ends, in how long, and how many are left. After a
+run fails no other starts (those under way finish). SIGINT or SIGTERM to compare.py reaches every run
+under way: each saves a checkpoint and stops, and compare.py exits with 128 + the signal's number once
+they have; the same command goes on from there.
 
 Pairs. Each run is paired with the baseline of the same shape and the same seed: the same initialization
 seed and the same batches, so their difference is free of most of the noise that separates two seeds. The
@@ -44,13 +53,17 @@ and its paired difference to the baseline a column of the paired table.
 Writes results.md (both tables), results.json, and with matplotlib loss_curves.png (every run) and
 paired_curves.png (each method's paired difference to the baseline at every evaluation, mean ± s.e. over
 the seeds) into --out_dir.
-A flag out of range or an impossible shape is one line on stderr and exit status 2.
+A flag out of range, an impossible shape, or any mistake a run would meet in its first second (a device
+or data that is not there, --fused without triton, a bad train.py flag) is one line on stderr and exit
+status 2 before the first run starts; an --out_dir that cannot be written, one line and status 1.
 """
 import argparse
+import dataclasses
 import json
 import math
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -61,8 +74,8 @@ from pathlib import Path
 import mhar
 import prepare
 import probe
-from common import (FlagParser, MachineError, UserError, exit_error, one_line, output_folder, seed, staged,
-                    training_data, write_atomically)
+from common import (FlagParser, MachineError, UserError, exit_error, fingerprint, ignore_stop_signals, one_line,
+                    output_folder, pick_device, read_checkpoint, seed, staged, training_data, write_atomically)
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("baseline", "hyper", "attnres", "mhar")
@@ -195,25 +208,174 @@ def runs_of(args):
     return runs
 
 
+def train_argv(run, train_flags, out_dir="."):
+    """The flags of `run`'s train.py: the shared ones (--fused only for the routed runs, the others have no
+    routing to fuse), then the run's own, then its folder under out_dir."""
+    routed = run.method in ("attnres", "mhar")
+    return [*(f for f in train_flags if routed or f != "--fused"), *run.flags, "--out_dir",
+            str(Path(out_dir) / run.name)]
+
+
 def check_shapes(runs, train_flags):
-    """Build every run's mhar.Config (at the preset the runs train) before anything trains: a grid cell that
-    cannot exist (n_kv_head not dividing n_head, ...) stops the comparison at once, with one line; so does a
-    flag train.py does not take, or a bad value of one (train.py's own line)."""
-    import train  # its default preset, its flags
+    """Build every run's mhar.Config (at the preset the runs train, with every model flag) before anything
+    trains: a grid cell that cannot exist (n_kv_head not dividing n_head, --seq_len 0, ...) stops the
+    comparison at once, with one line; so does a flag train.py does not take, or a bad value of one (train.py's
+    own line)."""
+    import train  # its flags
     train.parse_args([*train_flags, *runs[0].flags])
-    preset = argparse.ArgumentParser(add_help=False)
-    preset.add_argument("--preset", default=train.DEFAULT_PRESET)
-    preset = preset.parse_known_args(train_flags)[0].preset
-    if preset not in mhar.PRESETS:
-        exit_error("compare.py", f"unknown --preset {preset}: choose from {', '.join(mhar.PRESETS)}")
     for run in runs:
-        fields = dict(zip(run.flags[::2], run.flags[1::2]))  # {"--residual": "mhar", "--n_kv_head": "2", ...}
-        fields.pop("--seed")
+        args, _ = train.parse_args(train_argv(run, train_flags))
+        fields = {k: getattr(args, k) for k in train.CONFIG_FIELDS if getattr(args, k) is not None}
         try:
-            mhar.preset(preset, **{k[2:]: v if k == "--residual" else float(v) if k == "--route_temperature"
-                                   else int(v) for k, v in fields.items()})
-        except ValueError as e:
-            exit_error("compare.py", f"run {run.name} cannot be built at preset {preset}: {one_line(e)}")
+            mhar.preset(args.preset, **fields)
+        except (ValueError, TypeError) as e:
+            exit_error("compare.py", f"run {run.name} cannot be built at preset {args.preset}: {one_line(e)}")
+
+
+# train.py's flags that say how a run computes or reports, not what it trains: a run may differ in them and
+# still be the run asked for (train.py lets a resumed run change them too). --batch_size splits the global
+# batch, which is compared instead; the machine's flags (--device, --grad_accum, ...) are never compared.
+HOW_NOT_WHAT = ("batch_size", "log_interval", "wandb", "fused", "fused_group", "checkpointing")
+
+
+def identity_keys():
+    """The resolved flags that make a run what it is, in train.py's order: the preset, the data, the seed,
+    the schedule, the model and its routing (the method); then the global batch."""
+    import train
+    return [k for k, role in train.ROLES.items() if role != train.MACHINE and k not in HOW_NOT_WHAT] + \
+        ["global_batch"]
+
+
+def resolve_runs(runs, train_flags, world, out_dir):
+    """{run name: the flags train.py would resolve for it (its config.json's "args": the run sizes of its
+    preset, every mhar.Config field), JSON's values}, without writing anything. On the way, every mistake
+    a run would meet in its first second stops the comparison here, with one line: a device that is not
+    there, data that is not there or does not fit the model, --fused without triton. A built-in corpus
+    that is missing is prepared now, once (every run would)."""
+    import train
+    resolved, tokens = {}, None
+    for i, run in enumerate(runs):
+        args, given = train.parse_args(train_argv(run, train_flags, out_dir))
+        args = train.resolve_flags(args, given, world)[0]
+        if i == 0:  # the data and the device: every run's
+            try:
+                pick_device(args.device)
+                tokens = train.open_data(args, 0, False)
+            except UserError as e:
+                exit_error("compare.py", e)
+        config = train.model_config(args, tokens.meta if tokens else {})
+        if i == 0:
+            train.check_data(tokens, config)  # the vocabulary and --seq_len: the same for every run
+        if config.fused:
+            check_fused()
+        resolved[run.name] = json.loads(json.dumps(vars(args), default=str))
+    return resolved, fingerprint(tokens)
+
+
+def check_fused():
+    """--fused: the kernels can run in the runs' processes (triton is there, and a GPU or the interpreter),
+    as train.py checks when it builds the model."""
+    try:
+        import kernel
+        kernel.check_available()
+    except (ImportError, RuntimeError) as e:
+        exit_error("compare.py", f"--fused: {one_line(e)}; or leave --fused out")
+
+
+def check_duplicates(runs, resolved):
+    """Two runs that train.py would train alike (the same seed, method and shape, whatever their names:
+    --seeds 0,0, --methods mhar-T2,mhar-T2.0, --route_heads 4,4) stop the comparison with one line."""
+    keys, seen = identity_keys(), {}
+    for run in runs:
+        same = seen.setdefault(tuple(json.dumps(resolved[run.name].get(k)) for k in keys), run)
+        if same is run:
+            continue
+        what = f"{run.name} is asked for twice" if same.name == run.name else \
+            f"{same.name} and {run.name} are the same run (train.py would train both with the same flags)"
+        exit_error("compare.py", f"{what}: give each seed, method and shape once")
+
+
+def flag_default(name):
+    """What a run recorded before train.py had the flag `name` trained with: its default (a model flag's:
+    mhar.Config's)."""
+    import train
+    fields = {f.name: f.default for f in dataclasses.fields(mhar.Config)}
+    return fields[name] if name in fields else train.PARSER.get_default(name)
+
+
+def same_data(then, now):
+    """Whether two --data values name the same folder: the same path, or two paths to one folder."""
+    if os.path.normpath(then) == os.path.normpath(now):
+        return True
+    try:
+        return os.path.samefile(then, now)
+    except OSError:  # one of them is not there (or synthetic)
+        return False
+
+
+def first_difference(recorded, asked):
+    """The first flag (in train.py's order, identity_keys) whose value a run recorded differs from the one
+    asked for, as words ("--n_layer 3, not 4"), or None when none differs. A flag the record lacks (a run of
+    an older train.py) had its default; a global batch it lacks is not compared."""
+    for key in identity_keys():
+        if key == "global_batch" and key not in recorded:
+            continue
+        then, now = recorded.get(key, flag_default(key)), asked.get(key)
+        if then == now or key == "data" and isinstance(then, str) and isinstance(now, str) and same_data(then, now):
+            continue
+        if key == "global_batch":
+            return f"a global batch of {then} sequences, not {now} (--batch_size x --grad_accum x ranks)"
+        if isinstance(then, bool) and isinstance(now, bool):
+            return f"--{key}, not without it" if then else f"no --{key}, not with it"
+        return f"--{key} {then}, not {now}"
+    return None
+
+
+def read_json(path):
+    """The JSON object in a file, or None: the file is missing, empty, torn (a crash mid-write by another
+    tool) or not an object."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def finished(summary):
+    """Whether a summary.json (read_json's) is a finished train.py run's, with the numbers the tables take."""
+    return summary is not None and summary.get("finished") is True and all(
+        k in summary for k in ("params", "tail_val_loss", "tokens_per_s", "peak_mem", "step"))
+
+
+def prior_run(folder, asked, data_print):
+    """What `folder` holds of the run `asked` (its resolved flags): "finished" (reused), "stopped" (a
+    checkpoint to resume) or None (nothing to reuse: trained from its start). UserError when it holds
+    another run, or one whose flags cannot be read (a summary.json without config.json: not train.py's).
+    A finished run's flags are its config.json's; a stopped one's its checkpoint's, which train.py --resume
+    would continue; the checkpoint also remembers the data's content (common.fingerprint)."""
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{folder} is a file, not a run's folder: move it away or choose another --out_dir")
+    done = finished(read_json(folder / "summary.json"))
+    ckpt_path = folder / "ckpt.pt"
+    ckpt = read_checkpoint(ckpt_path, keys=() if done else ("args", "config")) if ckpt_path.is_file() else None
+    if done:
+        record = read_json(folder / "config.json")
+        if record is None or not isinstance(record.get("args"), dict):
+            raise UserError(f"{folder} holds a summary.json but no config.json that says how its run was trained: "
+                            f"move it away or choose another --out_dir")
+        recorded = {**record["args"], **(record.get("config") or {})}
+    elif ckpt is not None:
+        recorded = {**ckpt["args"], **ckpt["config"]}
+    else:
+        return None
+    difference = first_difference(recorded, asked)
+    saved = (ckpt or {}).get("data_fingerprint")
+    if difference is None and saved is not None and saved != data_print:
+        difference = f"other data than {asked['data']} holds now (then: {saved}; now: {data_print})"
+    if difference is not None:
+        raise UserError(f"{folder} holds a run trained with {difference}: move it away or choose another "
+                        f"--out_dir")
+    return "finished" if done else "stopped"
 
 
 def check_eval(args, train_flags):
@@ -237,19 +399,83 @@ def check_eval(args, train_flags):
         exit_error("compare.py", e)
 
 
+def duration(seconds):
+    """A wall time in words, as precise as a reader of minutes-long runs needs: "42 s", "3 min 5 s",
+    "2 h 7 min"."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+
+
+def progress(done, total):
+    """How far the runs this command trains are: "3 of 8 done, 5 left", "8 of 8 done"."""
+    return f"{done} of {total} done" + (f", {total - done} left" if done < total else "")
+
+
+def names(folders):
+    return ", ".join(folder.name for folder in folders)
+
+
+def interrupted(signum, saved, unsaved):
+    """The line of a comparison that a signal stopped: which of the runs under way stopped at a checkpoint
+    (`saved`, their folders), which had none yet (`unsaved`: they start again), and what to do."""
+    what = [f"{names(saved)} stopped at a checkpoint"] if saved else []
+    what += [f"{names(unsaved)} had no checkpoint yet (started again next time)"] if unsaved else []
+    return (f"interrupted ({signal.Signals(signum).name}); " + ("; ".join(what) or "no run was under way")
+            + ": run the same command to go on")
+
+
+class Forwarded:
+    """SIGINT and SIGTERM to compare.py while runs train: each run under way gets it too (train.py then
+    saves a checkpoint after its step and exits with 128 + the signal's number; a second one stops it at
+    once), and no other run starts. A `kill PID` or `timeout` reaches compare.py alone, and its runs would
+    otherwise go on writing without it; a terminal's Ctrl-C reaches the runs directly as well, and train.py
+    takes a second SIGINT within a second as the same one. Once compare.py stops because of a signal, as a
+    script it ignores any other while it exits (common.ignore_stop_signals)."""
+
+    def __init__(self, running):
+        self.running, self.signum = running, 0  # running: the processes under way
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        if self.signum and ignore_stop_signals("compare.py"):
+            return
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum, frame):
+        self.signum = self.signum or signum
+        for process in list(self.running):
+            self.forward(process, signum)
+
+    @staticmethod
+    def forward(process, signum):
+        try:  # (a process that has just ended is not signalled: send_signal checks)
+            process.send_signal(signum)
+        except OSError:
+            pass
+
+
 def train_all(commands, jobs):
-    """Train each run (out_dir: its train.py command) in a process of its own, unless its folder already holds a
-    finished one; `jobs` at a time, each on 1/jobs of the cores with its output in <out_dir>.out (one at a
-    time: on this terminal). Returns their summaries, in order."""
-    todo = [(out_dir, command) for out_dir, command in commands.items()
-            if not (out_dir / "summary.json").is_file()]
+    """Train each run (its folder: its train.py command) in a process of its own, `jobs` at a time, each on
+    1/jobs of the cores with its output in <folder>.out (one at a time: on this terminal), and say when
+    each ends. After a run fails no other starts (the runs under way finish), and compare.py exits with one
+    line, status 1; after SIGINT or SIGTERM (Forwarded), once every run under way has stopped, with one line
+    and 128 + the signal's number."""
+    todo = list(commands.items())
     env = dict(os.environ)
     if jobs > 1:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
-    running, failed = {}, []  # running: process -> (its out_dir, its output file)
-    try:
-        while todo or running:
-            while todo and len(running) < jobs:
+    running, failed, stopped, done = {}, [], [], 0  # running: process -> (its folder, output file, start time)
+    with Forwarded(running) as signals:
+        while todo and not failed and not signals.signum or running:
+            while todo and len(running) < jobs and not failed and not signals.signum:
                 out_dir, command = todo.pop(0)
                 print(f"=== {out_dir.name}: {' '.join(command[1:])}", flush=True)
                 output = None
@@ -259,29 +485,39 @@ def train_all(commands, jobs):
                     print(f"    (its output: {output.name})", flush=True)
                 process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT
                                            if output else None)
-                running[process] = (out_dir, output)
+                running[process] = (out_dir, output, time.monotonic())
+                if signals.signum:  # it came while this run was being started
+                    signals.forward(process, signals.signum)
             process = next(iter(running)) if jobs == 1 else wait_any(running)
             process.wait()
-            out_dir, output = running.pop(process)
+            out_dir, output, start = running.pop(process)
             if output:
                 output.close()
-                print(f"=== {out_dir.name}: {'finished' if process.returncode == 0 else 'failed'}", flush=True)
-            if process.returncode != 0:
+            took, status = duration(time.monotonic() - start), process.returncode
+            if status == 0:
+                done += 1
+                print(f"=== {out_dir.name}: finished in {took} ({progress(done, len(commands))})", flush=True)
+            elif signals.signum:
+                print(f"=== {out_dir.name}: stopped after {took}", flush=True)
+                stopped.append(out_dir)
+            else:
+                print(f"=== {out_dir.name}: failed after {took} (exit status {status})", flush=True)
                 failed.append(out_dir)
-                todo.clear()  # the runs under way finish; no new one starts
-    except KeyboardInterrupt:  # the runs got the Ctrl-C too: each saves its checkpoint and stops
-        for process in running:
-            process.wait()
-        exit_error("compare.py", "interrupted; the runs stopped at a checkpoint: run the same command to go on",
-                   status=130)
+        if signals.signum:
+            exit_error("compare.py", interrupted(signals.signum, [f for f in stopped if (f / "ckpt.pt").is_file()],
+                                                 [f for f in stopped if not (f / "ckpt.pt").is_file()]),
+                       status=128 + signals.signum)
     if failed:
         where = "its output is above" if jobs == 1 else f"see {failed[0].parent / failed[0].name}.out"
-        sys.exit(f"compare.py: error: the run {failed[0]} failed ({where}); fix it and run again")
-    return [json.loads((out_dir / "summary.json").read_text()) for out_dir in commands]
+        exit_error("compare.py", f"the run {failed[0]} failed ({where}); "
+                                 + (f"{len(todo)} other run{'s' if len(todo) > 1 else ''} not started; "
+                                    if todo else "")
+                                 + "fix it and run the same command again", status=1)
 
 
-def wait_any(processes, poll_s=1.0):
-    """The first of the processes to exit (polled: a second is nothing to runs of minutes)."""
+def wait_any(processes, poll_s=0.2):
+    """The first of the processes to exit (polled: a fifth of a second is nothing to runs of minutes, and
+    the line of a run that ended comes at once)."""
     while True:
         for process in processes:
             if process.poll() is not None:
@@ -454,30 +690,65 @@ def report(rows, metrics=(), against=()):
 
 
 def main(argv=None):
+    try:
+        comparison(argv)
+    except KeyboardInterrupt:  # Ctrl-C while no run trains (train_all passes it on to the runs under way)
+        exit_error("compare.py", "interrupted (SIGINT) while no run was training; the finished runs are kept: run "
+                                 "the same command to go on", status=130)
+
+
+def planned(runs, train_flags, asked, data_print, out_dir, launcher):
+    """{run folder: its train.py command} of the runs to train now: those whose folder holds nothing to
+    reuse, and those stopped before their end (Ctrl-C, a preemption), which go on from their checkpoint
+    (--resume); a finished one is reused, with a line. A folder holding another run stops the comparison
+    (prior_run)."""
+    commands = {}
+    for run in runs:
+        try:
+            prior = prior_run(out_dir / run.name, asked[run.name], data_print)
+        except UserError as e:
+            exit_error("compare.py", e)
+        if prior == "finished":
+            print(f"=== {run.name}: trained before with these flags, reused", flush=True)
+            continue
+        resume = ["--resume"] if prior == "stopped" else []
+        commands[out_dir / run.name] = [*launcher, str(HERE / "train.py"), *train_argv(run, train_flags, out_dir),
+                                        *resume]
+    return commands
+
+
+def comparison(argv):
+    """The runs of argv's comparison, checked, trained (or reused) and evaluated; then their tables and figures."""
     args, train_flags = parse_args(argv)
     try:  # before the first run starts, not when train.py makes the first run's folder
-        output_folder(args.out_dir, "--out_dir")
+        out_dir = output_folder(args.out_dir, "--out_dir")
     except UserError as e:
         exit_error("compare.py", e)
     runs = runs_of(args)
     check_shapes(runs, train_flags)
+    asked, data_print = resolve_runs(runs, train_flags, args.nproc_per_node, out_dir)
+    check_duplicates(runs, asked)
     manager = check_eval(args, train_flags)
     device = argparse.ArgumentParser(add_help=False)
     device.add_argument("--device", default="auto")  # the runs' device evaluates them too
     device = device.parse_known_args(train_flags)[0].device
-    out_dir = Path(args.out_dir)
     launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone",
                                     f"--nproc_per_node={args.nproc_per_node}"] if args.nproc_per_node > 1 else [])
-    commands = {}
-    for run in runs:
-        routed = run.method in ("attnres", "mhar")  # --fused applies to the routed runs alone
-        shared = [f for f in train_flags if routed or f != "--fused"]
-        # a run stopped before its end (Ctrl-C, a preemption) left its checkpoint: it goes on from there
-        resume = ["--resume"] if (out_dir / run.name / "ckpt.pt").is_file() else []
-        commands[out_dir / run.name] = [*launcher, str(HERE / "train.py"), *shared, *run.flags,
-                                        "--out_dir", str(out_dir / run.name), *resume]
+    commands = planned(runs, train_flags, asked, data_print, out_dir, launcher)
+    if commands:
+        try:  # a folder the runs cannot write: one line now, not each run's and then this one's
+            with staged(out_dir):
+                pass
+        except MachineError as e:
+            exit_error("compare.py", f"--out_dir: {e}", status=1)
+        train_all(commands, args.jobs)
+    summaries = [read_json(out_dir / run.name / "summary.json") for run in runs]
+    unfinished = [run.name for run, summary in zip(runs, summaries) if not finished(summary)]
+    if unfinished:  # train.py ended early but well (--stop_step), or another process broke it since
+        exit_error("compare.py", f"the run {out_dir / unfinished[0]} ended before its last step (no finished "
+                                 f"summary.json): run the same command to go on", status=1)
     rows, metrics = [], {}  # metrics: lm-eval's task/metric names, in order
-    for run, summary in zip(runs, train_all(commands, args.jobs)):
+    for run, summary in zip(runs, summaries):
         rows.append(dict(name=run.name, variant=run.variant, baseline=run.baseline, seed=run.seed,
                          params=summary["params"], tail_val_loss=summary["tail_val_loss"],
                          tokens_per_s=summary["tokens_per_s"] or 0.0, peak_mem=summary["peak_mem"] or 0,

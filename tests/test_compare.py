@@ -4,13 +4,20 @@ import json
 import math
 import os
 import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 import compare
 import mhar
 import prepare
-from helpers import PNG_SIGNATURE, VOCAB, error_line, files_in, needs, write_task
+from helpers import PNG_SIGNATURE, ROOT, VOCAB, error_line, files_in, needs, write_task
 
 
 def runs(*argv):
@@ -115,6 +122,381 @@ def test_seeds_are_int64s_at_least_zero(flag, text, seeds, capsys):
     else:
         err = error_line(capsys, compare.parse_args, [flag, text], prog="compare")
         assert err.startswith(f"compare.py: error: argument {flag}: {seeds}"), err
+
+
+# ----------------------------------------------------------------------------------------------
+# Run folders reused only for the run asked for; every mistake of a run's first second before the first run;
+# a failed run or a signal stops the queue (no train.py runs: its processes are stand-ins).
+
+TINY = ["--preset", "tiny", "--seq_len", "32", "--batch_size", "2", "--max_steps", "4", "--warmup_steps", "1",
+        "--eval_interval", "2", "--eval_batches", "1", "--device", "cpu"]
+
+
+class StandIn:
+    """A train.py process that trains nothing: it exits with `status` once polled `polls` times (None: it
+    runs until a signal stops it, and fails the test after 50 polls without one); `on_wait` runs when
+    compare.py first polls or waits on it (a signal arriving then). A signal it is sent ends it with
+    128 + its number, as train.py's stop does."""
+
+    def __init__(self, command, status=0, polls=0, on_wait=None):
+        self.name = Path(command[command.index("--out_dir") + 1]).name
+        self.command, self.status, self.polls, self.on_wait = command, status, polls, on_wait
+        self.returncode, self.signals, self.waited = None, [], 0
+
+    def poll(self):
+        if self.on_wait:
+            self.on_wait, on_wait = None, self.on_wait
+            on_wait(self)
+        if self.returncode is None and self.signals:
+            self.returncode = 128 + self.signals[0]
+        elif self.returncode is None and self.polls is None:
+            self.waited += 1
+            if self.waited > 50:
+                pytest.fail(f"{self.name} never got a signal")
+        elif self.returncode is None:
+            self.returncode, self.polls = (self.status if self.polls <= 0 else None), self.polls - 1
+        return self.returncode
+
+    def wait(self):
+        while self.poll() is None:
+            pass
+        return self.returncode
+
+    def send_signal(self, signum):
+        self.signals.append(signum)
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """compare.py's runs as StandIn processes: (the list of those started, in order; plan[run name]: the
+    StandIn's keyword arguments, and on_start: called while Popen starts it)."""
+    started, plan = [], {}
+
+    def popen(command, **options):
+        kwargs = dict(plan.get(Path(command[command.index("--out_dir") + 1]).name, {}))
+        on_start = kwargs.pop("on_start", None)
+        started.append(StandIn(command, **kwargs))
+        if on_start:
+            on_start()
+        return started[-1]
+    monkeypatch.setattr(compare, "subprocess", SimpleNamespace(Popen=popen, STDOUT=subprocess.STDOUT))
+    return started, plan
+
+
+@pytest.fixture
+def no_run_starts(monkeypatch):
+    """The test fails if compare.py starts a run."""
+    def popen(command, **options):
+        pytest.fail(f"a run started: {command}")
+    monkeypatch.setattr(compare, "subprocess", SimpleNamespace(Popen=popen, STDOUT=subprocess.STDOUT))
+
+
+def resolved(argv, out):
+    """(the runs of compare.py argv, {run name: the flags train.py would resolve for it}, the data's
+    fingerprint), as compare.main sees them."""
+    args, train_flags = compare.parse_args([str(a) for a in argv])
+    listed = compare.runs_of(args)
+    return (listed, *compare.resolve_runs(listed, train_flags, args.nproc_per_node, Path(out)))
+
+
+def record_run(folder, flags, finished=True, ckpt=None, data_print=None):
+    """A run folder as train.py leaves it, without training: config.json of these resolved flags, and
+    summary.json when `finished`; a ckpt.pt (its flags: `ckpt`, else the same) remembering data_print."""
+    import train
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {k: flags[k] for k in train.CONFIG_FIELDS}
+    (folder / "config.json").write_text(json.dumps(dict(config=config, args=flags, world_size=1, params=1000)))
+    if finished:
+        (folder / "summary.json").write_text(json.dumps(dict(
+            step=flags["max_steps"], finished=True, params=1000, tail_val_loss=3.0, tokens_per_s=1.0, peak_mem=0)))
+    if ckpt is not None or data_print is not None:
+        saved = ckpt or flags
+        torch.save(dict(args=saved, config={k: saved[k] for k in train.CONFIG_FIELDS},
+                        data_fingerprint=data_print), folder / "ckpt.pt")
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(n_layer=3), "with --n_layer 3, not 2"),
+    (dict(data="elsewhere"), "with --data elsewhere, not "),
+    (dict(seed=1), "with --seed 1, not 0"),
+    (dict(max_steps=8), "with --max_steps 8, not 4"),
+    (dict(residual="attnres"), "with --residual attnres, not mhar"),
+    (dict(route_temperature=2.0), "with --route_temperature 2.0, not 1.0"),
+    (dict(tie_embeddings=False), "with no --tie_embeddings, not with it"),
+    (dict(global_batch=16), "with a global batch of 16 sequences, not 8"),
+    (dict(n_layer=3, stopped=True), "with --n_layer 3, not 2"),
+    (dict(data_print="40000 + 4000 tokens, blake2b 0"), "with other data than "),
+    (dict(foreign=True), "holds a summary.json but no config.json"),
+    (dict(file=True), "is a file, not a run's folder"),
+], ids=["n_layer", "data", "seed", "max_steps", "method", "temperature", "untied", "global_batch", "stopped_run",
+        "data_content", "foreign", "a_file"])
+def test_a_folder_holding_another_run_stops_before_training(change, message, data, tmp_path, capsys, no_run_starts):
+    """A run folder is reused (or resumed) only for the run asked for: a 3-layer model, other data, another
+    seed, schedule, method ... stop the comparison with one line naming the first difference, status 2."""
+    out, argv = tmp_path / "cmp", ["--methods", "mhar", "--out_dir", tmp_path / "cmp", "--data", data, *TINY]
+    _, asked, data_print = resolved(argv, out)
+    flags, folder = dict(asked["mhar-s0"]), out / "mhar-s0"
+    stopped, foreign, is_file = (change.pop(k, False) for k in ("stopped", "foreign", "file"))
+    recorded_print = change.pop("data_print", data_print)
+    flags.update(change)
+    if is_file:
+        out.mkdir()
+        folder.write_text("not a run")
+    elif stopped:  # no summary: a checkpoint that --resume would continue
+        record_run(folder, asked["mhar-s0"], finished=False, ckpt=flags, data_print=data_print)
+    else:
+        record_run(folder, flags, data_print=recorded_print)
+    if foreign:
+        (folder / "config.json").unlink()
+    err = error_line(capsys, compare.main, argv)
+    assert err.startswith(f"compare.py: error: {folder} ") and message in err, err
+    assert err.endswith("move it away or choose another --out_dir"), err
+
+
+@pytest.mark.parametrize("change", [
+    dict(), dict(device="cuda", grad_accum=2, batch_size=4, compile=True, out_dir="elsewhere"),
+    dict(log_interval=1, wandb="mhar", fused=True, fused_group=2, checkpointing=True),
+    dict(data="{data}/../{name}"), dict(data="{link}"), dict(route_temperature=1),
+], ids=["same", "machine_flags", "how_not_what", "data_spelled_otherwise", "data_through_a_link", "int_for_float"])
+def test_a_run_trained_as_asked_is_reused(change, data, tmp_path):
+    """What may differ: the machine's flags (--grad_accum: at the same global batch) and those that say how
+    a run computes or reports; another path to the same data; 1 for 1.0."""
+    out = tmp_path / "cmp"
+    _, asked, data_print = resolved(["--methods", "mhar", "--out_dir", out, "--data", data, *TINY], out)
+    (tmp_path / "link").symlink_to(data)
+    flags = {**asked["mhar-s0"], **{k: v.format(data=data, name=data.name, link=tmp_path / "link")
+                                    if isinstance(v, str) else v for k, v in change.items()}}
+    record_run(out / "mhar-s0", flags, data_print=data_print)
+    assert compare.prior_run(out / "mhar-s0", asked["mhar-s0"], data_print) == "finished"
+
+
+@pytest.mark.parametrize("missing, asked_value, difference", [
+    ("ema", 0.0, None), ("ema", 0.5, "--ema 0.0, not 0.5"), ("global_batch", 8, None),
+    ("n_layer", 2, "--n_layer 12, not 2"),
+], ids=["at_its_default", "off_its_default", "no_global_batch", "model_field_at_the_config_default"])
+def test_a_record_of_an_older_train_py_had_the_flags_it_lacks_at_their_defaults(missing, asked_value, difference,
+                                                                               data, tmp_path):
+    """A flag train.py gained later was at its default before (a model field: mhar.Config's); a record
+    without the global batch is compared without it."""
+    _, asked, _ = resolved(["--methods", "mhar", "--out_dir", tmp_path, "--data", data, *TINY], tmp_path)
+    asked = {**asked["mhar-s0"], missing: asked_value}
+    recorded = {k: v for k, v in asked.items() if k != missing}
+    assert compare.first_difference(recorded, asked) == difference
+    assert compare.first_difference(asked, asked) is None
+
+
+@pytest.mark.parametrize("summary", ["", '{"step": 4, "finished": tr', "[]", '{"finished": false}'],
+                         ids=["empty", "torn", "not_an_object", "unfinished"])
+@pytest.mark.parametrize("with_ckpt", [True, False], ids=["resumed", "rerun"])
+def test_a_torn_summary_is_a_run_that_did_not_finish(summary, with_ckpt, data, tmp_path, stand_ins, capsys):
+    """A summary.json that is empty, torn or not train.py's: the run goes on from its checkpoint, or
+    starts again without one; never a JSONDecodeError."""
+    started, plan = stand_ins
+    out, argv = tmp_path / "cmp", ["--methods", "baseline", "--out_dir", tmp_path / "cmp", "--data", data, *TINY]
+    _, asked, data_print = resolved(argv, out)
+    record_run(out / "baseline-s0", asked["baseline-s0"], finished=False,
+               data_print=data_print if with_ckpt else None)
+    (out / "baseline-s0" / "summary.json").write_text(summary)
+    plan["baseline-s0"] = dict(status=1)  # and then fails: nothing to tabulate
+    err = error_line(capsys, compare.main, argv, status=1)
+    assert "the run" in err and "baseline-s0 failed" in err
+    assert [run.name for run in started] == ["baseline-s0"]
+    assert (started[0].command[-1] == "--resume") == with_ckpt
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--methods", "baseline,mhar-T2,mhar-T2.0"], "mhar-T2-s0 and mhar-T2.0-s0 are the same run"),
+    (["--methods", "baseline,mhar,mhar-T1"], "mhar-s0 and mhar-T1-s0 are the same run"),
+    (["--methods", "baseline", "--seeds", "0,0"], "baseline-s0 is asked for twice"),
+    (["--methods", "baseline", "--seeds", "0", "--baseline_seeds", "1,1"], "baseline-s1 is asked for twice"),
+    (["--route_heads", "4,4"], "mhar-H4-s0 is asked for twice"),
+    (["--methods", "baseline", "--n_kv_head", "2,2"], "baseline-kv2-s0 is asked for twice"),
+], ids=["temperature_spelled_twice", "temperature_at_its_default", "seed_twice", "baseline_seed_twice",
+        "heads_twice", "grid_value_twice"])
+def test_two_runs_that_train_alike_are_refused(argv, message, data, tmp_path, capsys, no_run_starts):
+    err = error_line(capsys, compare.main, [*argv, "--out_dir", tmp_path / "cmp", "--data", data, *TINY])
+    assert err.startswith(f"compare.py: error: {message}"), err
+    assert err.endswith("give each seed, method and shape once") and not (tmp_path / "cmp").exists()
+
+
+def test_a_baseline_seed_also_in_seeds_is_trained_once(data, tmp_path):
+    listed, asked, _ = resolved(["--methods", "baseline,mhar", "--seeds", "0,1", "--baseline_seeds", "1,2",
+                                 "--out_dir", tmp_path, "--data", data, *TINY], tmp_path)
+    assert [r.name for r in listed] == ["baseline-s0", "mhar-s0", "baseline-s1", "mhar-s1", "baseline-s2"]
+    compare.check_duplicates(listed, asked)
+
+
+@pytest.mark.parametrize("argv, message, prog", [
+    (["--device", "cuda"], "--device cuda: this machine has no CUDA GPU", "compare"),
+    (["--device", "tpu"], "unknown device 'tpu'", "compare"),
+    (["--data", "{tmp}/missing"], "no train.bin in", "compare"),
+    (["--fused"], "triton is not installed (pip install triton); or leave --fused out", "compare"),
+    (["--seq_len", "0"], "run baseline-s0 cannot be built at preset tiny: Config.seq_len: must be >= 1", "compare"),
+    (["--n_embd", "30"], "run baseline-s0 cannot be built at preset tiny: Config.n_head", "compare"),
+    (["--vocab_size", "32"], "the model's vocabulary of 32 (--vocab_size) is smaller than", "train"),
+    (["--seq_len", "40000"], "train.bin has 40000 tokens, not one sequence of --seq_len 40000", "train"),
+    (["--batch_size", "3"], "the global batch 8 is not a multiple of --batch_size 3", "train"),
+    (["--warmup_steps", "-1"], "argument --warmup_steps: must be >= 0", "train"),
+], ids=["no_gpu", "unknown_device", "no_data", "fused_without_triton", "seq_len_zero", "heads_not_dividing",
+        "vocabulary_too_small", "data_shorter_than_a_sequence", "global_batch", "bad_value"])
+def test_a_mistake_a_run_meets_in_its_first_second_stops_before_the_first_run(argv, message, prog, data, tmp_path,
+                                                                              capsys, monkeypatch, no_run_starts):
+    """One line, status 2, and no run started (not each run's failure, then "the run ... failed"): compare.py's
+    own words, or train.py's where its checks say it (the run sizes, the data against the model)."""
+    if "--device" in argv and "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    if "--fused" in argv:  # no triton here (a machine without it): kernel.py's import fails
+        monkeypatch.setitem(sys.modules, "triton", None)
+        monkeypatch.delitem(sys.modules, "kernel", raising=False)
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    flags = [*TINY, "--data", str(data), *argv]  # the later value of a flag wins
+    err = error_line(capsys, compare.main, ["--methods", "baseline,mhar", "--out_dir", tmp_path / "cmp", *flags],
+                     prog=prog)
+    assert message in err, err
+    assert not (tmp_path / "cmp").exists()
+
+
+@pytest.fixture
+def read_only(tmp_path, monkeypatch):
+    """A folder that cannot be written: chmod 0o500, and where that does not stop this user (root), its
+    folders' creation refused as the system would refuse it (PermissionError)."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    if os.access(folder, os.W_OK):
+        mkdir = os.mkdir
+
+        def refused(path, *args, **kwargs):
+            if os.path.realpath(path).startswith(os.path.realpath(folder) + os.sep) or \
+                    os.path.realpath(path) == os.path.realpath(folder):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+            return mkdir(path, *args, **kwargs)
+        monkeypatch.setattr(os, "mkdir", refused)
+    yield folder
+    folder.chmod(0o700)
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["itself", "a_new_folder_in_it"])
+def test_an_out_dir_that_cannot_be_written_is_one_line(inside, read_only, data, tmp_path, capsys, no_run_starts):
+    """Status 1, as a full disk (the machine, not the command): one line before the first run, not each
+    run's line and then "the run ... failed"."""
+    out = read_only / "cmp" if inside else read_only
+    err = error_line(capsys, compare.main, ["--methods", "baseline", "--out_dir", out, "--data", data, *TINY],
+                     status=1)
+    assert err.startswith(f"compare.py: error: --out_dir: cannot write into {out} (Permission denied)"), err
+    assert files_in(read_only) == []
+
+
+def error_and_output(capsys, argv, status):
+    """error_line's one line of compare.main(argv), and what it printed on stdout before it."""
+    with pytest.raises(SystemExit) as exit:
+        compare.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert exit.value.code == status and err.count("\n") == 1 and err.startswith("compare.py: error: "), err
+    return err.strip(), out
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_after_a_run_fails_no_other_starts(jobs, data, tmp_path, stand_ins, capsys):
+    """--jobs 1: the failed run was the only one under way; --jobs 2: the one beside it finishes (it ends
+    after two more polls), and no other starts."""
+    started, plan = stand_ins
+    plan.update({"baseline-s0": dict(status=1), "hyper-s0": dict(polls=2)})
+    err, out = error_and_output(capsys, ["--out_dir", tmp_path, "--data", data, "--jobs", jobs, *TINY], status=1)
+    assert [run.name for run in started] == ["baseline-s0", "hyper-s0"][:jobs]
+    left = 4 - jobs
+    assert f"{tmp_path / 'baseline-s0'} failed" in err and f"{left} other runs not started" in err, err
+    assert "=== baseline-s0: failed after 0 s (exit status 1)" in out
+    assert ("=== hyper-s0: finished in 0 s (1 of 4 done, 3 left)" in out) == (jobs == 2)
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["none_yet", "resumed_run"])
+@pytest.mark.parametrize("moment", ["waiting", "starting"])
+def test_ctrl_c_while_the_runs_start_says_whether_a_checkpoint_exists(moment, jobs, checkpoint, data, tmp_path,
+                                                                     stand_ins, capsys):
+    """The Ctrl-C comes while compare.py waits on its first runs, or while it starts the first (before that
+    run is among those under way), which have saved nothing yet (a run that goes on from an earlier
+    checkpoint has one). Every run under way gets it, no other starts, status 130."""
+    started, plan = stand_ins
+    out, argv = tmp_path / "cmp", ["--out_dir", tmp_path / "cmp", "--data", data, "--jobs", jobs, *TINY]
+    if checkpoint:
+        _, asked, data_print = resolved(argv, out)
+        record_run(out / "baseline-s0", asked["baseline-s0"], finished=False, data_print=data_print)
+    ctrl_c = {"on_wait" if moment == "waiting" else "on_start": lambda *run: signal.raise_signal(signal.SIGINT)}
+    plan["baseline-s0"] = dict(polls=None, **ctrl_c)
+    plan["hyper-s0"] = dict(polls=None)
+    err = error_line(capsys, compare.main, argv, status=130)
+    under_way = jobs if moment == "waiting" else 1  # a Ctrl-C while the first starts: the second never does
+    assert [(run.name, run.signals) for run in started] == [(f"{n}-s0", [signal.SIGINT]) for n in
+                                                            ("baseline", "hyper")][:under_way]
+    if checkpoint:
+        assert err.startswith("compare.py: error: interrupted (SIGINT); baseline-s0 stopped at a checkpoint"), err
+    else:
+        assert "had no checkpoint yet" in err and "stopped at a checkpoint" not in err, err
+    assert err.endswith("run the same command to go on")
+
+
+def test_ctrl_c_before_the_runs_start_is_one_line(data, tmp_path, capsys, monkeypatch, no_run_starts):
+    """Before any run starts (while lm-eval's tasks are indexed, say): status 130 and one line, not a
+    KeyboardInterrupt traceback."""
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(compare, "check_eval", interrupted)
+    try:
+        err = error_line(capsys, compare.main, ["--out_dir", tmp_path, "--data", data, *TINY], status=130)
+    except KeyboardInterrupt:  # escaping, it would stop pytest itself
+        pytest.fail("compare.main let the KeyboardInterrupt through")
+    assert err == ("compare.py: error: interrupted (SIGINT) while no run was training; the finished runs are kept: "
+                   "run the same command to go on")
+
+
+def test_each_finished_run_says_how_long_it_took_and_what_is_left(tmp_path, stand_ins, capsys, monkeypatch):
+    """Runs of 42 s, 75 s and 3,700 s on the clock compare.py reads when each starts and ends."""
+    clock = iter([0, 42, 42, 117, 117, 3817])
+    monkeypatch.setattr(compare, "time", SimpleNamespace(monotonic=lambda: next(clock), sleep=time.sleep))
+    commands = {tmp_path / name: ["python", "train.py", "--out_dir", str(tmp_path / name)] for name in "abc"}
+    compare.train_all(commands, jobs=1)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "finished in" in line]
+    assert lines == ["=== a: finished in 42 s (1 of 3 done, 2 left)",
+                     "=== b: finished in 1 min 15 s (2 of 3 done, 1 left)", "=== c: finished in 1 h 1 min (3 of 3 done)"]
+
+
+@pytest.mark.parametrize("seconds, words", [
+    (-1, "0 s"), (0, "0 s"), (0.4, "0 s"), (42, "42 s"), (59, "59 s"), (59.6, "1 min 0 s"), (60, "1 min 0 s"),
+    (61, "1 min 1 s"), (3599, "59 min 59 s"), (3600, "1 h 0 min"), (3661, "1 h 1 min"), (10**7, "2777 h 46 min"),
+])
+def test_duration_in_words(seconds, words):
+    assert compare.duration(seconds) == words
+
+
+@pytest.mark.parametrize("done, total, words", [
+    (0, 0, "0 of 0 done"), (0, 1, "0 of 1 done, 1 left"), (1, 1, "1 of 1 done"), (3, 8, "3 of 8 done, 5 left"),
+    (7, 8, "7 of 8 done, 1 left"),
+])
+def test_progress_in_words(done, total, words):
+    assert compare.progress(done, total) == words
+
+
+@pytest.mark.parametrize("saved, unsaved, words", [
+    ([], [], "no run was under way"), (["a"], [], "a stopped at a checkpoint"),
+    ([], ["a", "b"], "a, b had no checkpoint yet (started again next time)"),
+    (["a"], ["b"], "a stopped at a checkpoint; b had no checkpoint yet"),
+])
+def test_the_interrupted_line_says_which_runs_have_a_checkpoint(saved, unsaved, words):
+    line = compare.interrupted(signal.SIGTERM, [Path(n) for n in saved], [Path(n) for n in unsaved])
+    assert line.startswith(f"interrupted (SIGTERM); {words}") and line.endswith(": run the same command to go on")
+
+
+@pytest.mark.parametrize("text, whole", [
+    ("", False), ("{", False), ('{"finished": true', False), ("[1]", False), ('{"finished": true}', False),
+    ('{"finished": false, "params": 1, "tail_val_loss": 3, "tokens_per_s": 1, "peak_mem": 0, "step": 4}', False),
+    ('{"finished": true, "params": 1, "tail_val_loss": 3, "tokens_per_s": null, "peak_mem": 0, "step": 4}', True),
+], ids=["empty", "brace", "torn", "list", "no_numbers", "unfinished", "finished"])
+def test_a_summary_is_finished_only_whole_and_finished(text, whole, tmp_path):
+    (tmp_path / "summary.json").write_bytes(text.encode())
+    assert compare.finished(compare.read_json(tmp_path / "summary.json")) == whole
+    assert compare.read_json(tmp_path / "absent.json") is None
 
 
 def row(name, variant, baseline, seed, loss):
@@ -421,3 +803,48 @@ def test_bad_eval_flags_stop_before_training_with_one_line(flags, message, words
                                             "--data", data_flag, "--out_dir", tmp_path / "runs"])
     assert err.startswith(f"compare.py: error: {message}"), err
     assert not (tmp_path / "runs").exists()
+
+
+def running(pid):
+    """Whether a process runs (a zombie does not: it has exited, unreaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_signal_to_compare_alone_stops_its_run_at_a_checkpoint(data, tmp_path):
+    """`kill PID` (or `timeout`) reaches compare.py alone: it passes the signal on to the run under way,
+    which saves a checkpoint and stops; compare.py waits for it, then exits with 128 + the signal's number
+    and one line; no run is left running, none other started, and the same command goes on from the
+    checkpoint. (Their output goes to files: a run left running would hold a pipe open.)"""
+    out, signum = tmp_path / "cmp", signal.SIGTERM  # SIGINT takes the same path (test_ctrl_c_while_the_runs_...)
+    argv = ["--methods", "baseline,mhar", "--out_dir", out, "--data", data, *TINY, "--max_steps", "100000",
+            "--eval_interval", "100000"]  # no checkpoint until the signal's
+    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        p = subprocess.Popen([sys.executable, "compare.py", *map(str, argv)], cwd=ROOT, stdout=stdout, stderr=stderr,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    child, config = None, out / "baseline-s0" / "config.json"  # written once train.py handles the signals
+    try:
+        deadline = time.time() + 120
+        while not config.exists():
+            assert p.poll() is None and time.time() < deadline, (tmp_path / "stderr").read_text()
+            time.sleep(0.05)
+        child = int((out / "baseline-s0" / "train.lock").read_text().split("pid")[1])
+        p.send_signal(signum)
+        p.wait(timeout=120)
+        stderr = (tmp_path / "stderr").read_text()
+        ours = [line for line in stderr.splitlines() if line.startswith("compare.py")]
+        assert p.returncode == 128 + signum and "Traceback" not in stderr, stderr
+        assert ours == [f"compare.py: error: interrupted ({signal.Signals(signum).name}); baseline-s0 stopped at a "
+                        f"checkpoint: run the same command to go on"], stderr
+        assert not running(child) and not (out / "mhar-s0").exists()
+    finally:  # nothing of this test left running, whatever failed
+        for pid in (p.pid, child):
+            if pid and running(pid):
+                os.kill(pid, signal.SIGKILL)
+        p.wait()
+    assert "=== baseline-s0: stopped after" in (tmp_path / "stdout").read_text()
+    assert (out / "baseline-s0" / "ckpt.pt").is_file() and not (out / "baseline-s0" / "summary.json").exists()
+    _, asked, data_print = resolved(argv, out)
+    assert compare.prior_run(out / "baseline-s0", asked["baseline-s0"], data_print) == "stopped"  # --resume
