@@ -24,32 +24,18 @@ Ctrl-C: one line and exit status 130, whenever it comes.
 import os
 import sys
 
-import _signal  # signal's C half, imported with the interpreter (signal imports enum: milliseconds)
-
-
-def _interrupted(signum, frame):
-    """Ctrl-C before the work begins (torch takes a second or more to import), the handler the
-    script installs first: its one line, status 130, at once. os._exit, not an exception: C code
-    inside an import may swallow a KeyboardInterrupt (a Ctrl-C lost) or turn it into an
-    ImportError."""
-    try:
-        os.write(2, b"bench_head.py: error: interrupted (Ctrl-C)\n")
-    finally:
-        os._exit(130)
-
-
-try:  # the script's first instruction; SIGINT stays ignored where it is (nohup, `cmd &`)
-    if __name__ == "__main__" and _signal.getsignal(_signal.SIGINT) == _signal.default_int_handler:
-        # a measuring child (--child) dies of a terminal's Ctrl-C without a word: its parent, which
-        # the Ctrl-C reaches too, says it
-        _signal.signal(_signal.SIGINT, _signal.SIG_DFL if "--child" in sys.argv else _interrupted)
-except KeyboardInterrupt:  # a Ctrl-C in the microseconds before it
-    _interrupted(_signal.SIGINT, None)
+INTERRUPTED = b"bench_head.py: error: interrupted (Ctrl-C)\n"
+try:  # the script's first instruction: a Ctrl-C until the work begins is this line (interrupts.py)
+    import interrupts
+    # a measuring child (--child) ends without a word: its parent, whom the Ctrl-C reaches too, says it
+    interrupts.guard(__name__, b"" if "--child" in sys.argv else INTERRUPTED)
+except KeyboardInterrupt:  # one in the microseconds before
+    os.write(2, INTERRUPTED)
+    os._exit(130)
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
-import signal  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -200,8 +186,7 @@ def main(argv=None):
     except UserError as e:
         p.error(str(e))
     try:
-        if signal.getsignal(signal.SIGINT) is _interrupted:  # the work begins: Ctrl-C unwinds
-            signal.signal(signal.SIGINT, signal.default_int_handler)  # (and stops a child)
+        interrupts.begin()  # the work begins: a Ctrl-C unwinds (and stops a child)
         print(f"{torch.get_num_threads()} threads, {device}, float32")
         # the children first: a child's maximum resident set starts from this process's resident
         # set when it forks, which the timed steps would raise

@@ -61,28 +61,13 @@ run first removes the temporary folders of runs on this host whose process no lo
 import os
 import sys
 
-import _signal  # signal's C half, imported with the interpreter (signal itself imports enum: milliseconds)
-
-
-def _interrupted(signum, frame):
-    """Ctrl-C or SIGTERM before the work begins (numpy, tiktoken and torch take a second or more to import), the
-    handler the script installs first: its one line, status 128 + the signal's number, at once. Nothing is written
-    yet. os._exit, not an exception: C code inside an import may swallow a KeyboardInterrupt (a Ctrl-C lost) or
-    turn it into an ImportError."""
-    try:
-        name = "SIGINT" if signum == _signal.SIGINT else "SIGTERM"
-        os.write(2, f"prepare.py: error: interrupted ({name}); nothing written\n".encode())
-    finally:
-        os._exit(128 + signum)
-
-
-try:  # the first thing the script does; a signal ignored (nohup, `cmd &` in a script) stays ignored
-    if __name__ == "__main__":
-        for _signum, _default in ((_signal.SIGINT, _signal.default_int_handler), (_signal.SIGTERM, _signal.SIG_DFL)):
-            if _signal.getsignal(_signum) == _default:
-                _signal.signal(_signum, _interrupted)
-except KeyboardInterrupt:  # a Ctrl-C in the microseconds before it
-    _interrupted(_signal.SIGINT, None)
+INTERRUPTED = b"prepare.py: error: interrupted (SIGINT); nothing written\n"
+try:  # the script's first instruction: a Ctrl-C or SIGTERM until the work begins is its line (interrupts.py)
+    import interrupts
+    interrupts.guard(__name__, INTERRUPTED, sigterm=INTERRUPTED.replace(b"SIGINT", b"SIGTERM"))
+except KeyboardInterrupt:  # one in the microseconds before
+    os.write(2, INTERRUPTED)
+    os._exit(130)
 
 import argparse  # noqa: E402
 import errno  # noqa: E402
@@ -652,9 +637,9 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
     # write into a hidden temporary folder beside the result, move the files in at the end:
     # a failure, Ctrl-C or SIGTERM leaves neither half-written files nor folders we created
     out = output_folder(out, "--out")
-    if (out / name).exists() and not (out / name).is_dir():  # found now, not after the work
-        raise PrepareError(f"--out {out} --name {name}: {out / name} is a file, not a folder: choose "
-                           f"another --name (or --out)")
+    final = out / name
+    if final.exists() and not final.is_dir():  # found now, not after the work
+        raise PrepareError(f"--name {name}: {final} is a file, not a folder: choose another --name (or --out)")
     created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
     tmp = None
     try:
@@ -677,7 +662,6 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
                     input_bytes=round(nbytes), skipped_not_utf8=skipped or [], seed=seed,
                     val_fraction=val_fraction, max_tokens=max_tokens)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        final = out / name
         with _uninterrupted():  # the files move in together: a signal never leaves some of them, or an empty folder
             final.mkdir(exist_ok=True)
             for filename in ("train.bin", "val.bin", "meta.json"):  # meta.json last: it marks a finished folder
@@ -782,14 +766,13 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    previous = {}
+    previous = None
     try:
         # the work begins: a signal unwinds through prepare()'s clean-up of its temporary folder, SIGTERM (kill, a
-        # job scheduler) as Ctrl-C does. The script's first handlers give way; SIGINT stays as it is elsewhere (a
-        # test calling main), where SIGTERM's handler is put back at the end
-        for signum, handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, _interrupt)):
-            if signum == signal.SIGTERM or signal.getsignal(signum) is _interrupted:
-                previous[signum] = signal.signal(signum, handler)
+        # job scheduler) as Ctrl-C does. Elsewhere (a test calling main) SIGTERM's handler is put back at the end;
+        # the script's process keeps it, as it only exits after main
+        interrupts.begin()
+        previous = signal.signal(signal.SIGTERM, _interrupt)
         return prepare(inputs=args.input, name=args.name, out=args.out, val_fraction=args.val_fraction,
                        max_tokens=args.max_tokens, seed=args.seed, hf=args.hf, hf_config=args.hf_config,
                        hf_split=args.hf_split, text_field=args.text_field, tokenizer=args.tokenizer,
@@ -802,9 +785,8 @@ def main(argv=None):
         signum = signal.Signals[str(e) or "SIGINT"]  # the shell's convention: 130 for Ctrl-C, 143 for SIGTERM
         exit_error("prepare.py", f"interrupted ({signum.name}); nothing written", status=128 + signum)
     finally:
-        for signum, handler in previous.items():
-            if handler is not _interrupted:  # the script's process, exiting, ignores signals from here on
-                signal.signal(signum, handler)
+        if previous is not None and __name__ != "__main__":
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _interrupt(signum, frame):

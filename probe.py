@@ -82,32 +82,19 @@ probe.json (S = 2L + 1 sites, N = the most sources one site reads, H = routing h
 """
 import os
 
-import _signal  # signal's C half, imported with the interpreter (signal itself imports enum: milliseconds)
-
-
-def _interrupted(signum, frame):
-    """Ctrl-C before probe() begins its files (torch takes a second or more to import; matplotlib, the
-    measurements), the handler the script installs first: its one line, status 130, at once. Nothing is written
-    yet. os._exit, not an exception: C code inside an
-    import may swallow a KeyboardInterrupt (a Ctrl-C lost) or turn it into an ImportError."""
-    try:
-        os.write(2, b"probe.py: error: interrupted (Ctrl-C); nothing written\n")
-    finally:
-        os._exit(130)
-
-
-try:  # the first thing the script does; SIGINT left as it is where it is ignored (nohup, `cmd &` in a script)
-    if __name__ == "__main__" and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
-        _signal.signal(_signal.SIGINT, _interrupted)
-except KeyboardInterrupt:  # a Ctrl-C in the microseconds before it
-    _interrupted(_signal.SIGINT, None)
+INTERRUPTED = b"probe.py: error: interrupted (Ctrl-C); nothing written\n"
+try:  # the script's first instruction: a Ctrl-C until the files begin is this line at once (interrupts.py)
+    import interrupts
+    interrupts.guard(__name__, INTERRUPTED)
+except KeyboardInterrupt:  # one in the microseconds before
+    os.write(2, INTERRUPTED)
+    os._exit(130)
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import signal  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -578,8 +565,7 @@ def probe(args):
         summary["runs"] = summarize_runs(runs)
     if plt is None and (figures or runs):
         summary["notes"].append("matplotlib is not installed: no figures; pip install matplotlib, then run again")
-    if signal.getsignal(signal.SIGINT) is _interrupted:  # the files begin: a Ctrl-C unwinds through staged()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupts.begin()  # the files begin: a Ctrl-C unwinds through staged(), which removes them
     with staged(out_dir) as tmp:  # every file whole, or none
         if plt is not None:
             for name, plot in figures:

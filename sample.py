@@ -26,28 +26,16 @@ sample is out (from then on it is too late, and ignored: the run ends as finishe
 import os
 import sys
 
-import _signal  # signal's C half, imported with the interpreter (signal itself imports enum: milliseconds)
-
-
-def _interrupted(signum, frame):
-    """Ctrl-C before sampling begins (torch takes a second or more to import), the handler the script installs
-    first: one line, status 130, at once. Nothing is printed yet. os._exit, not an exception: C code inside an
-    import may swallow a KeyboardInterrupt (a Ctrl-C lost) or turn it into an ImportError."""
-    try:
-        os.write(2, b"sample.py: error: interrupted (Ctrl-C)\n")
-    finally:
-        os._exit(130)
-
-
-try:  # the first thing the script does; SIGINT left as it is where it is ignored (nohup, `cmd &` in a script)
-    if __name__ == "__main__" and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
-        _signal.signal(_signal.SIGINT, _interrupted)
-except KeyboardInterrupt:  # a Ctrl-C in the microseconds before it
-    _interrupted(_signal.SIGINT, None)
+INTERRUPTED = b"sample.py: error: interrupted (Ctrl-C)\n"
+try:  # the script's first instruction: a Ctrl-C until sampling begins is this line at once (interrupts.py)
+    import interrupts
+    interrupts.guard(__name__, INTERRUPTED)
+except KeyboardInterrupt:  # one in the microseconds before
+    os.write(2, INTERRUPTED)
+    os._exit(130)
 
 import argparse  # noqa: E402
 import math  # noqa: E402
-import signal  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -180,8 +168,7 @@ def main(argv=None):
     try:
         model, ckpt = load_model(args.ckpt, pick_device(args.device))
         codec = codec_for(model, ckpt, args.tokenizer)  # (imports prepare.py, tiktoken: the first handler's)
-        if signal.getsignal(signal.SIGINT) is _interrupted:  # printing begins: Ctrl-C ends the sample's line first
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        interrupts.begin()  # printing begins: a Ctrl-C ends the sample's line first
         samples = sample(model, codec, args.prompt, args.num_samples, args.max_new_tokens, args.temperature,
                          args.top_k or None, args.seed, show)
     except UserError as e:

@@ -23,25 +23,13 @@ the schedule and evaluation, the model and its optimizer, reporting, and train()
 import os
 import sys
 
-import _signal  # signal's C half, imported with the interpreter (signal imports enum: milliseconds)
-
-
-def _interrupted(signum, frame):
-    """Ctrl-C before main() begins (torch takes seconds to import), the handler the script installs
-    first: the line of a run interrupted before training started, status 130, at once. Nothing is
-    written yet. os._exit, not an exception: C code inside an import may swallow a
-    KeyboardInterrupt (a Ctrl-C lost) or turn it into an ImportError."""
-    try:
-        os.write(2, b"train.py: error: interrupted before training started\n")
-    finally:
-        os._exit(130)
-
-
-try:  # the script's first instruction; SIGINT stays ignored where it is (nohup, `cmd &`)
-    if __name__ == "__main__" and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
-        _signal.signal(_signal.SIGINT, _interrupted)
-except KeyboardInterrupt:  # a Ctrl-C in the microseconds before it
-    _interrupted(_signal.SIGINT, None)
+INTERRUPTED = b"train.py: error: interrupted before training started\n"
+try:  # the first instruction: a Ctrl-C until main() begins is this line at once (interrupts.py)
+    import interrupts
+    interrupts.guard(__name__, INTERRUPTED)
+except KeyboardInterrupt:  # one in the microseconds before
+    os.write(2, INTERRUPTED)
+    os._exit(130)
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -74,8 +62,8 @@ from common import (DEFAULT_CORPUS, CheckpointError, FlagParser, MachineError,  
                     decay_rate, estimate_mfu, exit_error, fingerprint, fraction,
                     ignore_stop_signals, largest_id, load_optimizer, logged_until, memory_for,
                     one_line, os_error, peak_memory, read_checkpoint, read_tokens, rng_states,
-                    sample_rows, save_checkpoint, set_rng_states, unwrapped, write_text)
-from common import seed as SEED  # noqa: E402
+                    sample_rows, save_checkpoint, seed as SEED, set_rng_states, unwrapped,
+                    write_text)
 from parallel import Session, set_precision, start_session, start_sharding, wrap_model  # noqa: E402
 
 # -----------------------------------------------------------------------------
@@ -135,9 +123,7 @@ MACHINE = "machine"  # this session's alone: never taken from a checkpoint
 
 # What a model flag says beyond its mhar.Config field's comment (its help, see add_model_flags)
 FLAG_NOTES = {"vocab_size": "default: meta.json's vocab_size padded to a multiple of 64, or the "
-                            "preset's for synthetic data",
-              "delta": "default off; --init_from turns it on; without --init_from it trains delta "
-                       "routing from scratch, a mode of its own (docs/methods.md)"}
+                            "preset's for synthetic data"}
 CONFIG_FIELDS = [f.name for f in dataclasses.fields(mhar.Config)]
 
 
@@ -196,17 +182,15 @@ def add_run_flags(p):
                 "or mhar) and continue its run from its step; or convert a Hugging Face Qwen3 "
                 "directory (or hub id) and start a new run with the paper's mid-training recipe "
                 "as the defaults (docs/conversion.md: Grafting MHAR onto Qwen3)")
-    p.flag("seed", RUN, type=SEED, default=0,
-           help="model init and data order, an integer in [0, 2**63 - 1] (default 0)")
+    p.flag("seed", RUN, type=SEED, default=0, help="model init and data order (default 0)")
     p.flag("allow_data_change", MACHINE, action="store_true", default=False,
            help="--resume onto data that changed since the checkpoint (by default an error)")
 
     p.section("its size (default: the preset's row of RUNS)")
     p.flag("batch_size", SETTING, type=COUNT, default=None,
            help=f"micro-batch in sequences per rank ({per_preset('batch_size')})")
-    p.flag("grad_accum", MACHINE, type=COUNT, default=None,
-           help="micro-steps per step (default: the global batch / (batch_size x ranks); global "
-                f"batches {per_preset('global_batch')})")
+    p.flag("grad_accum", MACHINE, type=COUNT, default=None, help="micro-steps per step (default: "
+           f"the global batch / (batch_size x ranks); global batches {per_preset('global_batch')})")
     p.flag("max_steps", SETTING, type=COUNT, default=None,
            help=f"optimizer steps; the cosine ends here ({per_preset('max_steps')})")
     p.flag("stop_step", MACHINE, type=COUNT, default=None,
@@ -224,8 +208,7 @@ def add_run_flags(p):
 
 def add_optimizer_flags(p):
     p.section("the optimizer: AdamW, linear warmup, cosine decay")
-    p.flag("lr", RUN, type=RATE, default=None,
-           help=f"peak learning rate ({per_preset('lr')})")
+    p.flag("lr", RUN, type=RATE, default=None, help=f"peak learning rate ({per_preset('lr')})")
     p.flag("routing_lr", ROUTING, type=RATE, default=None,
            help="peak learning rate of the parameters routing adds (default: --lr)")
     p.flag("min_lr_ratio", RUN, type=fraction, default=0.1,
@@ -412,18 +395,6 @@ def take_pretrained_flags(args, given):
     return directory
 
 
-def delta_note(config, ckpt, source):
-    """The line a new run of delta routing from scratch (--delta without --init_from) starts with, else None.
-    docs/methods.md: delta routing is the form for converting a trained baseline, which it starts as exactly;
-    from scratch it is a mode of its own, which the paper does not train and compare.py leaves out. Said, not
-    refused: a researcher may want that mode, but should not get it thinking they converted something. A
-    resumed run said it when it started."""
-    if not config.delta or ckpt is not None or source is not None:
-        return None
-    return ("train.py: note: --delta without --init_from trains delta routing from scratch, a mode of its own "
-            "(docs/methods.md): the paper's delta routing converts a trained baseline (--init_from CKPT)")
-
-
 def check_same_data(ckpt, data, args):
     """--resume reads the data the checkpoint was trained on (its fingerprint): data prepared
     anew under the same name would silently change the run."""
@@ -567,9 +538,8 @@ def evaluate(model, val, args, rank, world, device, autocast):
 
 
 # torch.compile works for a while before the first step, in silence (docs/training.md: how long)
-COMPILE_NOTE = ("--compile: the first step compiles the model, and the first evaluation its "
-                "evaluation graph: on a CPU about a minute for the small preset, longer for "
-                "larger models")
+COMPILE_NOTE = ("--compile: the first step compiles the model, and the first evaluation its graph: "
+                "on a CPU about a minute for the small preset, longer for larger models")
 
 
 # -----------------------------------------------------------------------------
@@ -826,6 +796,9 @@ def start_outputs(run):
                      + f" | {s.device} {str(s.dtype).removeprefix('torch.')}"
                      + (f" | {s.world} rank{'s' if s.world > 1 else ''}" if s.ddp else "")
                      + (" sharded (FSDP2)" if s.fsdp else ""))
+    if config.delta and not args.init_from:  # said, not refused: a mode one may want, knowingly
+        run.report.print("note: --delta without --init_from trains delta routing from scratch, "
+                         "a mode of its own (docs/methods.md), not the paper's (a conversion)")
     run.report.print(
         f"data synthetic: uniform random tokens over {args.vocab_size} ids" if data is None else
         f"data {data.folder}: {fmt_count(len(data.train))} train / {fmt_count(len(data.val))} "
@@ -855,8 +828,7 @@ def save(run):
     val_losses = [e["val_loss"] for e in p.evals]
     save_checkpoint(run.out / "ckpt.pt", dict(
         **state, step=p.step, data_position=p.step, config=dataclasses.asdict(run.config),
-        args=vars(run.args),
-        global_batch=run.args.global_batch, evals=p.evals,
+        args=vars(run.args), global_batch=run.args.global_batch, evals=p.evals,
         val_loss=val_losses[-1] if val_losses else None,
         best_val_loss=min(val_losses, default=None), tokens=p.tokens, rng=rng_states(),
         wandb_id=p.wandb_id, data_fingerprint=run.data_fingerprint,
@@ -978,7 +950,6 @@ def train(args, given=frozenset()):
     # the model, its optimizer, and where the run stands
     gpt, optimizer, progress, baseline = build_model(args, config, ckpt, source, s)
     ema = WeightAverage(gpt, args.ema, ckpt) if args.ema else None
-    note = delta_note(config, ckpt, source)
     del ckpt, source
     # the first step's batch, before anything is written: one too large for memory stops here
     with memory_for("a step's batch of token ids", "--grad_accum or --batch_size"):
@@ -990,8 +961,6 @@ def train(args, given=frozenset()):
                   fingerprint(data), ema)
         start_wandb(run.report, args, progress)
         start_outputs(run)
-        if note and s.master:  # on stderr, after the run's header: every check has passed, the run starts
-            print(note, file=sys.stderr, flush=True)
         if baseline is not None:
             check_conversion(run, baseline)
             del baseline
@@ -1042,15 +1011,13 @@ def finish(run, timer, t_start, stop_signal):
     summary = dict(
         step=p.step, max_steps=args.max_steps, finished=p.step >= args.max_steps,
         residual=run.config.residual, route_heads=run.config.depth_heads,
-        params=run.gpt.num_params(),
-        final_val_loss=tail[-1] if tail else None,
+        params=run.gpt.num_params(), final_val_loss=tail[-1] if tail else None,
         tail_val_loss=sum(tail) / len(tail) if tail else None, tail_evals=len(tail),
         best_val_loss=min((e["val_loss"] for e in p.evals), default=None),
         unigram_entropy=run.entropy, tokens=p.tokens,
         tokens_per_s=trained_tokens / timer.train_time if timer.train_time else None,
         peak_mem=max(run.report.peak_mem, peak_memory(s.device)), wall_s=time.time() - t_start,
-        world_size=s.world,
-        stop_signal=stop_signal)
+        world_size=s.world, stop_signal=stop_signal)
     if run.ema and p.evals:  # the averaged weights at the last evaluation (the paper's metric)
         summary["final_ema_val_loss"] = p.evals[-1]["ema_val_loss"]
     if s.master and summary["finished"] and not stop_signal:
@@ -1111,8 +1078,7 @@ def print_sample(run, prompt_tokens=48, new_tokens=128):
 def main(argv=None):
     """Train; the exit status is 0, or 128 + the number of the signal that stopped the run."""
     try:
-        if signal.getsignal(signal.SIGINT) is _interrupted:  # main begins: KeyboardInterrupt until training
-            signal.signal(signal.SIGINT, signal.default_int_handler)  # starts, then StopSignals
+        interrupts.begin()  # KeyboardInterrupt until training starts, then StopSignals
         args, given = parse_args(argv)
         summary = train(args, given)
     except UserError as e:  # bad input: a flag, a file, a folder in use
@@ -1123,16 +1089,12 @@ def main(argv=None):
         fail(f"could not write {e.filename or 'the outputs'}: {e.strerror or one_line(e)}")
     except KeyboardInterrupt:  # Ctrl-C before training started: nothing to save
         exit_error("train.py", "interrupted before training started", status=130)
-    # the run is over, finished or stopped with its checkpoint: the script's process ignores
-    # signals from here on (too late; its teardown would otherwise die of one without a word)
-    ignore_stop_signals("train.py")
+    finally:  # the run is over (or --help): a signal is too late, ignored (teardown included)
+        ignore_stop_signals("train.py")
     if summary["stop_signal"]:
         sys.exit(128 + summary["stop_signal"])
     return summary
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:  # however main ended (--help: argparse exits by itself), a signal is too late: ignored
-        ignore_stop_signals("train.py")
+    main()

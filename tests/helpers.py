@@ -78,16 +78,21 @@ def _held_run(argv, tmp_path, hook, then):
 
 def interrupted_after(argv, delay, tmp_path):
     """`python argv` from the repository root, SIGINT'd (as a terminal's Ctrl-C) `delay` seconds after the
-    interpreter has handed the script its first instruction, unless it has ended by then: (returncode, stdout,
-    stderr). The count starts there, not at the process's start: before it the interpreter runs alone (its start,
-    the site module, compiling the script: 10-30 ms, more on a loaded machine), where a Ctrl-C meets Python's own
-    handling, which no script can change (killed by the signal, or a KeyboardInterrupt traceback from line 0). A
-    sitecustomize.py writes a marker at the audit event "exec" of the script's code, the moment before it runs."""
+    script's first import began, unless it has ended by then: (returncode, stdout, stderr). The count starts there,
+    microseconds into the script, not at the process's start: before the script runs the interpreter runs alone
+    (its start, the site module, compiling the script: 10-30 ms, more on a loaded machine), where a Ctrl-C meets
+    Python's own handling, which no script can change (killed by the signal, or a KeyboardInterrupt traceback from
+    line 0). A sitecustomize.py writes a marker from inside that import (the audit event "import" that follows the
+    script's "exec"): a Ctrl-C that comes before the marker is written meets the import as one after it would."""
     script = str((ROOT / str(argv[0])).resolve())
-    hook = ("import sys\n"
+    hook = ("import os, sys\n"
+            "seen = []\n"
             "def started(event, args):\n"
             f"    if event == 'exec' and getattr(args[0], 'co_filename', None) == {script!r}:\n"
-            "        open(MARKER, 'w').close()\n"
+            "        seen.append(event)\n"
+            "    elif event == 'import' and seen == ['exec']:\n"
+            "        seen.append(event)\n"
+            "        os.close(os.open(MARKER, os.O_CREAT | os.O_WRONLY))\n"
             "sys.addaudithook(started)\n")
 
     def interrupt(p, marker):

@@ -23,7 +23,7 @@ import head
 import mhar
 import train
 from common import adamw, load_model, sample_rows, seed_of
-from helpers import ROOT, VOCAB, error_line, interrupted_while_importing, sigint_as_in_a_terminal, tiny
+from helpers import ROOT, VOCAB, error_line, interrupted_while_importing, sigint_as_in_a_terminal
 
 
 def flags(data, out, *extra):
@@ -155,10 +155,11 @@ def reference_training(data, config, steps, lr=1e-2, warmup=2, max_steps=8, accu
 def test_every_residual_mode_trains_as_the_reference_loop(data, tmp_path, residual, extra, capsys):
     """Five steps of train.py give the reference loop's weights and losses (the loop's
     schedule, batches, accumulation, clipping and optimizer, for every residual mode). Delta
-    routing from scratch says so, once, on stderr (delta_note)."""
+    routing from scratch, a mode of its own (docs/methods.md), says so in its header, once."""
     summary = run(data, tmp_path, "--residual", residual, *extra, "--stop_step", "5")
-    err = capsys.readouterr().err
-    assert err.count("train.py: note: --delta without --init_from") == ("--delta" in extra), err
+    out = capsys.readouterr().out
+    assert out.count("note: --delta without --init_from trains delta routing from scratch") == (
+        "--delta" in extra), out
     config = json.loads((tmp_path / "config.json").read_text())["config"]
     assert (config["residual"], config["hc_streams"], config["route_block"], config["delta"]) == (
         residual, 2 if "--hc_streams" in extra else 4, 2 if "--route_block" in extra else 1,
@@ -212,7 +213,7 @@ def test_conversion_continues_the_baseline_run_exactly(data, tmp_path, capsys):
     capsys.readouterr()
     run(data, tmp_path / "converted", "--init_from", str(source), "--route_block", "2",
         "--routing_lr", "5e-3")
-    assert "note" not in capsys.readouterr().err  # delta routing, by conversion
+    assert "note: --delta" not in capsys.readouterr().out  # delta routing, by conversion
     baseline, converted = read_log(tmp_path / "baseline"), read_log(tmp_path / "converted")
     assert converted[0] == {"step": 4, "conversion_max_logit_diff": 0.0}
     val_at_4 = [e["val_loss"] for e in baseline if e.get("val_loss") is not None and e["step"] == 4]
@@ -226,20 +227,6 @@ def test_conversion_continues_the_baseline_run_exactly(data, tmp_path, capsys):
     assert groups["routing"]["initial_lr"] == 5e-3 and groups["matrices"]["initial_lr"] == 1e-2
     gates = [v for k, v in ckpt["model"].items() if k.endswith(".gate")]
     assert len(gates) == 5 and all(g.item() != 0 for g in gates)  # opened by non-zero gradients
-
-
-@pytest.mark.parametrize("delta, ckpt, source, said", [
-    (False, None, None, False), (True, None, None, True), (True, {}, None, False),
-    (True, None, {}, False), (True, None, Path("qwen3"), False)],
-    ids=["not-delta", "from-scratch", "resumed", "converting-a-baseline", "grafting-onto-qwen3"])
-def test_delta_routing_from_scratch_is_said_once(delta, ckpt, source, said):
-    """The note of a new run of delta routing from scratch: not for another mode, a resumed run (its
-    checkpoint, even an empty dict), or a conversion (of a baseline's checkpoint or a Qwen3)."""
-    note = train.delta_note(tiny(delta=delta), ckpt, source)
-    assert (note is not None) == said
-    if said:
-        assert note.startswith("train.py: note: --delta without --init_from") and "\n" not in note
-        assert "docs/methods.md" in note and (ROOT / "docs" / "methods.md").is_file()
 
 
 def test_conversion_refuses_a_routed_checkpoint(data, tmp_path, capsys):
