@@ -177,8 +177,8 @@ def test_ctrl_c_at_any_moment_is_one_line_or_a_finished_run(script, delay, runs,
     status 130 with nothing written, or, once the run has finished (a Ctrl-C after the last sample, or once
     prepare.py moves its files into place, is too late), the finished run: status 0, all of its output. Which
     phase a delay meets depends on the machine's load: the test asserts what holds in every one. The count starts
-    at the script's first instruction (helpers.interrupted_after): at-0s meets the handler the script installs
-    first, or the imports it guards."""
+    inside the script's first import, microseconds into it (helpers.interrupted_after): at-0s meets that import
+    (interrupts.py's, which installs the first handler) or the imports it guards."""
     out = tmp_path / "data"
     argv = runs[script] + (["--out", out] if script == "prepare" else [])
     check_interrupted_or_finished(script, *interrupted_after(argv, delay, tmp_path), out)
