@@ -235,7 +235,9 @@ def model_loop(model, idx):
 @pytest.mark.parametrize("residual, overrides", [
     ("baseline", {}), ("hyper", {}), ("attnres", {}), ("mhar", {}), ("mhar", WIDE_HEADS),
     ("attnres", dict(route_temperature=4.0)), ("mhar", dict(route_temperature=0.5)),
-], ids=["baseline", "hyper", "attnres", "mhar", "mhar-6x8-untied-theta1e6", "attnres-T4", "mhar-T0.5"])
+    ("mhar", dict(norm_eps=0.25)),
+], ids=["baseline", "hyper", "attnres", "mhar", "mhar-6x8-untied-theta1e6", "attnres-T4", "mhar-T0.5",
+        "mhar-eps0.25"])
 def test_model_matches_the_float64_reference(residual, overrides):
     """The exact check behind test_tiny_model_overfits_one_batch: random weights (non-zero queries,
     non-identity hyper-connections), logits against model_loop."""
@@ -245,17 +247,17 @@ def test_model_matches_the_float64_reference(residual, overrides):
     assert rel_err(model(idx)[0], model_loop(model, idx)) < 1e-5
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(residual="attnres"), dict(route_heads=4), dict(route_block=2), dict(delta=True, route_block=2),
-    dict(fused=True), dict(fused=True, delta=True, route_block=2),
-], ids=["attnres", "mhar-H4", "block", "delta", "fused", "fused-delta"])
-def test_route_temperature_is_the_route_with_the_queries_divided(overrides):
+@pytest.mark.parametrize("overrides, tau", [
+    (dict(residual="attnres"), 2.0), (dict(route_heads=4), 4.0), (dict(route_block=2), 4.0),
+    (dict(delta=True, route_block=2), 4.0), (dict(fused=True), 4.0), (dict(fused=True, delta=True, route_block=2), 4.0),
+], ids=["attnres-T2", "mhar-H4", "block", "delta", "fused", "fused-delta"])
+def test_route_temperature_is_the_route_with_the_queries_divided(overrides, tau):
     """Config.route_temperature = tau in every routed mode: the logits, the routing weights and every
     gradient of the model with queries q are those of the model at tau = 1 with queries q / tau
-    (whose query gradients are tau times larger: d/dq = (1/tau) d/d(q/tau))."""
+    (whose query gradients are tau times larger: d/dq = (1/tau) d/d(q/tau)). tau = 2 as well as 4: no
+    value but 1 is special."""
     if overrides.get("fused"):
         interpreted()
-    tau = 4.0
     torch.manual_seed(0)
     model = perturbed(GPT(tiny(route_temperature=tau, **overrides)), scale=0.1)
     reference = GPT(tiny(**overrides))
@@ -678,6 +680,17 @@ def test_the_rotary_tables_stay_fp32_through_a_cast():
     model.to(torch.bfloat16)
     assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
     assert torch.equal(model.to(torch.float32)(idx)[0], expected)
+
+
+def test_the_rotary_tables_follow_a_cast_onto_another_device():
+    """A cast of dtype and device together rebuilds the fp32 tables on the new device (here "meta",
+    which holds no data), not on the CPU; a cast that does not recurse leaves the children alone, as
+    nn.Module's does."""
+    model = GPT(tiny()).to("meta", torch.bfloat16)
+    assert model.rope_cos.device.type == model.rope_sin.device.type == "meta"
+    assert model.rope_cos.dtype == torch.float32 and model.embed.weight.dtype == torch.bfloat16
+    model = GPT(tiny())._apply(lambda t: t.double(), recurse=False)
+    assert model.embed.weight.dtype == torch.float32                  # a child's: not cast
 
 
 def test_config_round_trips_through_a_dict():
