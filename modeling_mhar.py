@@ -120,7 +120,7 @@ class MHARPreTrainedModel(PreTrainedModel):
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         layers = None  # one per sublayer, as GPT.generate's KVCaches; an MLP's goes unused
-        if use_cache:
+        if cache is not None:  # read and extended, as transformers' models do, use_cache=False too
             layers = [LayerCache(cache, j // 2) for j in range(len(self.model.layers))]
         start, T = 0 if cache is None else cache.get_seq_length(), input_ids.size(1)
         if attention_mask is not None and attention_mask.shape != (input_ids.size(0), start + T):

@@ -1170,7 +1170,8 @@ def remote(tmp_path_factory):
     try:
         spec.loader.exec_module(modeling)
         theirs = modeling.MHARForCausalLM.from_pretrained(directory).eval()
-        yield types.SimpleNamespace(model=model, theirs=theirs, directory=directory, modeling=modeling)
+        base = modeling.MHARModel.from_pretrained(directory).eval()
+        yield types.SimpleNamespace(model=model, theirs=theirs, base=base, directory=directory, modeling=modeling)
     finally:
         for name in [n for n in sys.modules if n.split(".")[0] == "modeling_mhar"]:
             del sys.modules[name]
@@ -1227,8 +1228,9 @@ def test_a_padded_batch_whose_longest_row_fills_the_window(remote, lengths, side
 
 @pytest.mark.parametrize("T, first, accepted", [
     (1, WINDOW - 1, True), (1, WINDOW, False), (1, -1, False), (1, 0, True), (WINDOW, 0, True),
-    (2, WINDOW - 1, False), (3, 5, True)],
-    ids=["last-position", "window", "negative", "zero", "whole-window", "past-the-window", "middle"])
+    (WINDOW, 1, False), (2, WINDOW - 1, False), (3, 5, True)],
+    ids=["last-position", "window", "negative", "zero", "whole-window", "whole-window-shifted", "past-the-window",
+         "middle"])
 def test_position_ids_reach_the_window_and_no_further(remote, T, first, accepted):
     """position_ids first, first + 1, ... (T tokens): up to WINDOW - 1 they are the rotary positions
     GPT.hidden takes; at WINDOW or below 0, one ValueError that names the range (not an IndexError in the
@@ -1280,3 +1282,283 @@ def test_output_hidden_states_unsaid_follows_the_config(remote, configured, monk
         assert all(torch.equal(a, b) for a, b in zip(unsaid, said_yes)) and len(unsaid) == len(said_yes)
     else:
         assert unsaid is None
+
+
+# the remote model in this process, each of its arguments and outputs against the GPT it was exported from
+
+def reference(remote, idx, positions=None):
+    """(GPT's final hidden states, its float32 logits) of idx: what MHARModel and MHARForCausalLM give."""
+    with torch.no_grad():
+        h = remote.model.hidden(idx, positions=positions)
+        return h, remote.model.lm_head(h).float()
+
+
+def main_output(output, kind):
+    return output.logits if kind == "causal-lm" else output.last_hidden_state
+
+
+KINDS = ["causal-lm", "base"]
+
+
+@pytest.mark.parametrize("argument", ["none", "position_ids", "attention_mask", "cache", "past_key_values",
+                                      "cache-use_cache-off", "use_cache-off", "output_hidden_states",
+                                      "return_dict-off"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_both_classes_take_each_argument_to_its_effect(remote, kind, argument):
+    """MHARForCausalLM (its logits) and MHARModel, the AutoModel (its final hidden states), each argument
+    alone: the rotary positions, a left-padded row as it gives alone, tokens after a cache passed as `cache`
+    or as `past_key_values` (before transformers 5.24), no cache returned when asked for none, the L + 1
+    hidden states, a tuple. A cache passed with use_cache=False is read and extended all the same, as
+    transformers' Qwen3 does, and not returned (it was ignored: the tokens computed as if alone, silently)."""
+    model, which = (remote.theirs, 1) if kind == "causal-lm" else (remote.base, 0)
+    idx = window_tokens(T=8)
+    expected = reference(remote, idx)[which]
+    with torch.no_grad():
+        if argument == "none":
+            output = model(idx)
+            assert torch.equal(main_output(output, kind), expected) and output.hidden_states is None
+            assert output.cache.get_seq_length() == 8           # use_cache, unsaid: the config's, on
+        elif argument == "position_ids":
+            positions = (torch.arange(8) % 5).expand(2, -1)   # two documents packed in a row
+            got = main_output(model(idx, position_ids=positions), kind)
+            assert torch.equal(got, reference(remote, idx, positions)[which])
+            assert rel_err(got, expected) > 1e-3               # the positions do count
+        elif argument == "attention_mask":
+            ids, mask = idx.clone(), torch.ones_like(idx)
+            ids[0, :3], mask[0, :3] = 0, 0                     # row 0: five tokens, left-padded
+            got = main_output(model(ids, attention_mask=mask), kind)
+            assert rel_err(got[0, 3:], reference(remote, idx[:1, 3:])[which][0]) < 1e-6
+            assert rel_err(got[1], expected[1]) < 1e-6
+        elif argument in ("cache", "past_key_values"):
+            first = model(idx[:, :5])
+            got = main_output(model(idx[:, 5:], **{argument: first.cache}), kind)
+            assert rel_err(got, expected[:, 5:]) < 1e-6 and first.cache.get_seq_length() == 8
+        elif argument == "cache-use_cache-off":
+            cache = model(idx[:, :5]).cache
+            output = model(idx[:, 5:], cache=cache, use_cache=False)
+            assert rel_err(main_output(output, kind), expected[:, 5:]) < 1e-6
+            assert output.cache is None and cache.get_seq_length() == 8
+        elif argument == "use_cache-off":
+            output = model(idx, use_cache=False)
+            assert output.cache is None and torch.equal(main_output(output, kind), expected)
+        elif argument == "output_hidden_states":
+            states = model(idx, output_hidden_states=True).hidden_states
+            assert len(states) == remote.model.config.n_layer + 1
+            assert torch.equal(states[-1], reference(remote, idx)[0])
+        else:
+            output = model(idx, return_dict=False)
+            assert isinstance(output, tuple) and torch.equal(output[0], expected)
+            assert output[1].get_seq_length() == 8
+
+
+@pytest.mark.parametrize("call, refusal", [
+    (dict(inputs_embeds=torch.zeros(2, 8, 64)), "{cls} takes input_ids, not inputs_embeds"),
+    (dict(output_attentions=True), "{cls} has no attention weights to output (its attention is torch's SDPA); "
+                                   "the routing weights over depth: mhar.GPT.routing_weights"),
+    (dict(foo=1), "{cls} does not take foo"),
+    (dict(foo=1, bar=2, num_items_in_batch=3), "{cls} does not take bar, foo"),
+    (dict(attention_mask=torch.ones(2, 7, dtype=torch.long)), "attention_mask must be (B, 8): 1 for each token "
+                                                               "of the cache and the input, 0 for padding"),
+    (dict(attention_mask=torch.ones(2, 9, dtype=torch.long)), "attention_mask must be (B, 8)"),
+    (dict(attention_mask=torch.ones(1, 8, dtype=torch.long)), "attention_mask must be (B, 8)"),
+    (dict(position_ids=torch.arange(7).expand(2, -1)), "position_ids must be (B, 8) in [0, 16)"),
+    (dict(position_ids=torch.arange(9).expand(2, -1)), "position_ids must be (B, 8) in [0, 16)"),
+    (dict(cache=types.SimpleNamespace(is_compileable=True)),
+     "{cls} takes a dynamic cache (the default), not a static one: drop cache_implementation=\"static\""),
+    (dict(past_key_values=types.SimpleNamespace(is_compileable=True)), "not a static one"),
+], ids=["inputs_embeds", "output_attentions", "unknown", "two-unknown-sorted", "mask-one-short", "mask-one-long",
+        "mask-one-row", "positions-one-short", "positions-one-long", "static-cache", "static-past_key_values"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_what_either_class_cannot_honour_is_one_value_error(remote, kind, call, refusal):
+    model = remote.theirs if kind == "causal-lm" else remote.base
+    with pytest.raises(ValueError) as refused:
+        model(window_tokens(T=8), **call)
+    assert refusal.format(cls=type(model).__name__) in str(refused.value)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("width, accepted", [(2, False), (3, False), (7, False), (8, True), (9, False)],
+                         ids=["new-only-one-less", "the-new-tokens-alone", "one-less", "cache-and-new", "one-more"])
+def test_a_mask_after_a_cache_covers_the_cache_and_the_new_tokens(remote, kind, width, accepted):
+    """Three tokens after a cache of five: a mask of 8 columns, no fewer (the new tokens' alone is the usual
+    mistake) and no more; all ones it is the unmasked path's result exactly (no padding)."""
+    model, which = (remote.theirs, 1) if kind == "causal-lm" else (remote.base, 0)
+    idx = window_tokens(T=8)
+    with torch.no_grad():
+        unmasked = main_output(model(idx[:, 5:], cache=model(idx[:, :5]).cache), kind)
+        cache, mask = model(idx[:, :5]).cache, torch.ones(2, width, dtype=torch.long)
+        if not accepted:
+            with pytest.raises(ValueError, match=re.escape("attention_mask must be (B, 8)")):
+                model(idx[:, 5:], cache=cache, attention_mask=mask)
+            return
+        masked = main_output(model(idx[:, 5:], cache=cache, attention_mask=mask), kind)
+    assert torch.equal(masked, unmasked) and rel_err(masked, reference(remote, idx)[which][:, 5:]) < 1e-6
+
+
+@pytest.mark.parametrize("configured", [False, True], ids=["config-off", "config-on"])
+@pytest.mark.parametrize("said", [None, False, True], ids=["unsaid", "said-off", "said-on"])
+def test_use_cache_unsaid_follows_the_config(remote, configured, said, monkeypatch):
+    monkeypatch.setattr(remote.theirs.config, "use_cache", configured)
+    with torch.no_grad():
+        cache = remote.theirs(window_tokens(T=8), use_cache=said).cache
+    kept = configured if said is None else said
+    assert (cache.get_seq_length() == 8) if kept else cache is None
+
+
+@pytest.mark.parametrize("return_dict, configured, whole", [
+    (None, True, True), (None, False, False), (True, False, True), (False, True, False)],
+    ids=["unsaid-config-on", "unsaid-config-off", "said-on", "said-off"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_return_dict_unsaid_follows_the_config(remote, kind, return_dict, configured, whole, monkeypatch):
+    model = remote.theirs if kind == "causal-lm" else remote.base
+    monkeypatch.setattr(model.config, "return_dict", configured)
+    with torch.no_grad():
+        output = model(window_tokens(T=8), return_dict=return_dict)
+    assert isinstance(output, tuple) is not whole
+
+
+@pytest.mark.parametrize("keep, expected", [(0, slice(None)), (1, slice(7, None)), (2, slice(6, None)),
+                                            (7, slice(1, None)), (8, slice(None)), (9, slice(None)),
+                                            (torch.tensor([0, 5]), [0, 5])],
+                         ids=["zero-all", "one", "two", "all-but-one", "all", "one-more-than-all", "positions"])
+def test_logits_to_keep_are_the_last_n_or_those_named(remote, keep, expected):
+    with torch.no_grad():
+        logits = remote.theirs(window_tokens(T=8), logits_to_keep=keep).logits
+    assert rel_err(logits, reference(remote, window_tokens(T=8))[1][:, expected]) < 1e-6  # rounding of a shape
+
+
+@pytest.mark.parametrize("items", [None, 5, 14], ids=["mean", "over-five-items", "over-every-label"])
+def test_labels_give_transformers_causal_loss(remote, items):
+    """labels shifted inside, -100 ignored (a label two positions in, of row 1); with num_items_in_batch (what
+    Trainer passes on over gradient accumulation) the sum over that many."""
+    import torch.nn.functional as F
+    idx = window_tokens(T=8)
+    labels = idx.clone()
+    labels[1, 2] = -100
+    kwargs = {} if items is None else dict(num_items_in_batch=items)
+    with torch.no_grad():
+        output = remote.theirs(idx, labels=labels, **kwargs)
+    logits = reference(remote, idx)[1]
+    each = F.cross_entropy(logits[:, :-1].reshape(-1, 100), labels[:, 1:].reshape(-1), reduction="none")
+    expected = each.sum() / (13 if items is None else items)  # 14 predicted labels, one ignored
+    assert output.loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert torch.equal(output.logits, logits)
+
+
+def test_logits_are_float32_in_a_bf16_model(remote):
+    """As GPT.forward's: the LM head runs in bf16, its logits are returned in float32."""
+    import copy
+    theirs, ours = (copy.deepcopy(m).to(torch.bfloat16) for m in (remote.theirs, remote.model))
+    idx = window_tokens(T=8)
+    with torch.no_grad():
+        logits = theirs(idx).logits
+    assert logits.dtype == torch.float32 and torch.equal(logits, ours(idx)[0])
+
+
+@pytest.mark.parametrize("size", [99, 100, 101, 108], ids=["one-fewer", "same", "one-more", "eight-more"])
+def test_resize_token_embeddings_resizes_gpts_vocabulary(remote, size):
+    """transformers' resize: the embedding and (tied) LM head of `size` rows, the old rows kept, and
+    mhar.Config's vocab_size and the config's "mhar" section (what save_pretrained writes) follow it."""
+    import copy
+    model = copy.deepcopy(remote.theirs)
+    embeddings = model.resize_token_embeddings(size, mean_resizing=False)
+    assert embeddings is model.model.embed and embeddings.num_embeddings == size
+    assert model.model.config.vocab_size == model.config.mhar["vocab_size"] == model.config.vocab_size == size
+    idx = window_tokens(T=8) % min(size, 100)
+    with torch.no_grad():
+        logits = model(idx).logits
+    kept = min(size, 100)
+    assert logits.shape == (2, 8, size) and torch.equal(logits[..., :kept], reference(remote, idx)[1][..., :kept])
+    assert remote.theirs.config.mhar["vocab_size"] == 100  # the copy's alone
+
+
+def test_the_embeddings_transformers_reads_and_replaces_are_gpts(remote):
+    import copy
+    model = copy.deepcopy(remote.theirs)
+    assert model.get_input_embeddings() is model.model.embed
+    assert model.get_output_embeddings() is model.model.lm_head
+    embed, head = torch.nn.Embedding(100, 64), torch.nn.Linear(64, 100, bias=False)
+    torch.nn.init.zeros_(head.weight)
+    model.set_input_embeddings(embed)
+    model.set_output_embeddings(head)
+    assert model.get_input_embeddings() is model.model.embed is embed
+    assert model.get_output_embeddings() is model.model.lm_head is head
+    with torch.no_grad():
+        assert torch.equal(model(window_tokens(T=8)).logits, torch.zeros(2, 8, 100))
+
+
+def test_activation_checkpointing_is_configs_and_keeps_no_cache_while_training(remote):
+    """activation_checkpointing_enable (gradient_checkpointing_enable, Trainer's): Config.checkpointing, the
+    first sublayer run again in backward, the same gradients; a forward that records gradients keeps no cache
+    (recomputing would extend it twice), one under no_grad does; disabled, all as before."""
+    import copy
+    model = copy.deepcopy(remote.theirs)
+    idx = window_tokens(T=8)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        calls = []
+        hook = model.model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+        output = model(idx, labels=idx, use_cache=True)
+        output.loss.backward()
+        hook.remove()
+        return len(calls), output.cache, {n: p.grad for n, p in model.named_parameters()}
+
+    calls, cache, grads = step()
+    assert (calls, cache.get_seq_length()) == (1, 8)
+    # activation_checkpointing_enable where transformers has it; gradient_checkpointing_enable, now deprecated
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    assert model.model.config.checkpointing is True and model.gradient_checkpointing is True
+    calls, cache, checkpointed = step()
+    assert (calls, cache) == (2, None)
+    assert all(rel_err(checkpointed[n], g) < 1e-6 for n, g in grads.items())
+    with torch.no_grad():
+        assert model(idx).cache.get_seq_length() == 8
+    (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+    assert model.model.config.checkpointing is False and model.gradient_checkpointing is False
+    calls, cache, _ = step()
+    assert (calls, cache.get_seq_length()) == (1, 8)
+
+
+@pytest.mark.parametrize("implementation, refused", [(None, False), ("sdpa", False), ("eager", True)],
+                         ids=["unsaid", "sdpa", "eager"])
+def test_attention_other_than_sdpa_is_refused_when_the_model_is_built(remote, implementation, refused):
+    config = remote.modeling.MHARConfig.from_pretrained(remote.directory, attn_implementation=implementation)
+    if refused:
+        with pytest.raises(ValueError) as error:
+            remote.modeling.MHARForCausalLM(config)
+        assert str(error.value) == (f"MHARForCausalLM's attention is torch's SDPA: attn_implementation="
+                                    f"{implementation!r} is not supported; use \"sdpa\" (the default)")
+        return
+    built = remote.modeling.MHARForCausalLM(config).model.config  # the directory's mhar.Config
+    assert dataclasses.asdict(built) == dataclasses.asdict(remote.model.config)
+
+
+def test_a_mhar_section_with_fields_this_mhar_py_lacks_builds_the_rest(remote):
+    """An export's "mhar" section holds mhar.Config's fields and its note (and whatever a later version adds):
+    the model is built from the fields mhar.Config has."""
+    import copy
+    config = copy.deepcopy(remote.theirs.config)
+    config.mhar = {**config.mhar, "a_later_field": 3}
+    built = remote.modeling.MHARModel(config).model.config
+    assert dataclasses.asdict(built) == dataclasses.asdict(remote.model.config)
+
+
+def test_tensors_a_directory_lacks_start_as_gpt_starts_them_and_the_rest_are_read(remote, tmp_path):
+    """_init_weights on the modules transformers did not fill: a routing query GPT starts at zero, a norm
+    weight at one, a projection at N(0, 0.02^2); every tensor the directory holds is its own, bit for bit."""
+    from safetensors.torch import load_file, save_file
+    dropped = ("model.sites.1.query", "model.sites.2.norm_weight", "model.layers.0.q_proj.weight")
+    for file in remote.directory.iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({n: t for n, t in tensors.items() if n not in dropped}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    loaded = remote.modeling.MHARForCausalLM.from_pretrained(tmp_path).state_dict()
+    ours = {f"model.{n}": t for n, t in remote.model.state_dict().items()}
+    assert loaded.keys() == ours.keys()
+    assert all(torch.equal(loaded[n], t) for n, t in ours.items() if n not in dropped)
+    query, norm, projection = (loaded[n] for n in dropped)
+    assert torch.equal(query, torch.zeros_like(query)) and torch.equal(norm, torch.ones_like(norm))
+    assert projection.std().item() == pytest.approx(0.02, rel=0.1)
+    assert not torch.equal(ours["model.sites.1.query"], query)  # open_routing moved it off its start
