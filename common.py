@@ -87,10 +87,13 @@ SEED_MAX = 2**63 - 1  # a seed is an int64 everywhere it is stored (torch's gene
 
 
 def seed(text):
-    """An argparse type: a seed, an integer in [0, 2**63 - 1]."""
-    value = STEPS(text)
-    if value > SEED_MAX:
-        raise argparse.ArgumentTypeError(f"must be in [0, {SEED_MAX}] (an int64), not {text}")
+    """An argparse type: a seed, an integer in [0, 2**63 - 1]; any other value's refusal names the range."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be a whole number in [0, {SEED_MAX}] (an int64), not {text!r}")
     return value
 
 
