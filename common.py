@@ -627,7 +627,7 @@ def logged_until(path, step):
 
 def ignore_stop_signals(prog):
     """SIGINT and SIGTERM ignored from here on in the process of script `prog`, which is exiting
-    because of one. Its teardown (torch's takes about a second) would otherwise meet a second
+    because of one, or whose work is done (a signal then is too late to stop anything). Its teardown (torch's takes about a second) would otherwise meet a second
     Ctrl-C with a KeyboardInterrupt traceback, or, once Python has put the signals back to their
     defaults, die of it without a word (status -2, not 128 + the first signal's number). A process
     that runs another main, as a test calling `prog`'s main(), keeps its signals: False."""
