@@ -3,16 +3,20 @@ through training, the table's paired statistics, a tiny run end to end (in this 
 two workers, which must agree), bad flags, an --out_dir that cannot be written, and the stop
 signals (Ctrl-C, SIGTERM) with the workers they must end."""
 import errno
+import io
 import json
 import math
 import os
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import time
+import warnings
 from contextlib import suppress
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -185,7 +189,6 @@ def test_the_first_update_is_taken_at_a_nonzero_learning_rate(monkeypatch):
 def test_the_mean_alpha_is_over_the_scored_positions_of_every_sequence():
     """α (N_j, B, T, H) of a stand-in model: the first LAG positions, not scored, hold 100; a mean
     that kept them, or that cut sequences instead of positions, would not be 0.5 + ... below."""
-    from types import SimpleNamespace
     N, B, T, H, lag = 2, 3, 6, 2, compromise.LAG
     alpha = torch.arange(N * B * T * H, dtype=torch.float64).view(N, B, T, H) / 1000
     alpha[:, :, :lag] = 100.0
@@ -273,7 +276,8 @@ def test_an_out_dir_that_is_or_lies_in_a_file_is_one_line_and_status_2(given, tm
     (tmp_path / "file").write_text("")
     monkeypatch.setattr(compromise, "run_all", untrained)
     line = error_line(capsys, compromise.main, ["--out_dir", tmp_path / given])
-    assert "is a file, not a folder" in line
+    assert line.startswith(f"compromise.py: error: --out_dir {tmp_path / given}: "
+                           f"{tmp_path / 'file'} is a file, not a folder"), line
     assert files_in(tmp_path) == ["file"]
 
 
@@ -506,3 +510,531 @@ def test_a_stop_signal_ends_every_process_with_one_line(signum, everyone, tmp_pa
         time.sleep(0.05)
     assert left == []
     assert files_in(tmp_path) == []
+
+
+@pytest.mark.parametrize("step, steps, factor", [
+    (30, 30, 1.0), (30, 31, 1.0), (31, 31, 0.1), (251, 250, 0.1),
+], ids=["run-as-long-as-the-warmup", "one-step-of-cosine-starts-at-the-peak",
+        "one-step-of-cosine-ends-at-a-tenth", "past-the-end-stays-at-a-tenth"])
+def test_the_cosine_of_a_run_barely_longer_than_the_warmup(step, steps, factor):
+    """The cosine spans the steps - WARMUP updates after the warmup however few: over one it goes
+    from the peak to the floor; a run no longer than the warmup does not divide by zero."""
+    assert compromise.lr_factor(step, steps) == pytest.approx(factor)
+
+
+def test_fit_takes_each_step_at_the_schedules_rate(monkeypatch):
+    """Each update's lr is set before it: the warmup (WARMUP 2 here), then the cosine over the
+    updates that remain (2 of 4)."""
+    seen, make = [], compromise.adamw
+
+    def recording(*args, **kwargs):
+        opt = make(*args, **kwargs)
+        update = opt.step
+
+        def step(*a, **k):
+            seen.append({round(group["lr"] / compromise.LR, 9) for group in opt.param_groups})
+            return update(*a, **k)
+        opt.step = step
+        return opt
+    monkeypatch.setattr(compromise, "adamw", recording)
+    monkeypatch.setattr(compromise, "WARMUP", 2)
+    compromise.fit(compromise.model("attnres", d=32, heads=2, seed=0), seed=0, steps=4)
+    assert seen == [{0.5}, {1.0}, {1.0}, {0.55}]                # every group at the same lr
+
+
+def recorded_batches(monkeypatch):
+    seen, draw = [], compromise.batch
+
+    def recording(generator, n):
+        idx, targets = draw(generator, n)
+        seen.append(idx)
+        return idx, targets
+    monkeypatch.setattr(compromise, "batch", recording)
+    return seen
+
+
+def test_each_seed_trains_on_its_own_batches_the_same_every_time(monkeypatch):
+    seen = recorded_batches(monkeypatch)
+    net = compromise.model("baseline", d=32, heads=2, seed=0)
+    for seed in (0, 1, 0):
+        compromise.fit(net, seed=seed, steps=1)
+    assert [idx.shape for idx in seen] == [(compromise.BATCH_SIZE, compromise.SEQ_LEN)] * 3
+    assert not torch.equal(seen[0], seen[1]) and torch.equal(seen[0], seen[2])
+
+
+@pytest.mark.parametrize("steps, with_val, curve", [
+    (3, True, []), (4, True, [3]), (6, True, [3]), (7, True, [3, 6]), (4, False, []),
+], ids=["as-long-as-one-interval", "one-more", "two-intervals-the-last-left-out",
+        "two-intervals-and-one-more", "without-a-validation-set"])
+def test_the_curve_is_the_validation_loss_every_interval_before_the_last_step(
+        steps, with_val, curve, monkeypatch):
+    """EVAL_EVERY 3: after updates 3, 6, ... but not after the last (train adds that one), each
+    point the loss evaluate returns for this net on the validation set."""
+    calls = []
+
+    def evaluate(net, val):
+        calls.append((net, val))
+        return 10.0 * len(calls), -1.0                      # (loss, accuracy)
+    monkeypatch.setattr(compromise, "evaluate", evaluate)
+    monkeypatch.setattr(compromise, "EVAL_EVERY", 3)
+    net, val = compromise.model("mhar", d=32, heads=2, seed=0), object()
+    got = compromise.fit(net, seed=0, steps=steps, val=val if with_val else None)
+    assert got == [[step, 10.0 * (k + 1)] for k, step in enumerate(curve)]
+    assert all(c[0] is net and c[1] is val for c in calls)
+
+
+@pytest.mark.parametrize("kwargs, built, steps", [
+    ({}, (64, 2), 250), (dict(d=32, heads=4, steps=7), (32, 4), 7),
+], ids=["the-experiments-defaults", "given"])
+def test_a_run_reports_its_measurements_and_time(kwargs, built, steps, monkeypatch):
+    """train's defaults are the command's (d 64, H 2, 250 steps); the result names the run, the
+    routing heads the model has, the loss and accuracy at the end appended to the curve, α over
+    the validation sequences and the seconds to a tenth."""
+    val = (torch.zeros(2, 3), torch.ones(2, 3))
+    net = SimpleNamespace(config=SimpleNamespace(depth_heads=3))
+    calls = []
+    clock = iter([100.0, 112.34])
+    monkeypatch.setattr(compromise, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(compromise, "validation", lambda: val)
+    monkeypatch.setattr(compromise, "model", lambda *a: calls.append(("model", a)) or net)
+    monkeypatch.setattr(compromise, "fit", lambda *a: calls.append(("fit", a)) or [[5, 2.5]])
+    monkeypatch.setattr(compromise, "evaluate", lambda *a: calls.append(("evaluate", a)) or (0.25, 0.75))
+    monkeypatch.setattr(compromise, "mean_alphas", lambda *a: calls.append(("alphas", a)) or "α")
+    result = compromise.train("mhar", 5, **kwargs)
+    assert result == dict(method="mhar", seed=5, d=built[0], heads=3, steps=steps, val_loss=0.25,
+                          val_accuracy=0.75, curve=[[5, 2.5], [steps, 0.25]], alphas="α",
+                          seconds=12.3)
+    assert calls == [("model", ("mhar", *built, 5)), ("fit", (net, 5, steps, val)),
+                     ("evaluate", (net, val)), ("alphas", (net, val[0]))]
+
+
+def test_the_validation_set_is_fixed():
+    idx, targets = compromise.validation()
+    again = compromise.validation()
+    assert idx.shape == (compromise.VAL_SEQUENCES, compromise.SEQ_LEN)
+    assert torch.equal(idx, again[0]) and torch.equal(targets, again[1])
+
+
+@pytest.mark.parametrize("d", [32, 64], ids=["d32", "d64"])
+def test_each_seed_has_its_own_rotation(d):
+    R = compromise.rotation(d, seed=0)
+    assert torch.equal(R, compromise.rotation(d, seed=0))
+    assert not torch.equal(R, compromise.rotation(d, seed=1))
+
+
+@pytest.mark.parametrize("method, heads, depth_heads", [
+    ("mhar", 2, 2), ("mhar", 4, 4), ("mhar", 32, 32), ("mhar-rotated", 4, 4), ("attnres", 4, 1),
+], ids=["mhar-H2", "mhar-H4", "mhar-one-coordinate-a-head", "mhar-rotated-H4", "attnres-one-head"])
+def test_the_model_is_two_blocks_of_four_heads_over_two_with_an_mlp_of_4d(method, heads,
+                                                                         depth_heads):
+    """The module docstring's model: 2 blocks, 4 attention heads over 2 key-value heads, a SwiGLU
+    of 4d, the task's vocabulary and length, and MHAR's H = --heads routing heads."""
+    config = compromise.model(method, d=32, heads=heads, seed=0).config
+    assert (config.vocab_size, config.seq_len, config.n_layer, config.n_embd) == (256, 32, 2, 32)
+    assert (config.n_head, config.n_kv_head, config.ffn_hidden) == (4, 2, 128)
+    assert config.depth_heads == depth_heads
+
+
+def test_paired_statistics_are_exact_in_double_precision_and_silent_for_one_seed():
+    """Against statistics' float64 mean and stdev: a paired difference of 1e-5 on losses of
+    about ln 16 (the README's untrained variant) keeps its digits. One seed: nan, and no warning
+    from the standard deviation of a single difference."""
+    losses = [2.7861234567, 2.7859876543, 2.7862468024]
+    reference = [2.7861134567, 2.7859976543, 2.7862268024]
+    diffs = [a - b for a, b in zip(losses, reference)]
+    runs = {s: {"val_loss": v} for s, v in enumerate(losses)}
+    refs = {s: {"val_loss": v} for s, v in enumerate(reference)}
+    diff, se, ratio = compromise.paired(runs, refs)
+    assert diff == pytest.approx(statistics.mean(diffs), rel=1e-12, abs=0)
+    assert se == pytest.approx(statistics.stdev(diffs) / math.sqrt(3), rel=1e-12, abs=0)
+    assert ratio == pytest.approx(sum(losses) / sum(reference), rel=1e-15, abs=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        diff, se, ratio = compromise.paired({4: runs[0]}, {4: refs[0]})
+    assert diff == pytest.approx(diffs[0], rel=1e-12) and math.isnan(se)
+
+
+def test_results_are_grouped_by_method_then_seed():
+    results = [dict(method=m, seed=s) for s in (3, 1) for m in ("mhar", "attnres")]
+    assert compromise.by_method(results) == {
+        "mhar": {3: results[0], 1: results[2]}, "attnres": {3: results[1], 1: results[3]}}
+    assert list(compromise.by_method(results)) == ["mhar", "attnres"]  # in the order of results
+
+
+@pytest.mark.parametrize("n_layer, labels", [
+    (1, ["s0 embed", "s1 attn 0", "s2 mlp 0"]),
+    (2, ["s0 embed", "s1 attn 0", "s2 mlp 0", "s3 attn 1", "s4 mlp 1"]),
+    (3, ["s0 embed", "s1 attn 0", "s2 mlp 0", "s3 attn 1", "s4 mlp 1", "s5 attn 2", "s6 mlp 2"]),
+], ids=["one-block", "two-blocks", "three-blocks"])
+def test_the_final_sites_sources_are_the_embedding_then_each_sublayer(n_layer, labels,
+                                                                      monkeypatch):
+    monkeypatch.setattr(compromise, "N_LAYER", n_layer)
+    assert compromise.source_labels() == labels
+
+
+def result(method, seed, loss=0.5, early=1.0, accuracy=1.0, heads=None, final=None, d=32,
+           steps=7):
+    """A result as train returns it: alphas over the 5 sites of 2 blocks (site j reads j + 1
+    sources, each H values), the final site's given (default: its source n holds n / 10 + h / 100
+    + seed / 20)."""
+    heads = ({"baseline": 0, "attnres": 1, "attnres-tau": 1, "attnres-rotated": 1}.get(method, 2)
+             if heads is None else heads)
+    if final is None:
+        final = [[n / 10 + h / 100 + seed / 20 for h in range(heads)] for n in range(5)]
+    alphas = None if heads == 0 else (
+        [[[0.9 - j / 10] * heads for _ in range(j + 1)] for j in range(4)] + [final])
+    return dict(method=method, seed=seed, d=d, heads=heads, steps=steps, val_loss=loss,
+                val_accuracy=accuracy, curve=[[3, early], [6, early / 2], [steps, loss]],
+                alphas=alphas, seconds=1.0)
+
+
+def test_the_table_pairs_each_method_with_its_references_seed_by_seed():
+    """baseline on two seeds, attnres-tau on seed 1 alone (one seed against each reference),
+    mhar against both its references (the second on a line of its own); then α on the embedding
+    at the final site (source 0 of the last site), per head, the mean over the seeds."""
+    results = [
+        result("baseline", 0, 0.5, 2.0, 0.75), result("baseline", 1, 0.7, 3.0, 1.0),
+        result("attnres", 0, 0.4, 1.0, 1.0, final=[[0.3], [0.1], [0.2], [0.2], [0.2]]),
+        result("attnres", 1, 0.5, 1.5, 0.5, final=[[0.5], [0.1], [0.1], [0.1], [0.2]]),
+        result("attnres-tau", 1, 0.45, 1.25, 1.0, final=[[0.2], [0.2], [0.2], [0.2], [0.2]]),
+        result("mhar", 0, 0.3, 0.5, 1.0, final=[[0.25, 0.125]] + [[0.1875, 0.21875]] * 4),
+        result("mhar", 1, 0.35, 0.75, 1.0, final=[[0.35, 0.175]] + [[0.1625, 0.20625]] * 4),
+    ]
+    assert compromise.report(results).split("\n") == [
+        "method           val loss   at step 3  accuracy   paired difference                    ratio",
+        "baseline           0.6000      2.5000     87.5%   +0.1500 ± 0.0500 vs attnres           1.33",
+        "attnres            0.4500      1.2500     75.0%   (the reference)",
+        "attnres-tau        0.4500      1.2500    100.0%   -0.0500 (one seed) vs attnres         0.90",
+        "mhar               0.3250      0.6250    100.0%   -0.1250 ± 0.0250 vs attnres           0.72",
+        "                                                  -0.1000 (one seed) vs attnres-tau     0.78",
+        "α on s0 (the embedding) at the final site, per head: attnres 0.40, attnres-tau 0.20, "
+        "mhar 0.30/0.15"]
+
+
+@pytest.mark.parametrize("method", ["attnres", "mhar"], ids=["attnres", "mhar-without-its-references"])
+def test_a_table_of_one_run_is_its_own_reference(method):
+    assert compromise.report([result(method, 0, 0.4, 1.0, 1.0)]).split("\n") == [
+        "method           val loss   at step 3  accuracy   paired difference                    ratio",
+        f"{method:<16}   0.4000      1.0000    100.0%   (the reference)",
+        f"α on s0 (the embedding) at the final site, per head: {method} "
+        + ("0.00" if method == "attnres" else "0.00/0.01")]
+
+
+def bar_heights_and_errors(ax):
+    """Per bar series of an axes: (label, x positions, heights, error half-lengths or None)."""
+    from matplotlib.container import BarContainer
+    series = []
+    for container in (c for c in ax.containers if isinstance(c, BarContainer)):
+        xs = [p.get_x() + p.get_width() / 2 for p in container.patches]
+        heights = [p.get_height() for p in container.patches]
+        errors = None
+        if container.errorbar is not None:
+            segments = container.errorbar.lines[2][0].get_segments()
+            errors = [(s[1][1] - s[0][1]) / 2 for s in segments]
+        series.append((container.get_label(), xs, heights, errors,
+                       container.patches[0].get_width()))
+    return series
+
+
+@pytest.mark.parametrize("seeds", [1, 2], ids=["one-seed-no-error-bars", "two-seeds"])
+def test_the_depth_maps_draw_each_heads_alpha_per_source(seeds, tmp_path, monkeypatch):
+    """Two panels on one y scale (aligned, rotated codes); a bar per head of attnres and mhar at
+    every source of the final site, side by side around it: the mean over the seeds, their
+    standard deviation as error bars when there are several; the PNG at the figure DPI, closed."""
+    plt = compromise.pyplot()
+    if plt is None:
+        pytest.skip("needs matplotlib: pip install -r requirements-test.txt")
+    figures, subplots = [], plt.subplots
+
+    def recording(*args, **kwargs):
+        figures.append(subplots(*args, **kwargs))
+        return figures[-1]
+    monkeypatch.setattr(plt, "subplots", recording)
+    results = [result(m, s) for s in range(seeds)
+               for m in ("attnres", "mhar", "attnres-rotated", "mhar-rotated")]
+    path = tmp_path / "depth_maps.png"
+    compromise.plot_depth_maps(plt, results, path)
+    (fig, axes), = figures
+    assert not plt.fignum_exists(fig.number)
+    png = path.read_bytes()
+    assert png[:8] == PNG_SIGNATURE
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert (width, height) == tuple(round(x * compromise.FIGURE_DPI) for x in fig.get_size_inches())
+    assert [ax.get_title() for ax in axes] == ["aligned codes", "rotated codes"]
+    assert axes[0].get_ylabel() == "mean α at the final site"
+    assert axes[0].get_shared_y_axes().joined(axes[0], axes[1])
+    assert fig._suptitle.get_text() == (f"(a_t, b_(t-2)) with frozen codes: d 32, 7 steps, mean of "
+                                        f"{seeds} seeds")
+    width = 0.8 / 3
+    for ax, names in zip(axes, (["attnres (one head)", "mhar head 0 (a-half)", "mhar head 1 (b-half)"],
+                                ["attnres (one head)", "mhar head 0", "mhar head 1"])):
+        assert [t.get_text() for t in ax.get_xticklabels()] == compromise.source_labels()
+        assert list(ax.get_xticks()) == list(range(5))
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == names
+        series = bar_heights_and_errors(ax)
+        assert [s[0] for s in series] == names
+        for k, (label, xs, heights, errors, bar_width) in enumerate(series):
+            h = 0 if k == 0 else k - 1
+            values = torch.tensor([[n / 10 + h / 100 + s / 20 for n in range(5)] for s in range(seeds)],
+                                  dtype=torch.float64)
+            assert bar_width == pytest.approx(width)
+            assert xs == pytest.approx([n + (k - 1) * width for n in range(5)])
+            assert heights == pytest.approx(values.mean(0).tolist())
+            if seeds == 1:
+                assert errors is None
+            else:
+                assert errors == pytest.approx(values.std(0).tolist(), rel=1e-5)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], dict(d=64, heads=2, seeds=[0, 1, 2], steps=250, jobs=2, out_dir="runs/compromise")),
+    (["--d", "32"], dict(d=32)),
+    (["--d", "40", "--heads", "8"], dict(d=40, heads=8)),
+    (["--d", "32", "--heads", "32"], dict(d=32, heads=32)),
+    (["--steps", "1", "--jobs", "1"], dict(steps=1, jobs=1)),
+    (["--seeds", "7"], dict(seeds=[7])),
+    (["--seeds", "3,-1,2", "--out_dir", "elsewhere"], dict(seeds=[3, -1, 2], out_dir="elsewhere")),
+], ids=["defaults", "the-narrowest-width", "a-width-between", "one-coordinate-a-head",
+        "one-step-one-job", "one-seed", "seeds-in-their-order"])
+def test_the_flags_at_and_inside_their_bounds_are_taken(argv, expected):
+    args = vars(compromise.parse_args(argv))
+    assert {k: args[k] for k in expected} == expected
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--d", "24"], "--d 24: use a multiple of 8 of at least 32"),
+    (["--d", "32", "--heads", "34"], "--heads 34: use an even number that divides --d 32"),
+    (["--steps", "-5"], "argument --steps: must be at least 1, not -5"),
+    (["--jobs", "1.5"], "argument --jobs: must be a whole number, not '1.5'"),
+    (["--seeds", ""], "argument --seeds: must be integers separated by commas, e.g. 0,1,2; not ''"),
+    (["--seeds", "1,2,1"], "argument --seeds: lists a seed twice: '1,2,1'"),
+], ids=["the-multiple-of-8-below-32", "more-heads-than-coordinates", "negative-steps",
+        "fractional-jobs", "no-seeds", "a-seed-twice-apart"])
+def test_flags_just_outside_their_bounds_are_one_line(argv, fragment, tmp_path, capsys):
+    line = error_line(capsys, compromise.main, argv + ["--out_dir", tmp_path / "out"])
+    assert fragment in line, line
+
+
+def test_help_gives_the_purpose_the_examples_and_each_flags_bounds_and_default(capsys,
+                                                                               monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")                             # each flag's help on a line
+    with pytest.raises(SystemExit) as exit:
+        compromise.main(["--help"])
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    title, examples = compromise.__doc__.split("\n\n")[:2]
+    assert out.startswith("usage: compromise.py ") and f"\n\n{title.strip()}\n\n" in out
+    assert examples in out                                           # as written, line by line
+    for flag, text in [
+            ("--d D", "model width: a multiple of 8, at least 32 (default 64)"),
+            ("--heads HEADS", "MHAR's routing heads: even, dividing --d (default 2)"),
+            ("--seeds SEEDS", "paired seeds, separated by commas (default 0,1,2)"),
+            ("--steps STEPS", "training steps (default 250)"),
+            ("--jobs JOBS", "runs trained at a time, one thread each (default 2)"),
+            ("--out_dir OUT_DIR", "where results.json and depth_maps.png go (default runs/compromise)")]:
+        line, = [line for line in out.splitlines() if line.strip().startswith(flag)]
+        assert line.endswith(" " + text), line
+
+
+def test_a_worker_trains_on_one_thread_and_returns_its_runs_index(monkeypatch):
+    torch.set_num_threads(2)                                         # the suite's fixture restores it
+    compromise.one_thread()
+    assert torch.get_num_threads() == 1
+    monkeypatch.setattr(compromise, "train", lambda **run: ("trained", run))
+    assert compromise.indexed_run((3, dict(method="mhar", seed=1))) == (
+        3, ("trained", dict(method="mhar", seed=1)))
+
+
+class FakePool:
+    """multiprocessing's Pool as run_all uses it, in this process: the runs finish in reverse
+    order; terminate() may send a signal (a stop as the workers are being stopped)."""
+    def __init__(self, log, jobs, initializer, signal_on_terminate=None, stop_after=None):
+        self.log, self.signal, self.stop_after = log, signal_on_terminate, stop_after
+        log.append(("Pool", jobs, initializer))
+
+    def imap_unordered(self, function, items):
+        for k, item in enumerate(reversed(items)):
+            if k == self.stop_after:
+                raise KeyboardInterrupt("")                          # Ctrl-C while training
+            yield function(item)
+
+    def terminate(self):
+        self.log.append("terminate")
+        if self.signal is not None:
+            os.kill(os.getpid(), self.signal)
+
+    def join(self):
+        self.log.append("join")
+
+
+def fake_pool(monkeypatch, **behaviour):
+    log = []
+
+    def get_context(method):
+        log.append(("context", method))
+        return SimpleNamespace(Pool=lambda jobs, initializer: FakePool(log, jobs, initializer,
+                                                                       **behaviour))
+    monkeypatch.setattr(compromise, "get_context", get_context)
+    monkeypatch.setattr(compromise, "train", lambda **run: dict(run, trained=True))
+    return log
+
+
+RUNS = [dict(method=m, seed=s) for s in (0, 1) for m in ("attnres", "mhar")]
+
+
+@pytest.mark.parametrize("jobs, runs", [(2, RUNS), (3, RUNS[:1]), (2, [])],
+                         ids=["two-workers", "more-workers-than-runs", "no-runs"])
+def test_the_workers_results_come_back_in_the_order_of_the_runs(jobs, runs, monkeypatch):
+    """On spawned workers that start on one thread: each result handed to done as it finishes,
+    all of them returned in the order of the runs, and the pool stopped and waited for."""
+    log, finished = fake_pool(monkeypatch), []
+    results = compromise.run_all(runs, jobs, finished.append)
+    assert results == [dict(run, trained=True) for run in runs]
+    assert finished == results[::-1]
+    assert log == [("context", "spawn"), ("Pool", jobs, compromise.one_thread), "terminate", "join"]
+
+
+@pytest.mark.parametrize("runs", [RUNS, RUNS[:1], []], ids=["four-runs", "one-run", "no-runs"])
+def test_one_job_trains_in_this_process_in_order(runs, monkeypatch):
+    log, finished = fake_pool(monkeypatch), []
+    results = compromise.run_all(runs, 1, finished.append)
+    assert results == finished == [dict(run, trained=True) for run in runs]
+    assert log == []                                                 # no pool
+
+
+def test_a_signal_while_the_finished_pool_stops_is_acted_on_once_it_has(monkeypatch,
+                                                                        stop_handlers):
+    log = fake_pool(monkeypatch, signal_on_terminate=signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        compromise.run_all(RUNS, 2, lambda r: None)
+    assert str(stopped.value) == "SIGTERM" and log[-2:] == ["terminate", "join"]
+
+
+def test_a_second_signal_while_a_stopped_pool_stops_is_dropped(monkeypatch, stop_handlers):
+    """Ctrl-C while training, SIGTERM as the workers are being stopped: the first one names the
+    stop, and the pool is still waited for."""
+    log, finished = fake_pool(monkeypatch, signal_on_terminate=signal.SIGTERM, stop_after=1), []
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        compromise.run_all(RUNS, 2, finished.append)
+    assert str(stopped.value) == "" and log[-2:] == ["terminate", "join"]
+    assert finished == [dict(RUNS[-1], trained=True)]
+
+
+def test_the_probe_leaves_an_empty_folder_that_was_there(tmp_path):
+    (tmp_path / "empty").mkdir()
+    compromise.check_writable(tmp_path / "empty")
+    assert files_in(tmp_path) == ["empty"]
+
+
+def fake_training(monkeypatch, stop=None):
+    """run_all without training: each run's result made up (result()), done called for each as it
+    would be, in order; the runs and jobs it was given recorded. stop: KeyboardInterrupt(stop)
+    instead."""
+    given = []
+
+    def run_all(runs, jobs, done):
+        given.append((runs, jobs))
+        if stop is not None:
+            raise KeyboardInterrupt(stop)
+        results = []
+        for k, run in enumerate(runs):
+            results.append(dict(result(run["method"], run["seed"], loss=0.1 + k / 100,
+                                       accuracy=k / 8, d=run["d"], steps=run["steps"]),
+                                seconds=2.5 + k))
+            done(results[-1])
+        return results
+    monkeypatch.setattr(compromise, "run_all", run_all)
+    return given
+
+
+def drawn(plt, results, path):
+    path.write_bytes(PNG_SIGNATURE)
+
+
+@pytest.mark.parametrize("seeds, jobs, at_a_time", [
+    ("0,1", "2", 2), ("4", "5", 5), ("4", "6", 6), ("4", "7", 6), ("4", "1", 1),
+], ids=["two-of-twelve", "one-less-than-the-runs", "as-many-as-the-runs", "one-more-than-the-runs",
+        "one"])
+def test_a_run_prints_its_progress_and_the_table_and_writes_both_files(
+        seeds, jobs, at_a_time, tmp_path, capsys, monkeypatch):
+    """Every method for every seed (seed by seed), on at most as many workers as runs, on one
+    thread here; a line per finished run, the table, the files written and named."""
+    given = fake_training(monkeypatch)
+    monkeypatch.setattr(compromise, "pyplot", lambda: "matplotlib")
+    monkeypatch.setattr(compromise, "plot_depth_maps", drawn)
+    torch.set_num_threads(2)                                          # the suite's fixture restores it
+    out = tmp_path / "out"
+    results = compromise.main(["--d", "32", "--heads", "4", "--steps", "7", "--seeds", seeds,
+                               "--jobs", jobs, "--out_dir", str(out)])
+    assert torch.get_num_threads() == 1
+    seed_list = [int(s) for s in seeds.split(",")]
+    runs = [dict(method=m, seed=s, d=32, heads=4, steps=7) for s in seed_list for m in compromise.METHODS]
+    assert given == [(runs, at_a_time)]
+    n = len(runs)
+    progress = [f"[{k + 1:>2}/{n}] {r['method']:<16} seed {r['seed']}: val loss {0.1 + k / 100:.4f}, "
+                f"accuracy {k / 8:.1%} ({2.5 + k:.0f} s)" for k, r in enumerate(runs)]
+    assert capsys.readouterr().out.split("\n") == [
+        f"compromise.py: 6 methods x {len(seed_list)} seeds, d 32, H 4, 7 steps, {at_a_time} at a time",
+        *progress, *compromise.report(results).split("\n"),
+        f"wrote {out / 'results.json'}, {out / 'depth_maps.png'}", ""]
+    assert json.loads((out / "results.json").read_text()) == dict(
+        args=dict(d=32, heads=4, seeds=seed_list, steps=7, jobs=int(jobs), out_dir=str(out)),
+        runs=results)
+    assert files_in(tmp_path) == ["out", "out/depth_maps.png", "out/results.json"]
+
+
+def test_the_first_lines_reach_a_pipe_as_they_are_printed(tmp_path, monkeypatch):
+    """Through a pipe stdout is block-buffered: the run's first line and each run's line are
+    flushed as printed, so that whoever watches (or waits for the runs to start) sees them."""
+    raw = io.BytesIO()
+    monkeypatch.setattr("sys.stdout", io.TextIOWrapper(raw, encoding="utf-8"))
+    seen, make = [], compromise.report
+
+    def flushed(*args):
+        seen.append(raw.getvalue().decode().count("\n"))
+    monkeypatch.setattr(compromise, "report", lambda results: flushed() or make(results))
+    given = fake_training(monkeypatch)
+    run_all = compromise.run_all
+
+    def watched(runs, jobs, done):
+        flushed()
+        return run_all(runs, jobs, lambda r: (done(r), flushed()))
+    monkeypatch.setattr(compromise, "run_all", watched)
+    monkeypatch.setattr(compromise, "pyplot", lambda: None)
+    compromise.main(["--d", "32", "--steps", "7", "--seeds", "0", "--out_dir", str(tmp_path / "o")])
+    assert len(given[0][0]) == 6 and seen == [1, 2, 3, 4, 5, 6, 7, 7]
+
+
+@pytest.mark.parametrize("stop, name, status", [
+    ("", "SIGINT", 130), ("SIGTERM", "SIGTERM", 143),
+], ids=["ctrl-c", "SIGTERM"])
+def test_a_stop_while_training_is_one_line_and_128_plus_the_signal(stop, name, status, tmp_path,
+                                                                   capsys, monkeypatch):
+    """In this process (the stop-signal tests above run the script): Ctrl-C's KeyboardInterrupt
+    carries no name, SIGTERM's (interrupt) its own; nothing is written, the probe's folders gone."""
+    fake_training(monkeypatch, stop=stop)
+    line = error_line(capsys, compromise.main, ["--d", "32", "--out_dir", tmp_path / "new" / "out"],
+                      status=status)
+    assert line == (f"compromise.py: error: interrupted ({name}): nothing written; the same "
+                    f"command runs it again from the start")
+    assert files_in(tmp_path) == []
+
+
+def test_a_stop_while_both_files_are_written_names_both(tmp_path, capsys, monkeypatch,
+                                                        stray_sigterm):
+    fake_training(monkeypatch)
+    monkeypatch.setattr(compromise, "pyplot", lambda: "matplotlib")
+    monkeypatch.setattr(compromise, "plot_depth_maps", drawn)
+    write = compromise.write_results
+
+    def interrupted(out_dir, args, results):
+        os.kill(os.getpid(), signal.SIGTERM)                         # held until both are whole
+        return write(out_dir, args, results)
+    monkeypatch.setattr(compromise, "write_results", interrupted)
+    out = tmp_path / "out"
+    line = error_line(capsys, compromise.main, ["--d", "32", "--seeds", "0", "--out_dir", out],
+                      status=143)
+    assert line == (f"compromise.py: error: interrupted (SIGTERM) after {out / 'results.json'} and "
+                    f"{out / 'depth_maps.png'} had been written whole")
+    assert files_in(tmp_path) == ["out", "out/depth_maps.png", "out/results.json"]
+
