@@ -524,6 +524,9 @@ def test_optimizer_groups_cover_every_parameter_once(residual):
     added = {"baseline": 0, "hyper": 8 * len(model.layers), "mhar": 2 * len(model.layers) + 2}[residual]
     assert names.get("routing", 0) == added and names["embedding"] == 1
     assert all(group["weight_decay"] == 0.1 for group in optimizer.param_groups)  # the paper: all parameters
+    groups = model.param_groups()  # by shape past the embedding and routing: weight matrices and norm vectors
+    assert len(groups["norms"]) == 2 * len(model.layers) + 1  # attention's norm, q and k norms, MLP's; the final
+    assert all(p.dim() == 1 for p in groups["norms"]) and all(p.dim() == 2 for p in groups["matrices"])
 
 
 @pytest.mark.parametrize("overrides", [
@@ -874,6 +877,21 @@ def test_converted_baseline_gives_identical_logits(residual, heads, S):
     converted = GPT.from_baseline(baseline.state_dict(), tiny(residual, route_heads=heads, route_block=S, delta=True))
     idx = torch.randint(0, 128, (2, 16))
     assert (converted(idx)[0] - baseline(idx)[0]).abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("shape, field", [(dict(n_layer=3), "missing"), (dict(n_layer=1), "unexpected")],
+                         ids=["deeper", "shallower"])
+def test_a_baseline_of_another_shape_is_refused_naming_three_keys(shape, field):
+    """from_baseline refuses a state dict that does not fit, naming the first three keys it lacks or has
+    too many of (here eight or more each), and a config without delta routing, saying the fix."""
+    state = GPT(tiny("baseline")).state_dict()
+    with pytest.raises(ValueError) as refused:
+        GPT.from_baseline(state, tiny("mhar", delta=True, **shape))
+    named = re.search(r"missing (\[.*?\]), unexpected (\[.*?\])", str(refused.value))
+    lists = dict(missing=eval(named[1]), unexpected=eval(named[2]))
+    assert len(lists[field]) == 3 and lists["missing" if field == "unexpected" else "unexpected"] == []
+    with pytest.raises(ValueError, match=r"only delta routing starts as the baseline; set Config.delta=True"):
+        GPT.from_baseline(state, tiny("mhar"))
 
 
 def test_first_step_after_conversion_matches_and_opens_the_gates():
