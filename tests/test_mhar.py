@@ -671,6 +671,21 @@ def test_padding_and_tokens_after_a_cache_change_no_tokens_output(residual, over
     assert not any(h.isnan().any() for h in (*padded, chunked))      # padding rows included
 
 
+@pytest.mark.parametrize("residual", ["baseline", "mhar"])
+def test_a_left_padded_row_without_positions_reads_as_the_row_alone(residual):
+    """GPT.hidden with a mask and no positions numbers each row's tokens from its first real one, as
+    transformers numbers a padded batch: a row padded on the left gives, at its real tokens, the hidden
+    states of those tokens alone (an unpadded row beside it is unchanged)."""
+    torch.manual_seed(0)
+    model = perturbed(GPT(tiny(residual)), scale=0.1)
+    idx = torch.randint(0, 128, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0                                                    # row 0: three padding tokens first
+    with torch.no_grad():
+        padded, alone, full = model.hidden(idx, mask=mask), model.hidden(idx[:1, 3:]), model.hidden(idx[1:])
+    assert rel_err(padded[0, 3:], alone[0]) < 1e-5 and rel_err(padded[1], full[0]) < 1e-5
+
+
 def test_the_rotary_tables_stay_fp32_through_a_cast():
     """.to(bfloat16) and back gives the same logits: the tables are not rounded with the weights
     (the weights, which bf16 holds exactly here, are)."""
