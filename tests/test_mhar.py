@@ -700,6 +700,25 @@ def test_the_rotary_tables_stay_fp32_through_a_cast():
     assert torch.equal(model.to(torch.float32)(idx)[0], expected)
 
 
+def test_weights_start_as_the_init_table_says_and_a_partial_init_touches_only_its_modules():
+    """Every projection and the embedding from N(0, 0.02^2) (the sample's std within 10 %: thousands of
+    draws each), norms at 1; the rotary tables are buffers, rebuilt where the weights are, never saved;
+    init_weights(modules) (what transformers calls for the tensors a checkpoint lacks) leaves the others."""
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    matrices = [m.weight for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
+    assert all(0.018 < w.std().item() < 0.022 and abs(w.mean().item()) < 0.002 for w in matrices)
+    assert {"rope_cos", "rope_sin"} <= dict(model.named_buffers()).keys()
+    assert not any(k.startswith("rope") for k in model.state_dict())
+    perturbed(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.init_weights([model.norm])
+    assert torch.equal(model.norm.weight, torch.ones_like(model.norm.weight))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items() if k != "norm.weight")
+    model.to("meta").init_weights([model])                             # the tables: on the weights' device
+    assert model.rope_cos.device.type == "meta"
+
+
 def test_the_rotary_tables_follow_a_cast_onto_another_device():
     """A cast of dtype and device together rebuilds the fp32 tables on the new device (here "meta",
     which holds no data), not on the CPU; a cast that does not recurse leaves the children alone, as
