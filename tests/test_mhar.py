@@ -1041,3 +1041,18 @@ def test_every_norm_gets_its_weight_in_the_inputs_dtype_under_autocast(overrides
     assert len(norms.seen) >= 4 * model.config.n_layer + 1        # a sublayer, q and k, the final
     assert all(x == weight for x, weight in norms.seen), set(norms.seen)
     assert {x for x, _ in norms.seen} >= {torch.bfloat16}
+
+
+@pytest.mark.parametrize("overrides", [dict(residual="attnres"), dict(), dict(route_block=2),
+                                       dict(delta=True, route_block=2)],
+                         ids=["attnres", "mhar", "block", "delta"])
+def test_every_source_is_stored_in_the_autocast_dtype(overrides):
+    """Under bf16 autocast every source a site reads is bf16: the embedding s_0 (fp32 out of its table)
+    and delta's null source too, so that the history holds one dtype (a stack of fp32 and bf16 rows would
+    promote every read to fp32: twice the bytes, and another numerics than on a GPU)."""
+    torch.manual_seed(0)
+    model = GPT(tiny(**overrides))
+    seen = []
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        model.hidden(torch.randint(0, 128, (2, 8)), visit=lambda V, q, g: seen.append(V.dtype))
+    assert len(seen) == len(model.sites) and set(seen) == {torch.bfloat16}
