@@ -1056,3 +1056,11 @@ def test_every_source_is_stored_in_the_autocast_dtype(overrides):
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
         model.hidden(torch.randint(0, 128, (2, 8)), visit=lambda V, q, g: seen.append(V.dtype))
     assert len(seen) == len(model.sites) and set(seen) == {torch.bfloat16}
+
+
+@interpreted
+@pytest.mark.parametrize("group", [1, 2, 3], ids=["one-pass", "two", "three"])
+def test_config_fused_group_is_the_group_the_kernels_route_with(group):
+    """Config.fused_group reaches kernel.FusedHistory (0 lets it choose): each of 1, 2 and 3 sites a
+    group, so that at least two of them are not what the automatic choice gives."""
+    assert GPT(tiny(fused=True, fused_group=group)).new_history().group == group
