@@ -360,10 +360,12 @@ def test_causality(residual, overrides):
     (dict(norm_eps=-1.0), "norm_eps"),                               # sqrt of a negative: nan
     (dict(norm_eps=0.0), "norm_eps"),                                # a zero source: 1 / 0
     (dict(query_init_std=-1.0), "query_init_std"),
-], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()))
+    (dict(seq_len=0), "seq_len: must be >= 1, not 0"), (dict(ffn_hidden=-1), "ffn_hidden: must be >= 1, not -1"),
+], ids=lambda v: v.split(":")[0] if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()))
 def test_impossible_config_raises(overrides, field):
-    with pytest.raises(ValueError, match=rf"^Config\.{field}: "):
+    with pytest.raises(ValueError, match=rf"^Config\.{field}"):
         preset("tiny", **overrides)
+    assert preset("tiny", seq_len=1).seq_len == 1                     # one is the smallest of each size
 
 
 @pytest.mark.parametrize("residual", ["attnres", "baseline", "hyper"])
@@ -716,7 +718,10 @@ def test_weights_start_as_the_init_table_says_and_a_partial_init_touches_only_it
     assert torch.equal(model.norm.weight, torch.ones_like(model.norm.weight))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items() if k != "norm.weight")
     model.to("meta").init_weights([model])                             # the tables: on the weights' device
-    assert model.rope_cos.device.type == "meta"
+    assert model.rope_cos.device.type == model.rope_sin.device.type == "meta"
+    hyper = GPT(tiny("hyper"))                                         # the dynamic scales: small, not 0
+    scales = [p for c in hyper.connections for p in (c.read_mix_scale, c.write_scale)]
+    assert scales and all(p.item() == pytest.approx(0.01) for p in scales)
 
 
 def test_the_rotary_tables_follow_a_cast_onto_another_device():
