@@ -1,6 +1,7 @@
 """common.py's pieces that every script leans on, where a bug would go unnoticed elsewhere: token
 files longer than meta.json says, the peak resident set's unit, a write interrupted half-way, a
 staged write into folders it made, which weights a checkpoint gives."""
+import argparse
 import json
 import os
 import re
@@ -8,6 +9,8 @@ import resource
 import signal
 import subprocess
 import sys
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -205,3 +208,559 @@ def test_a_ranks_slice_of_the_drawn_rows_is_those_rows(lo, hi):
     assert len(set(map(tuple, every.tolist()))) == 4  # four different rows: a wrong slice shows
     synthetic = common.sample_rows(None, ("train", 3), 4, lo, hi, 16, 64)
     assert synthetic.shape == rows.shape == (hi - lo, 17)
+
+
+# ----------------------------------------------------------------------------------------------
+# What tests/mutate.py found unpinned in common.py: each function's behaviour at its edges, in this process
+
+
+@pytest.mark.parametrize("status, ignores", [(1, False), (2, False), (128, False), (129, True), (130, True),
+                                             (143, True)],
+                         ids=["machine", "input", "128", "first-signal", "sigint", "sigterm"])
+def test_exit_error_is_one_line_and_a_signals_status_ignores_more(capsys, monkeypatch, status, ignores):
+    """`prog: error: message` on stderr alone, the status asked for; above 128 (128 + a signal's number)
+    the script then ignores SIGINT and SIGTERM (ignore_stop_signals)."""
+    asked = []
+    monkeypatch.setattr(common, "ignore_stop_signals", asked.append)
+    with pytest.raises(SystemExit) as exit:
+        common.exit_error("sample.py", "what is wrong: what to do", status=status)
+    assert exit.value.code == status and asked == (["sample.py"] if ignores else [])
+    assert capsys.readouterr() == ("", "sample.py: error: what is wrong: what to do\n")
+
+
+def test_exit_error_says_bad_input_by_default_and_flags_say_where_the_list_is(capsys):
+    with pytest.raises(SystemExit) as exit:
+        common.exit_error("probe.py", "no such run")
+    assert exit.value.code == 2 and capsys.readouterr().err == "probe.py: error: no such run\n"
+    parser = common.FlagParser(prog="train.py")
+    parser.add_argument("--steps", type=common.STEPS)
+    with pytest.raises(SystemExit) as exit:
+        parser.parse_args(["--steps", "-1"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == ("train.py: error: argument --steps: must be >= 0, not -1 "
+                                                        "(python train.py --help lists the flags)")
+
+
+@pytest.mark.parametrize("kind, minimum, strict, text, value", [
+    (int, 0, True, "1", 1), (int, 0, True, "0", "must be > 0, not 0"), (int, 0, True, "-1", "must be > 0, not -1"),
+    (int, 0, False, "0", 0), (int, 0, False, "-1", "must be >= 0, not -1"),
+    (int, 3, False, "3", 3), (int, 3, False, "2", "must be >= 3, not 2"), (int, 3, True, "4", 4),
+    (int, 3, True, "3", "must be > 3, not 3"),
+    (float, 0, True, "1e-9", 1e-9), (float, 0, True, "0", "must be > 0, not 0"), (float, 0, False, "0", 0.0),
+    (float, 0, False, "-1e-9", "must be >= 0, not -1e-9"), (float, 0, False, "inf", "must be >= 0, not inf"),
+    (float, 0, False, "nan", "must be >= 0, not nan"), (float, 0, True, "2.5", 2.5),
+    (int, 0, False, "1.5", "'1.5' is not a number of type int"),
+    (float, 0, False, "", "'' is not a number of type float"),
+], ids=["int>0-one", "int>0-zero", "int>0-minus-one", "int>=0-zero", "int>=0-minus-one", "int>=3-three",
+        "int>=3-two", "int>3-four", "int>3-three", "float>0-tiny", "float>0-zero", "float>=0-zero",
+        "float>=0-minus-tiny", "float-inf", "float-nan", "float-non-trivial", "int-fraction", "float-empty"])
+def test_a_number_flag_is_finite_and_past_its_minimum(kind, minimum, strict, text, value):
+    parse = common.number(kind, minimum, strict)
+    if isinstance(value, str):
+        with pytest.raises(argparse.ArgumentTypeError) as refused:
+            parse(text)
+        assert str(refused.value) == value
+        return
+    parsed = parse(text)
+    assert parsed == value and type(parsed) is kind
+
+
+@pytest.mark.parametrize("parse, text, value", [
+    (common.fraction, "0", 0.0), (common.fraction, "0.25", 0.25), (common.fraction, "1", 1.0),
+    (common.fraction, "1.000001", "must be <= 1 (a fraction of the peak), not 1.000001"),
+    (common.fraction, "-0.5", "must be >= 0, not -0.5"),
+    (common.decay_rate, "0", 0.0), (common.decay_rate, "0.999", 0.999),
+    (common.decay_rate, "1", "must be < 1 (0 = off), not 1"),
+    (common.decay_rate, "1.5", "must be < 1 (0 = off), not 1.5"),
+    (common.decay_rate, "-0.1", "must be >= 0, not -0.1"),
+], ids=["fraction-zero", "fraction-quarter", "fraction-one", "fraction-past-one", "fraction-negative", "decay-off",
+        "decay-just-below-one", "decay-one", "decay-past-one", "decay-negative"])
+def test_a_fraction_is_in_0_1_and_a_decay_in_0_1_open(parse, text, value):
+    if isinstance(value, str):
+        with pytest.raises(argparse.ArgumentTypeError) as refused:
+            parse(text)
+        assert str(refused.value) == value
+        return
+    assert parse(text) == value
+
+
+def test_a_file_written_whole_is_on_disk_before_it_takes_its_name(tmp_path, monkeypatch):
+    """write_atomically: the new bytes flushed and fsync'd in a temporary file beside `path`, then renamed over it
+    (the previous file readable until then); nothing else left in the folder."""
+    path = tmp_path / "results.json"
+    path.write_text("previous")
+    events, fsync, replace = [], os.fsync, os.replace
+
+    def synced(fd):
+        (tmp,) = [p for p in tmp_path.iterdir() if p != path]
+        events.append(("fsync", tmp.read_bytes(), path.read_text()))  # what the file holds on disk by now
+        fsync(fd)
+
+    def renamed(source, target):
+        events.append(("replace", Path(source).parent, Path(target)))
+        replace(source, target)
+    monkeypatch.setattr(os, "fsync", synced)
+    monkeypatch.setattr(os, "replace", renamed)
+    common.write_atomically(path, lambda f: f.write(b"the new text"))
+    assert events == [("fsync", b"the new text", "previous"), ("replace", tmp_path, path)]
+    assert path.read_text() == "the new text" and files_in(tmp_path) == ["results.json"]
+
+
+def test_a_write_that_cannot_start_raises_its_own_error(tmp_path):
+    """No folder to write in: the OSError of opening the temporary file, not one of removing what was never made
+    (which would carry the first as its context)."""
+    with pytest.raises(FileNotFoundError) as error:
+        common.write_atomically(tmp_path / "missing" / "results.json", lambda f: f.write(b"x"))
+    assert error.value.filename == f"{tmp_path / 'missing' / 'results.json'}.tmp"
+    assert error.value.__context__ is None
+
+
+def chained(outer, inner, how):
+    """`outer` raised while handling `inner` (how="context") or from it (how="cause")."""
+    try:
+        try:
+            raise inner
+        except BaseException as e:
+            if how == "cause":
+                raise outer from e
+            raise outer
+    except BaseException as e:
+        return e
+
+
+@pytest.mark.parametrize("error, reason", [
+    (OSError(28, "No space left on device"), "No space left on device"),
+    (OSError(13, "Permission denied", "/data/out/ckpt.pt"), "Permission denied: /data/out/ckpt.pt"),
+    (chained(RuntimeError("short write"), OSError(28, "No space left on device"), "cause"), "No space left on device"),
+    (chained(RuntimeError("short write"), OSError(5, "Input/output error", "f"), "context"), "Input/output error: f"),
+    (chained(RuntimeError("a\nb"), ValueError("not an OSError"), "cause"), "a"),
+    (chained(RuntimeError("outer"), OSError("no strerror"), "cause"), "outer"),
+    (OSError("no strerror"), "no strerror"),
+], ids=["oserror", "with-filename", "cause", "context", "no-oserror-first-line", "oserror-without-reason", "bare"])
+def test_os_error_is_the_systems_reason_along_the_chain(error, reason):
+    assert common.os_error(error) == reason
+
+
+@pytest.mark.parametrize("then", [None, "write elsewhere"], ids=["default", "said"])
+def test_write_text_writes_a_whole_file_or_says_why_not(tmp_path, then):
+    extra = {} if then is None else dict(then=then)
+    common.write_text(tmp_path / "a.txt", "héllo\n", **extra)
+    assert (tmp_path / "a.txt").read_bytes() == "héllo\n".encode()
+    missing = tmp_path / "missing" / "a.txt"
+    with pytest.raises(common.MachineError) as error:
+        common.write_text(missing, "x", **extra)
+    assert str(error.value) == (f"could not write {missing} (No such file or directory: {missing}.tmp): "
+                                f"{then or 'free some space or fix the permissions'}")
+    assert error.value.__cause__ is None and error.value.__suppress_context__
+
+
+@pytest.mark.parametrize("where, refused", [("out", None), ("out/a/b", None), (".", None), ("file", "file"),
+                                            ("file/a/b", "file")],
+                         ids=["new", "new-nested", "existing", "a-file", "under-a-file"])
+def test_an_output_folder_cannot_be_or_be_under_a_file(tmp_path, monkeypatch, where, refused):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("")
+    if refused is None:
+        path = common.output_folder(where, "--out_dir")
+        assert path == Path(where) and isinstance(path, Path)
+        assert files_in(tmp_path) == ["file"]  # nothing made
+        return
+    with pytest.raises(common.UserError) as error:
+        common.output_folder(where, "--out_dir")
+    assert str(error.value) == (f"--out_dir {where}: {refused} is a file, not a folder: give a folder (it is "
+                                f"created if it does not exist)")
+
+
+@pytest.mark.parametrize("staging, occupied", [(False, None), (True, None), ("gone", None), (True, "a/b"),
+                                              (True, "a")],
+                         ids=["no-staging-yet", "all-empty", "staging-already-gone", "middle-occupied",
+                              "top-occupied"])
+def test_remove_staging_removes_what_it_made_up_to_an_occupied_folder(tmp_path, staging, occupied):
+    """The staging folder (with its files; one already gone is no error: this cleans up after another), then
+    the made folders deepest first, stopping at the first that holds something else: it and those above it
+    stay."""
+    made = [tmp_path / "a" / "b" / "c", tmp_path / "a" / "b", tmp_path / "a"]
+    made[0].mkdir(parents=True)
+    tmp = None if not staging else made[0] / ".tmp-x"
+    if staging is True:
+        (tmp / "sub").mkdir(parents=True)
+        (tmp / "sub" / "results.json").write_text("{}")
+    if occupied:
+        (tmp_path / occupied / "other").write_text("")
+    common.remove_staging(tmp, made)
+    expected = {None: [], "a/b": ["a", "a/b", "a/b/other"], "a": ["a", "a/other"]}[occupied]
+    assert files_in(tmp_path) == expected
+
+
+@pytest.mark.parametrize("platform, expected", [("linux", 3 * 1024), ("darwin", 3)], ids=["linux-kib", "macos-bytes"])
+def test_the_maximum_resident_set_is_counted_in_bytes_on_each_system(monkeypatch, platform, expected):
+    monkeypatch.setattr(sys, "platform", platform)
+    assert common.max_resident_bytes(types.SimpleNamespace(ru_maxrss=3)) == expected
+
+
+def test_a_gpus_peak_is_allocated_bytes_since_the_last_call(monkeypatch):
+    """On CUDA, torch's allocated peak, whose counter is then reset (a step's peak is not an evaluation's); on the
+    CPU, the process's maximum resident set."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: calls.append(("peak", device)) or 5 << 20)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: calls.append(("reset", device)))
+    device = torch.device("cuda", 1)
+    assert common.peak_memory(device) == 5 << 20 and calls == [("peak", device), ("reset", device)]
+    calls.clear()
+    resident = common.max_resident_bytes(resource.getrusage(resource.RUSAGE_SELF))
+    assert common.peak_memory(torch.device("cpu")) == resident
+    assert calls == []
+
+
+@pytest.mark.parametrize("name, mfu", [("NVIDIA H100 80GB HBM3", 0.5), ("NVIDIA A100-SXM4-40GB", 989 / 312 * 0.5),
+                                       ("NVIDIA H100", None), ("cpu", None)],
+                         ids=["h100-sxm", "a100", "a-name-merely-containing-h100", "unknown"])
+def test_mfu_is_flops_over_the_devices_peak_and_none_when_it_is_unknown(name, mfu):
+    value = common.estimate_mfu(989e9 / 2, 1000, name)  # half an H100 SXM's 989 TFLOPS
+    assert value == (None if mfu is None else pytest.approx(mfu, rel=1e-12))
+
+
+@pytest.mark.parametrize("text, refusal", [
+    (None, None), ("{}", None), ("{not json", "is not valid JSON (Expecting property name"),
+    (b"\xff\xfe", "is not valid JSON"), ("[1, 2]", "holds a JSON list, not an object: run prepare.py again"),
+    ('{"vocab_size": 1}', None), ('{"tokens": {}}', None),
+], ids=["none", "empty-object", "broken", "not-utf8", "a-list", "vocab-one", "no-counts"])
+def test_read_meta_reads_an_object_and_refuses_anything_else(tmp_path, text, refusal):
+    if text is not None:
+        (tmp_path / "meta.json").write_bytes(text if isinstance(text, bytes) else text.encode())
+    if refusal is None:
+        assert common.read_meta(tmp_path) == (json.loads(text) if text else {})
+        return
+    with pytest.raises(common.UserError) as error:
+        common.read_meta(tmp_path)
+    assert str(error.value).startswith(f"{tmp_path / 'meta.json'}") and refusal in str(error.value)
+
+
+@pytest.mark.parametrize("case, refusal", [
+    ("uint32", None), ("no-dtype-uint16", None), ("train-only", None),
+    ("int16", "meta.json: unknown token dtype 'int16' (expected one of ('uint16', 'uint32'))"),
+    ("no-val", "no val.bin in {folder}: run python prepare.py first (see its --help)"),
+    ("empty-val", "{folder}/val.bin is empty: run prepare.py again"),
+    ("odd-bytes", "{folder}/train.bin has 21 bytes, not a whole number of uint16 token ids: it is truncated or not a "
+                  "prepare.py file; run prepare.py again"),
+], ids=["uint32", "uint16-by-default", "only-the-split-asked-for", "unknown-dtype", "missing-split", "empty-split",
+        "half-a-token"])
+def test_read_tokens_maps_each_split_asked_for(tmp_path, case, refusal):
+    dtype = "uint32" if case == "uint32" else "uint16"
+    np.arange(10, dtype=dtype).tofile(tmp_path / "train.bin")
+    np.arange(4, dtype=dtype).tofile(tmp_path / "val.bin")
+    meta = {} if case == "no-dtype-uint16" else dict(dtype="int16" if case == "int16" else dtype)
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    if case in ("no-val", "train-only"):
+        (tmp_path / "val.bin").unlink()
+    if case == "empty-val":
+        (tmp_path / "val.bin").write_bytes(b"")
+    if case == "odd-bytes":
+        (tmp_path / "train.bin").write_bytes(bytes(21))
+    splits = ("train",) if case == "train-only" else ("train", "val")
+    if refusal:
+        with pytest.raises(common.UserError) as error:
+            common.read_tokens(tmp_path, splits)
+        assert refusal.format(folder=tmp_path) in str(error.value)
+        return
+    tokens = common.read_tokens(tmp_path, splits)
+    assert tokens.folder == tmp_path and tokens.meta == meta and tokens.train.dtype == np.dtype(dtype)
+    assert tokens.train.tolist() == list(range(10))
+    assert tokens.val is None if case == "train-only" else tokens.val.tolist() == [0, 1, 2, 3]
+
+
+def fingerprint_of(train, val):
+    return common.fingerprint(common.Tokens(Path("."), np.asarray(train, np.uint16), np.asarray(val, np.uint16), {}))
+
+
+@pytest.mark.parametrize("length", [10, 1024, 16 * 1024, 100_000], ids=["shorter-than-a-block", "one-block",
+                                                                         "sixteen-blocks", "spread-blocks"])
+def test_the_data_fingerprint_sees_each_splits_ends_and_size(length):
+    """The sizes of train and val, and a hash of 16 blocks of 1,024 tokens from each, the first and the last
+    among them: a token changed at either end of either split changes it (and the same data gives the same)."""
+    train, val = np.arange(length) % 50_000, np.arange(length // 2 + 1) % 777
+    same = fingerprint_of(train, val)
+    assert same == fingerprint_of(train.copy(), val.copy())
+    assert re.fullmatch(rf"{length} \+ {length // 2 + 1} tokens, blake2b [0-9a-f]{{16}}", same)
+    for split, at in (("train", 0), ("train", -1), ("val", 0), ("val", -1)):
+        changed = {"train": train.copy(), "val": val.copy()}
+        changed[split][at] += 1
+        assert fingerprint_of(changed["train"], changed["val"]) != same, (split, at)
+    assert common.fingerprint(None) == "synthetic"
+
+
+@pytest.mark.parametrize("length", [17, 18, 40], ids=["one-row-exactly", "one-spare-token", "many"])
+def test_sampled_rows_are_whole_windows_of_the_tokens(length):
+    """Each row is seq_len + 1 consecutive tokens starting anywhere a whole row fits, the last token included
+    (a tokens array of exactly one row gives that row every time); the same keys draw the same rows, others not."""
+    tokens = np.arange(length, dtype=np.uint16)
+    rows = common.sample_rows(tokens, ("train", 1), 400, 0, 400, 16, 1000)
+    starts = rows[:, 0]
+    assert rows.shape == (400, 17) and torch.equal(rows, starts[:, None] + torch.arange(17))
+    assert set(starts.tolist()) == set(range(length - 16))  # every start drawn, in 400 draws of so few
+    assert torch.equal(rows, common.sample_rows(tokens, ("train", 1), 400, 0, 400, 16, 1000))
+    if length > 17:
+        assert not torch.equal(rows, common.sample_rows(tokens, ("train", 2), 400, 0, 400, 16, 1000))
+
+
+def test_synthetic_rows_are_uniform_ids_below_the_vocabulary():
+    rows = common.sample_rows(None, ("train", 0), 50, 0, 50, 15, 7)
+    assert rows.shape == (50, 16) and rows.dtype == torch.int64 and set(rows.unique().tolist()) == set(range(7))
+    assert torch.equal(rows, common.sample_rows(None, ("train", 0), 50, 0, 50, 15, 7))
+
+
+def test_restored_random_states_draw_again_what_they_drew(tmp_path):
+    """rng_states, saved and loaded as a checkpoint is (weights_only), then set_rng_states: torch, Python and
+    NumPy draw the same numbers again."""
+    import random
+    np.random.standard_normal()  # NumPy now holds the second of a pair of normals: its state says so
+    torch.save(common.rng_states(), tmp_path / "rng.pt")
+    draws = lambda: (torch.rand(3).tolist(), random.random(), np.random.rand(3).tolist(),  # noqa: E731
+                     np.random.standard_normal())
+    first = draws()
+    common.set_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert draws() == first
+    assert common.rng_states()["cuda"] is None or torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_adamw_defaults_are_the_papers_recipe_one_group_per_role(device, monkeypatch):
+    model = mhar.GPT(tiny(vocab_size=64))
+    built = {}
+    monkeypatch.setattr(torch.optim, "AdamW", lambda groups, **kw: built.update(groups=groups, **kw) or built)
+    common.adamw(model, device_type=device)
+    roles = {name: ps for name, ps in model.param_groups().items() if ps}
+    assert [g["name"] for g in built["groups"]] == list(roles)
+    assert all(list(map(id, g["params"])) == list(map(id, roles[g["name"]])) and g["weight_decay"] == 0.1
+               and g["lr"] == 1e-3 for g in built["groups"])
+    assert (built["lr"], built["betas"], built["eps"], built["fused"]) == (1e-3, (0.9, 0.95), 1e-8, device == "cuda")
+    mine = [{"params": list(model.parameters()), "lr": 0.5}]
+    common.adamw(model, weight_decay=0.0, lr=2e-3, betas=(0.8, 0.9), eps=1e-6, groups=mine)
+    assert built["groups"] is mine and (built["lr"], built["betas"], built["eps"]) == (2e-3, (0.8, 0.9), 1e-6)
+
+
+def test_a_loaded_optimizers_state_is_its_own_not_the_checkpoints(tmp_path):
+    """load_optimizer: the Adam moments and step counters copied out of the memory-mapped checkpoint, the same
+    values."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():  # as after a step (a real one would import torch._dynamo: seconds)
+        optimizer.state[p] = dict(step=torch.tensor(1.0), exp_avg=torch.rand_like(p), exp_avg_sq=torch.rand_like(p))
+    torch.save(optimizer.state_dict(), tmp_path / "opt.pt")
+    state = torch.load(tmp_path / "opt.pt", weights_only=True, mmap=True)
+    fresh = torch.optim.AdamW(model.parameters())
+    common.load_optimizer(fresh, state)
+    loaded = [v for values in fresh.state.values() for v in values.values() if torch.is_tensor(v)]
+    saved = [v for values in state["state"].values() for v in values.values() if torch.is_tensor(v)]
+    assert len(loaded) == len(saved) == 6  # step, exp_avg, exp_avg_sq of the weight and the bias
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(loaded, saved))
+
+
+@pytest.mark.parametrize("name, today", [
+    ("sites.3.norm.weight", "sites.3.norm_weight"), ("sites.12.norm.weight", "sites.12.norm_weight"),
+    ("_orig_mod.sites.0.norm.weight", "_orig_mod.sites.0.norm_weight"), ("layers.0.norm.weight", None),
+    ("xsites.0.norm.weight", None), ("sites.0.norm.weight.bak", None), ("sites.a.norm.weight", None),
+    ("sites.0.query", None)],
+    ids=["site", "two-digit-site", "compiled", "a-layers-norm", "another-prefix", "more-after", "no-index", "query"])
+def test_a_checkpoints_old_site_norm_names_read_as_todays(name, today):
+    assert list(common.current_names({name: 1})) == [today or name]
+
+
+def checkpoint(**entries):
+    return dict(model={"sites.0.norm.weight": torch.ones(2)}, optimizer={}, step=3, config={}, args={}, evals=[],
+                rng={}, **entries)
+
+
+@pytest.mark.parametrize("case, refusal", [
+    ("whole", None), ("with-ema", None), ("missing", "no checkpoint at {path}: train one first (python train.py "
+                                                     "--out_dir DIR writes DIR/ckpt.pt)"),
+    ("garbage", "cannot read checkpoint {path}: it is truncated or not a train.py checkpoint ("),
+    ("a-list", "{path} is not a train.py checkpoint (missing model, optimizer, step, config, args, evals, rng)"),
+    ("no-step-no-rng", "{path} is not a train.py checkpoint (missing step, rng)"),
+    ("sharded-without-folder", "{path} keeps its model in the folder shards next to it, which is missing or "
+                               "incomplete: copy the folder along with ckpt.pt"),
+    ("sharded", None),
+], ids=["whole", "with-ema", "missing", "garbage", "a-list", "two-keys-missing", "sharded-without-folder", "sharded"])
+def test_read_checkpoint_gives_a_whole_checkpoint_in_todays_names(tmp_path, case, refusal):
+    path = tmp_path / "ckpt.pt"
+    ckpt = checkpoint(**(dict(ema={"sites.1.norm.weight": torch.ones(2)}) if case == "with-ema" else {}))
+    if case in ("sharded", "sharded-without-folder"):
+        del ckpt["model"], ckpt["optimizer"]
+        ckpt["sharded"] = "shards"
+    if case == "sharded":
+        (tmp_path / "shards").mkdir()
+        (tmp_path / "shards" / ".metadata").write_bytes(b"")
+    if case == "no-step-no-rng":
+        del ckpt["step"], ckpt["rng"]
+    if case == "garbage":
+        path.write_bytes(b"not a zip")
+    elif case != "missing":
+        torch.save([ckpt] if case == "a-list" else ckpt, path)
+    if refusal:
+        with pytest.raises(common.CheckpointError) as error:
+            common.read_checkpoint(path)
+        assert str(error.value).startswith(refusal.format(path=path))
+        return
+    read = common.read_checkpoint(path)
+    assert read["step"] == 3
+    assert "model" not in read if case == "sharded" else list(read["model"]) == ["sites.0.norm_weight"]
+    assert case != "with-ema" or list(read["ema"]) == ["sites.1.norm_weight"]
+
+
+def test_read_checkpoint_asks_only_for_the_keys_named(tmp_path):
+    torch.save(dict(model={}, config={}), tmp_path / "ckpt.pt")
+    assert common.read_checkpoint(tmp_path / "ckpt.pt", keys=("model", "config")) == dict(model={}, config={})
+
+
+@pytest.mark.parametrize("fault", ["none", "oserror", "short-write"])
+def test_a_checkpoint_is_saved_whole_or_the_previous_one_kept(tmp_path, monkeypatch, fault):
+    path = tmp_path / "ckpt.pt"
+    common.save_checkpoint(path, dict(step=1))
+    if fault != "none":
+        def fail(obj, f):
+            f.write(b"half")
+            if fault == "oserror":
+                raise OSError(28, "No space left on device")
+            raise RuntimeError("PytorchStreamWriter failed writing file") from OSError(28, "No space left on device")
+        monkeypatch.setattr(torch, "save", fail)
+        with pytest.raises(common.MachineError) as error:
+            common.save_checkpoint(path, dict(step=2))
+        assert str(error.value) == (f"could not write the checkpoint {path} (No space left on device); the previous "
+                                    f"one is kept: free some space or fix the permissions, then --resume")
+        monkeypatch.undo()
+    else:
+        common.save_checkpoint(path, dict(step=2))
+    assert torch.load(path)["step"] == (1 if fault != "none" else 2) and files_in(tmp_path) == ["ckpt.pt"]
+
+
+@pytest.mark.parametrize("args, data", [(None, None), ({}, None), ({"data": None}, None),
+                                        ({"data": "synthetic"}, "synthetic"), ({"data": "FOLDER"}, "FOLDER")],
+                         ids=["no-args", "no-data", "data-none", "synthetic", "a-folder"])
+def test_training_data_is_the_runs_data_and_its_meta(tmp_path, monkeypatch, args, data):
+    """train.py's default, data/pystdlib, where the run named none (here a folder without meta.json: {});
+    no meta for synthetic data."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "meta.json").write_text('{"vocab_size": 64}')
+    args = args if args is None or args.get("data") != "FOLDER" else {"data": "corpus"}
+    named = {None: str(Path("data") / "pystdlib"), "synthetic": "synthetic", "FOLDER": "corpus"}[data]
+    meta = {"vocab_size": 64} if data == "FOLDER" else {}
+    assert common.training_data({"args": args}) == (named, meta)
+
+
+def test_a_second_lock_on_a_file_is_refused_until_the_first_is_released(tmp_path):
+    """lock_file: the holder's host and pid in the file, which a refused second opener leaves as it was."""
+    import socket
+    path = tmp_path / "train.lock"
+    first = common.lock_file(path)
+    holder = f"host {socket.gethostname()}, pid {os.getpid()}\n"
+    assert path.read_text() == holder
+    assert common.lock_file(path) is False and path.read_text() == holder
+    first.close()
+    again = common.lock_file(path)
+    assert again and path.read_text() == holder
+    again.close()
+
+
+@pytest.mark.parametrize("fault", ["no-flock", "no-fcntl"])
+def test_without_locks_a_run_goes_on_with_a_warning(tmp_path, monkeypatch, capsys, fault):
+    import fcntl
+
+    def refused(f, how):
+        raise OSError(37, "No locks available")
+    if fault == "no-flock":
+        monkeypatch.setattr(fcntl, "flock", refused)
+    else:
+        monkeypatch.setitem(sys.modules, "fcntl", None)  # Windows: the import fails
+    assert common.lock_file(tmp_path / "train.lock") is None
+    assert capsys.readouterr().err == ("" if fault == "no-fcntl" else
+                                       f"train.py: warning: cannot lock {tmp_path / 'train.lock'} (No locks "
+                                       f"available): make sure no other run uses {tmp_path}\n")
+
+
+@pytest.mark.parametrize("step, kept", [(0, [0]), (1, [0, 1]), (2, [0, 1, 2]), (9, [0, 1, 2])],
+                         ids=["first", "middle", "last", "past-the-end"])
+def test_the_log_is_kept_up_to_the_resumed_step(tmp_path, step, kept):
+    """Lines at or before `step`, blank lines left out, a half-written last line dropped."""
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(b'{"step": 0}\n\n{"step": 1, "loss": 2.5}\n{"step": 2}\n{"step": 3, "lo\xff')
+    lines = ['{"step": 0}', '{"step": 1, "loss": 2.5}', '{"step": 2}']
+    assert common.logged_until(path, step) == [lines[i] for i in kept]
+
+
+@pytest.mark.parametrize("bad", ['{"loss": 1}', "[1, 2]", "garbage", '{"step": 1'],
+                         ids=["no-step", "a-list", "not-json", "half-a-line"])
+def test_a_broken_line_before_the_last_is_refused_naming_it(tmp_path, bad):
+    path = tmp_path / "log.jsonl"
+    path.write_text(f'{{"step": 0}}\n{bad}\n{{"step": 1}}\n')
+    with pytest.raises(common.UserError) as error:
+        common.logged_until(path, 5)
+    assert str(error.value) == (f"{path}, line 2, is not a line train.py wrote ({bad[:40]!r}): delete it, then "
+                                f"--resume again")
+    path.write_text(f'{{"step": 0}}\n{bad}')
+    assert common.logged_until(path, 5) == ['{"step": 0}']  # the last line: dropped
+
+
+@pytest.fixture
+def stop_signals_restored():
+    """SIGINT's and SIGTERM's handlers as they were before the test."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield before
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
+@pytest.mark.parametrize("main_file, ignored", [("/somewhere/train.py", True), ("/somewhere/sample.py", False),
+                                                (None, False)],
+                         ids=["the-script", "another-script", "no-script"])
+def test_stop_signals_are_ignored_only_by_the_scripts_own_process(monkeypatch, stop_signals_restored, main_file,
+                                                                  ignored):
+    main = types.SimpleNamespace(**({} if main_file is None else {"__file__": main_file}))
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    assert common.ignore_stop_signals("train.py") is ignored
+    now = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    assert now == ([signal.SIG_IGN] * 2 if ignored else list(stop_signals_restored.values()))
+
+
+def test_stop_signals_hold_the_handlers_inside_the_block_only(stop_signals_restored):
+    with common.StopSignals(master=True) as stop:
+        assert (stop.signum, stop.first_at, stop.master) == (0, 0.0, True)
+        assert signal.getsignal(signal.SIGINT) == stop.handle == signal.getsignal(signal.SIGTERM)
+    assert {s: signal.getsignal(s) for s in stop_signals_restored} == stop_signals_restored
+
+
+@pytest.mark.parametrize("stopped, script, restored", [(False, "train.py", True), (True, "pytest", True),
+                                                       (True, "train.py", False)],
+                         ids=["not-stopped", "stopped-in-a-test", "stopped-in-train-py"])
+def test_a_stopped_runs_process_keeps_ignoring_signals(monkeypatch, stop_signals_restored, stopped, script,
+                                                       restored):
+    monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__file__=f"/x/{script}"))
+    with common.StopSignals(master=False) as stop:
+        if stopped:
+            stop.handle(signal.SIGTERM, None)
+    now = {s: signal.getsignal(s) for s in stop_signals_restored}
+    assert now == (stop_signals_restored if restored else {s: signal.SIG_IGN for s in now})
+
+
+@pytest.mark.parametrize("master", [True, False], ids=["master", "other-rank"])
+@pytest.mark.parametrize("after, stops", [(0.5, False), (1.0, False), (1.001, True), (30.0, True)],
+                         ids=["half-a-second", "one-second", "just-past", "much-later"])
+def test_a_signal_asks_for_a_checkpoint_and_a_second_past_a_second_stops_at_once(capfd, monkeypatch, master,
+                                                                                 after, stops):
+    """The first: noted (the step ends, with a checkpoint), one line from rank 0; a second within a second of it
+    (torchrun's forward of the same Ctrl-C) changes nothing; one later exits at once, 128 + its number."""
+    clock = iter([100.0, 100.0 + after])
+    monkeypatch.setattr(common, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    stop = common.StopSignals(master=master)
+    stop.handle(signal.SIGTERM, None)
+    assert (stop.signum, stop.first_at) == (signal.SIGTERM, 100.0)
+    first = "train.py: SIGTERM: stopping after this step, with a checkpoint (again to stop at once)\n"
+    assert capfd.readouterr().err == (first if master else "")
+    if not stops:
+        stop.handle(signal.SIGINT, None)
+        assert (stop.signum, stop.first_at, capfd.readouterr().err) == (signal.SIGTERM, 100.0, "")
+        return
+    with pytest.raises(SystemExit) as exit:
+        stop.handle(signal.SIGINT, None)
+    assert exit.value.code == 130
+    assert capfd.readouterr().err == "train.py: SIGINT again: stopped at once, without a checkpoint of this step\n"
