@@ -361,11 +361,14 @@ def test_causality(residual, overrides):
     (dict(norm_eps=0.0), "norm_eps"),                                # a zero source: 1 / 0
     (dict(query_init_std=-1.0), "query_init_std"),
     (dict(seq_len=0), "seq_len: must be >= 1, not 0"), (dict(ffn_hidden=-1), "ffn_hidden: must be >= 1, not -1"),
+    (dict(head_dim=-1), "head_dim: must be >= 0"), (dict(fused_group=-1), "fused_group: must be >= 0"),
+    (dict(query_init_std=float("inf")), "query_init_std"),
 ], ids=lambda v: v.split(":")[0] if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()))
 def test_impossible_config_raises(overrides, field):
     with pytest.raises(ValueError, match=rf"^Config\.{field}"):
         preset("tiny", **overrides)
     assert preset("tiny", seq_len=1).seq_len == 1                     # one is the smallest of each size
+    assert preset("tiny", residual="hyper", hc_streams=1).hc_streams == 1  # one stream: the smallest
 
 
 @pytest.mark.parametrize("residual", ["attnres", "baseline", "hyper"])
