@@ -1072,3 +1072,13 @@ def test_config_fused_group_is_the_group_the_kernels_route_with(group):
     """Config.fused_group reaches kernel.FusedHistory (0 lets it choose): each of 1, 2 and 3 sites a
     group, so that at least two of them are not what the automatic choice gives."""
     assert GPT(tiny(fused=True, fused_group=group)).new_history().group == group
+
+
+def test_a_masked_forward_builds_its_mask_on_the_tokens_device():
+    """The padding mask and the causal one are built on the device of the tokens (on "meta", which holds
+    no data, as a GPU would need: a table on the CPU meeting one on the GPU is an error). The baseline:
+    the routed modes ask autocast about the device, which "meta" has no answer to; the masks are shared."""
+    model = GPT(tiny("baseline")).to("meta")
+    idx, mask = torch.zeros(2, 8, dtype=torch.long, device="meta"), torch.ones(2, 8, device="meta")
+    h = model.hidden(idx, mask=mask)
+    assert h.device.type == "meta" and h.shape == (2, 8, model.config.n_embd)
