@@ -112,9 +112,11 @@ def test_an_out_dir_inside_a_file_stops_before_training_with_one_line(tmp_path, 
 @pytest.mark.parametrize("flag, text, seeds", [
     ("--seeds", "0", [0]), ("--seeds", "3,1,2", [3, 1, 2]), ("--seeds", "9223372036854775807", [2**63 - 1]),
     ("--baseline_seeds", "", []), ("--baseline_seeds", " 5 , 6 ", [5, 6]),
-    ("--seeds", "9223372036854775808", "must be in [0, 9223372036854775807] (an int64), not 9223372036854775808"),
-    ("--seeds", "99999999999999999999999", "must be in [0, 9223372036854775807]"),
-    ("--baseline_seeds", "1,-1", "must be >= 0, not -1"), ("--seeds", "0,x", "'x' is not a number"),
+    ("--seeds", "9223372036854775808", "must be a whole number in [0, 9223372036854775807] (an int64), not "
+                                       "'9223372036854775808'"),
+    ("--seeds", "99999999999999999999999", "must be a whole number in [0, 9223372036854775807]"),
+    ("--baseline_seeds", "1,-1", "must be a whole number in [0, 9223372036854775807] (an int64), not '-1'"),
+    ("--seeds", "0,x", "must be a whole number in [0, 9223372036854775807] (an int64), not 'x'"),
 ], ids=["one", "three", "largest", "none", "spaces", "one_past_the_largest", "huge", "negative", "not_a_number"])
 def test_seeds_are_int64s_at_least_zero(flag, text, seeds, capsys):
     if isinstance(seeds, list):
