@@ -64,10 +64,12 @@ def main(argv=None):
     except Exception as e:
         if created:  # the folders this export made hold nothing worth keeping
             shutil.rmtree(created[-1], ignore_errors=True)
+        # ours are one line already, whole (a long folder's path must not cut off what to do); another
+        # library's ValueError may not be: its first line, shortened
         if isinstance(e, (UserError, ValueError)):
-            exit_error("export.py", one_line(e))
+            exit_error("export.py", e if isinstance(e, UserError) else one_line(e))
         if isinstance(e, MachineError):  # hf.save's: a full disk, a read-only folder
-            exit_error("export.py", one_line(e), status=1)
+            exit_error("export.py", e, status=1)
         if isinstance(e, OSError):
             reason = e.strerror or one_line(e)
             exit_error("export.py", f"cannot write {out} ({reason}): free some space or export "
