@@ -524,11 +524,13 @@ def test_the_cosine_of_a_run_barely_longer_than_the_warmup(step, steps, factor):
 
 def test_fit_takes_each_step_at_the_schedules_rate(monkeypatch):
     """Each update's lr is set before it: the warmup (WARMUP 2 here), then the cosine over the
-    updates that remain (2 of 4)."""
-    seen, make = [], compromise.adamw
+    updates that remain (2 of 4). The optimizer takes the module's weight decay and betas (set
+    here apart from common.adamw's defaults, which are the same numbers)."""
+    seen, made, make = [], [], compromise.adamw
 
     def recording(*args, **kwargs):
         opt = make(*args, **kwargs)
+        made.append(opt)
         update = opt.step
 
         def step(*a, **k):
@@ -538,8 +540,12 @@ def test_fit_takes_each_step_at_the_schedules_rate(monkeypatch):
         return opt
     monkeypatch.setattr(compromise, "adamw", recording)
     monkeypatch.setattr(compromise, "WARMUP", 2)
+    monkeypatch.setattr(compromise, "WEIGHT_DECAY", 0.25)
+    monkeypatch.setattr(compromise, "BETAS", (0.8, 0.9))
     compromise.fit(compromise.model("attnres", d=32, heads=2, seed=0), seed=0, steps=4)
     assert seen == [{0.5}, {1.0}, {1.0}, {0.55}]                # every group at the same lr
+    opt, = made
+    assert {(g["weight_decay"], g["betas"]) for g in opt.param_groups} == {(0.25, (0.8, 0.9))}
 
 
 def recorded_batches(monkeypatch):
