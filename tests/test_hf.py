@@ -1329,6 +1329,7 @@ def test_both_classes_take_each_argument_to_its_effect(remote, kind, argument):
             got = main_output(model(ids, attention_mask=mask), kind)
             assert rel_err(got[0, 3:], reference(remote, idx[:1, 3:])[which][0]) < 1e-6
             assert rel_err(got[1], expected[1]) < 1e-6
+            assert torch.equal(main_output(model(ids, attention_mask=mask, use_cache=False), kind), got)
         elif argument in ("cache", "past_key_values"):
             first = model(idx[:, :5])
             got = main_output(model(idx[:, 5:], **{argument: first.cache}), kind)
@@ -1343,8 +1344,14 @@ def test_both_classes_take_each_argument_to_its_effect(remote, kind, argument):
             assert output.cache is None and torch.equal(main_output(output, kind), expected)
         elif argument == "output_hidden_states":
             states = model(idx, output_hidden_states=True).hidden_states
-            assert len(states) == remote.model.config.n_layer + 1
-            assert torch.equal(states[-1], reference(remote, idx)[0])
+            inputs = []  # each attention sublayer's input in the GPT: its block's hidden state
+            hooks = [layer.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+                     for layer in remote.model.layers if type(layer).__name__ == "Attention"]
+            final = reference(remote, idx)[0]
+            for hook in hooks:
+                hook.remove()
+            assert len(states) == len(inputs) + 1 == remote.model.config.n_layer + 1
+            assert all(torch.equal(a, b) for a, b in zip(states, [*inputs, final]))
         else:
             output = model(idx, return_dict=False)
             assert isinstance(output, tuple) and torch.equal(output[0], expected)
@@ -1455,13 +1462,16 @@ def test_logits_are_float32_in_a_bf16_model(remote):
     assert logits.dtype == torch.float32 and torch.equal(logits, ours(idx)[0])
 
 
-@pytest.mark.parametrize("size", [99, 100, 101, 108], ids=["one-fewer", "same", "one-more", "eight-more"])
-def test_resize_token_embeddings_resizes_gpts_vocabulary(remote, size):
-    """transformers' resize: the embedding and (tied) LM head of `size` rows, the old rows kept, and
-    mhar.Config's vocab_size and the config's "mhar" section (what save_pretrained writes) follow it."""
+@pytest.mark.parametrize("asked, multiple, size", [(99, None, 99), (100, None, 100), (101, None, 101),
+                                                   (108, None, 108), (101, 8, 104)],
+                         ids=["one-fewer", "same", "one-more", "eight-more", "one-more-padded-to-eight"])
+def test_resize_token_embeddings_resizes_gpts_vocabulary(remote, asked, multiple, size):
+    """transformers' resize (its options too: pad_to_multiple_of): the embedding and (tied) LM head of `size`
+    rows, the old rows kept, and mhar.Config's vocab_size and the config's "mhar" section (what save_pretrained
+    writes) follow it."""
     import copy
     model = copy.deepcopy(remote.theirs)
-    embeddings = model.resize_token_embeddings(size, mean_resizing=False)
+    embeddings = model.resize_token_embeddings(asked, pad_to_multiple_of=multiple, mean_resizing=False)
     assert embeddings is model.model.embed and embeddings.num_embeddings == size
     assert model.model.config.vocab_size == model.config.mhar["vocab_size"] == model.config.vocab_size == size
     idx = window_tokens(T=8) % min(size, 100)
