@@ -48,16 +48,9 @@ PREVIOUS_GB = {"100m": 11.4, "350m": 19.9, "1b": 53.1}
 HBM = {"H100": 3.35e12, "H200": 4.8e12}         # bytes/s, vendor datasheets (H100 SXM, H200 SXM)
 
 
-def site_reads(n_sites, block=1, delta=False):
-    """What each of n_sites sites reads, as mhar's histories say: ((committed, partial), ...).
-    (It depends on the routing alone: the history needs no parameters to say it.)"""
-    history = mhar.depth_history([], [], 1, 0.0, block, torch.zeros(0) if delta else None)
-    return tuple(history.reads(site) for site in range(n_sites))
-
-
 def auto_group(n_sites, width, heads, block=1, delta=False):
     """kernel.auto_group's G for a network of n_sites sites."""
-    return kernel.auto_group(site_reads(n_sites, block, delta), width, heads)
+    return kernel.auto_group(mhar.site_reads(n_sites, block, delta), width, heads)
 
 
 # %% Traffic: the bytes a forward and backward move
@@ -74,7 +67,7 @@ def traffic(n_layer, width, heads, positions, group=0, block=1, delta=False, sou
     remainders, lse), in eager code (traced, the partial states are kept whole). The kernels
     launched as `target` programs: a GPU's by default, None: this process's."""
     n_sites = 2 * n_layer + 1
-    reads = site_reads(n_sites, block, delta)
+    reads = mhar.site_reads(n_sites, block, delta)
     group = group or kernel.auto_group(reads, width, heads)
     kernel.layout(width, heads, group)                                      # raises if the group cannot be fused
     launches = kernel.schedule(reads, group)
@@ -192,7 +185,8 @@ def stacked_network(route):
 def fused_network(group):
     """The same network through a FusedHistory that groups `group` sites (0: automatic)."""
     def network(s0, qs, gs, heads, sublayer):
-        history = FusedHistory(mhar.depth_history(qs, gs, heads, 1e-6), group=group)
+        history = FusedHistory(mhar.depth_history(qs, gs, heads, 1e-6), mhar.site_reads(len(qs)),
+                               group=group)
         history.append(s0)
         h = history.read(0)
         for site in range(1, len(qs)):
@@ -402,7 +396,8 @@ def host_cost(shapes=KERNEL_TABLE, positions=4, repeats=3, heads=HEADS):
         return [min(kept) for kept in times]
 
     def fused_chain(s0, qs, gs, group):
-        history = FusedHistory(mhar.depth_history(qs, gs, heads, 1e-6), group=group)
+        history = FusedHistory(mhar.depth_history(qs, gs, heads, 1e-6), mhar.site_reads(len(qs)),
+                               group=group)
         history.append(s0)
         out = history.read(0)
         for site in range(1, len(qs)):

@@ -288,6 +288,12 @@ TOKEN_DTYPES = ("uint16", "uint32")
 DEFAULT_CORPUS = "pystdlib"  # data/pystdlib/: the built-in corpus, the standard library's sources
 
 
+def padded_vocab(size):
+    """The model's vocabulary for a tokenizer's `size` ids: a multiple of 64 (GPT-2: 50257 -> 50304),
+    which keeps the embedding's and the LM head's matmuls on aligned shapes."""
+    return -(-size // 64) * 64
+
+
 @dataclass
 class Tokens:
     folder: Path

@@ -976,23 +976,25 @@ def _plans(reads, group, heads, eps):
 class FusedHistory:
     """The depth history of ONE forward pass, routed by the fused kernels:
 
-        history = FusedHistory(mhar.depth_history(queries, norms, heads, eps, block, null), group)
+        history = FusedHistory(mhar.depth_history(queries, norms, heads, eps, block, null),
+                               mhar.site_reads(len(queries), block, null is not None), group)
         history.append(source)    # (B, T, d): s_0 (the embedding) first, then each sublayer's output
-        h = history.read(site)    # (B, T, d): the route of site `site`, right after the (site+1)-th append
+        h = history.read(site)    # (B, T, d): site `site`'s route, right after the (site+1)-th append
 
     It wraps an empty readable history (full, block or delta routing), which keeps the books: its
     append makes the block sums and delta's null source, its `sources` are the committed sources
-    (the rows of the gradient buffer), its `partial` the current block's partial sum, and its
-    reads(site) what each site reads, from which the schedule follows. `group` sites share each
-    phase 1 (0: auto_group).
+    (the rows of the gradient buffer), its `partial` the current block's partial sum. `reads`,
+    ((committed, partial), ...) per site, says what each site reads, from which the schedule
+    follows. `group` sites share each phase 1 (0: auto_group).
     """
 
-    def __init__(self, history, group=0):
+    def __init__(self, history, reads, group=0):
         self.history = history
         self.queries, self.norms = history.queries, history.norms               # (d,) per site
         self.heads, self.eps = history.heads, history.eps
         n_sites, width = len(self.queries), self.queries[0].shape[-1]
-        reads = tuple(history.reads(site) for site in range(n_sites))
+        if len(reads) != n_sites:
+            raise ValueError(f"FusedHistory: {len(reads)} sites' reads for {n_sites} sites")
         self.group = group = group or auto_group(reads, width, self.heads)
         layout(width, self.heads, group)                                  # fails here if a group cannot fit
         self.plans, self.lse_count, continued, self.table_sizes = _plans(reads, group, self.heads, self.eps)

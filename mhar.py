@@ -13,26 +13,18 @@ norm weight g, over sources V = [s_0, ..., s_j]:
     out_[h]  = sum_n a[n, h] V_n,[h]                head h mixes only its slice
 
 Sublayer j reads out, and its raw output is appended as s_{j+1}; H = 1 is Attention Residuals.
-Config.route_temperature = tau divides every logit: a head's logit sums d/H coordinates, AttnRes's
-all d, and tau = H is the control that tells per-slice routing from MHAR's flatter softmaxes.
-The decoder is Qwen3-style: pre-norm, RMSNorm, rotary embeddings, grouped-query attention with
-per-head RMSNorm on queries and keys, SwiGLU MLP, no biases, no dropout, tied embeddings (by
-default), and generation with a cache of attention keys and values.
+The decoder is Qwen3-style: pre-norm RMSNorm, rotary embeddings, grouped-query attention with
+QK-norm, SwiGLU, no biases or dropout, tied embeddings by default, a KV cache for generation.
 
-Residual modes (Config.residual):
-    attnres   every sublayer reads route(s_0..s_j) with H = 1 (Attention Residuals)
-    mhar      the same with H = route_heads heads
-    baseline  x = x + f(RMSNorm(x)) after every sublayer
-    hyper     hyper-connections (Zhu et al., 2024, arXiv:2409.19606): n residual streams with a
-              learned read, mix and write around every sublayer
-and, for attnres and mhar, route_block = S > 1: Block AttnRes (Kimi Team, 2026), where the history
-holds sums of S consecutive sublayer outputs; delta = True: the additive form for converting a
-trained baseline, h = x + gate * route(null, D_0, D_1, ...) on the ordinary residual x, with block
-deltas D_i and a zero gate, so that it starts as the baseline exactly.
+Residual modes (Config.residual): attnres (H = 1), mhar (H = route_heads), baseline (the running
+sum), hyper (hyper-connections, Zhu et al., 2024). Routed, route_block = S > 1 is Block AttnRes
+(Kimi Team, 2026), over sums of S sublayer outputs; delta = True converts a trained baseline:
+h = x + gate * route(null, D_0, D_1, ...) over block deltas D_i, with a zero gate at the start.
 
 Reading order: Config; the route; the depth histories; the Transformer's pieces; GPT, its routed
-forward first; last, hyper-connections. Elsewhere: the Triton routing (Config.fused) in kernel.py,
-the LM head's chunked loss in head.py, Hugging Face directories in and out in hf.py.
+forward first; last, the other residual modes, hyper-connections, the config's checks and the
+presets. Elsewhere: kernel.py (the Triton routing, Config.fused), head.py (the LM head's chunked
+loss), hf.py (Hugging Face directories in and out).
 """
 
 from dataclasses import dataclass, replace
@@ -46,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 @dataclass
 class Config:
-    vocab_size: int = 50304      # GPT-2's 50257 tokens padded to a multiple of 128
+    vocab_size: int = 50304      # the vocabulary: GPT-2's 50257 tokens padded to 50304
     seq_len: int = 1024          # tokens per sequence, the longest the model reads
     n_layer: int = 12            # blocks; each block is two sublayers (attention, MLP)
     n_embd: int = 768            # model width d
@@ -60,12 +52,12 @@ class Config:
     residual: str = "mhar"       # "attnres" | "mhar" | "baseline" | "hyper"
     route_heads: int = 0         # mhar's heads H, 0 = n_kv_head (attnres: H = 1; others: unused)
     query_init_std: float = 0.0  # routing queries start at 0 (uniform α); > 0: N(0, std^2)
-    route_temperature: float = 1.0  # routing logits are divided by it: a control for H (see route)
+    route_temperature: float = 1.0  # tau divides every routing logit: a control for H
     route_block: int = 1         # Block AttnRes block size in sublayers; 1 = full routing
     delta: bool = False          # additive (delta) routing for conversion
     hc_streams: int = 4          # hyper-connection streams
     fused: bool = False          # route with the Triton kernels of kernel.py
-    fused_group: int = 0         # fused: sites per shared read of the sources; 0 = auto, 1 = one each
+    fused_group: int = 0         # fused: sites per shared read of the sources, 0 = auto
     checkpointing: bool = False  # recompute each sublayer's activations in backward (saves memory)
 
     # what routing is (a conversion chooses it anew); how a model runs, not what it computes
@@ -73,34 +65,8 @@ class Config:
                          "query_init_std", "route_temperature")
     RUNTIME: ClassVar = ("fused", "fused_group", "checkpointing")
 
-    def __post_init__(self):  # the mistakes a user can make, each with its fix
-        def check(ok, message):
-            if not ok:
-                raise ValueError(f"Config.{message}")
-        for size in ("vocab_size", "seq_len", "n_layer", "n_embd", "n_head", "n_kv_head",
-                     "ffn_hidden"):
-            check(getattr(self, size) >= 1, f"{size}: must be >= 1, not {getattr(self, size)}")
-        check(self.head_dim >= 0, f"head_dim: must be >= 0 (0 = n_embd / n_head), not {self.head_dim}")
-        modes = ("attnres", "mhar", "baseline", "hyper")
-        check(self.residual in modes, f"residual: unknown {self.residual!r}; use one of {modes}")
-        d, H, unrouted = self.n_embd, self.depth_heads, f"{self.residual} has no routing sites"
-        check(self.head_dim or d % self.n_head == 0, f"n_head: {self.n_head} heads do not divide "
-              f"n_embd={d}; or set head_dim")
-        check(self.head_width % 2 == 0, "head_dim: rotary embeddings need an even head width")
-        check(self.n_head % self.n_kv_head == 0,
-              f"n_kv_head: {self.n_kv_head} does not divide n_head={self.n_head}; use a divisor of it")
-        check(not self.routed or H > 0 and d % H == 0, f"route_heads: H={H} must divide n_embd={d}")
-        for name, value in (("rope_theta", self.rope_theta), ("norm_eps", self.norm_eps),
-                            ("route_temperature", self.route_temperature)):
-            check(0 < value < float("inf"), f"{name}: must be a positive number, not {value}")
-        check(0 <= self.query_init_std < float("inf"), f"query_init_std: must be >= 0 (0: zero "
-              f"queries), not {self.query_init_std}")
-        check(self.route_block >= 1, "route_block: must be >= 1; 1 is full routing")
-        for name in ("route_temperature", "route_block", "delta", "fused"):  # at their defaults
-            check(self.routed or getattr(self, name) == getattr(Config, name),
-                  f"{name}: {unrouted}; use mhar or attnres")
-        check(self.fused_group >= 0, "fused_group: must be >= 0; 0 is automatic, 1 one pass per site")
-        check(self.hc_streams >= 1, "hc_streams: hyper-connections need at least one stream")
+    def __post_init__(self):
+        check_config(self)  # the mistakes a user can make, each with its fix (at the file's end)
 
     @property
     def head_width(self):
@@ -113,38 +79,16 @@ class Config:
 
     @property
     def depth_heads(self):
-        """H, the softmaxes over depth at each site: 1 for attnres, route_heads (0 = n_kv_head)
-        for mhar, 0 for the modes without routing sites."""
+        """H, a site's softmaxes over depth: attnres 1, mhar route_heads (0: n_kv_head), else 0."""
         return {"attnres": 1, "mhar": self.route_heads or self.n_kv_head}.get(self.residual, 0)
-
-
-# The paper's shapes with H = 8 routing heads, its later version's choice at every scale (its
-# earlier version: H = n_kv_head, route_heads=0, and random queries, query_init_std=0.02). The
-# CPU-sized presets keep H = n_kv_head: tiny for the tests, small for the CPU demo, small-bytes
-# (small on a vocabulary of bytes) for CPU comparisons.
-PRESETS = {
-    "tiny":  Config(seq_len=64, n_layer=2, n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=192),
-    "small": Config(seq_len=256, n_layer=4, n_embd=128, n_head=4, n_kv_head=2, ffn_hidden=384),
-    "small-bytes": Config(vocab_size=320, seq_len=256, n_layer=4, n_embd=128, n_head=4, n_kv_head=2,
-                          ffn_hidden=384),  # small on UTF-8 bytes: 257 ids padded to 320
-    "100m":  Config(seq_len=2048, n_layer=12, n_embd=512, n_head=8, n_kv_head=4, ffn_hidden=1536,
-                    route_heads=8),
-    "350m":  Config(seq_len=1024, n_layer=24, n_embd=1024, n_head=16, n_kv_head=8, ffn_hidden=4096,
-                    route_heads=8),
-    "1b":    Config(seq_len=1024, n_layer=36, n_embd=1280, n_head=16, n_kv_head=8, ffn_hidden=5120,
-                    route_heads=8),
-}
-
-
-def preset(name, **overrides):
-    """A preset Config with some fields replaced, e.g. preset("100m", residual="attnres")."""
-    if name not in PRESETS:
-        raise ValueError(f"preset {name!r} is unknown; use one of {sorted(PRESETS)}")
-    return replace(PRESETS[name], **overrides)
 
 
 # ----------------------------------------------------------------------------------------------
 # The route: the readable reference of the method.
+#
+# The temperature: Config.route_temperature = tau divides every logit (the query q / tau). A head's
+# logit sums d/H coordinates, AttnRes's all d: MHAR's softmaxes start flatter; AttnRes at tau = H is
+# the control for that (docs/methods.md, "The temperature control"; compare.py's attnres-T<tau>).
 
 def route_weights(V, q, g, heads, eps=1e-6):
     """α[n, b, t, h]: how much head h of the site reads source n (a softmax over depth n).
@@ -170,17 +114,13 @@ def route(V, q, g, heads, eps=1e-6):
 
 class DepthHistory:
     """The sources of one forward pass for full routing, readable: a list, stacked at every read.
-
     append(source) adds s_0 (the embedding), then each sublayer's raw output; read(site) routes
-    over everything appended so far with the site's query queries[site] and norm weight norms[site].
-    Stacking costs O(L^2) memory; kernel.py's FusedHistory wraps a history (its appends decide what
-    is read) and reads the sources where they are, several sites at a time."""
-    block, null = 1, None                                            # full routing
+    over all appended so far with the query queries[site] and the norm weight norms[site].
+    Stacking costs O(L^2) memory; kernel.py's FusedHistory reads in place, several sites at once."""
 
     def __init__(self, queries, norms, heads, eps):
         self.queries, self.norms, self.heads, self.eps = queries, norms, heads, eps
         self.sources = []                                            # s_0, s_1, ...: (B, T, d) each
-        self.partial = None                                          # (block routing's)
         self.visit = None             # for analysis: visit(V, q, g) sees every read's inputs first
 
     def append(self, source):
@@ -195,11 +135,6 @@ class DepthHistory:
             self.visit(V, q, g)
         return route(V, q, g, self.heads, self.eps)
 
-    def reads(self, site):
-        """(committed, partial): site `site`, read right after the (site+1)-th append, reads
-        sources[:committed] and, when partial is True, the partial sum of its block."""
-        return site + 1, False
-
 
 class BlockHistory(DepthHistory):
     """Block routing (Block AttnRes, Kimi Team, 2026) with blocks of S sublayers: b_0 = s_0, then
@@ -209,12 +144,11 @@ class BlockHistory(DepthHistory):
     def __init__(self, queries, norms, heads, eps, block):
         super().__init__(queries, norms, heads, eps)                 # self.sources: b_0, b_1, ...
         self.block = block
-        self.in_block = None               # outputs in the current block's partial sum; None: no s_0
+        self.partial, self.in_block = None, 0      # the current block's sum, of how many outputs
 
     def append(self, source):
-        if self.in_block is None:
+        if not self.sources:
             self.sources.append(source)                              # b_0 = s_0, the embedding
-            self.in_block = 0
             return
         self.partial = source if self.partial is None else self.partial + source
         self.in_block += 1
@@ -226,27 +160,23 @@ class BlockHistory(DepthHistory):
         partial = [] if self.partial is None else [self.partial]
         return torch.stack(self.sources + partial)                   # (N, B, T, d)
 
-    def reads(self, site):
-        return 1 + site // self.block, site % self.block != 0
-
 
 class DeltaHistory(BlockHistory):
-    """Delta routing reads [null, D_0, D_1, ...]: a learnable null source (zero at init), s_0 and
-    the completed block deltas D_i = h_end - h_start (the current one is in the residual x)."""
+    """Delta routing reads [null, D_0, D_1, ...]: a learnable null source (zero at init), s_0, the
+    completed block deltas D_i = h_end - h_start; the current one is in the residual x."""
 
     def __init__(self, queries, norms, heads, eps, block, null):
         super().__init__(queries, norms, heads, eps, block)
         self.null = null                                             # (d,)
 
     def append(self, source):
-        if self.in_block is None:
-            self.sources.append(self.null.to(source.dtype).expand_as(source))  # (B, T, d)
-        super().append(source)
+        if not self.sources:                                         # null, then D_0 = s_0
+            self.sources += [self.null.to(source.dtype).expand_as(source), source]
+        else:
+            super().append(source)
 
-    stack = DepthHistory.stack                                       # the committed sources alone
-
-    def reads(self, site):
-        return 2 + site // self.block, False
+    def stack(self):
+        return torch.stack(self.sources)                             # (N, B, T, d): no partial sum
 
 
 def depth_history(queries, norms, heads, eps, block=1, null=None):
@@ -272,7 +202,7 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(seq_len, head_dim, theta, device=None):
-    """cos and sin of the rotation angles, (seq_len, head_dim / 2) each, fp32, computed on the CPU."""
+    """cos and sin of the rotation angles, (seq_len, head_dim / 2) each, fp32, made on the CPU."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
     angles = torch.outer(torch.arange(seq_len, device="cpu").float(), inv_freq)
     return angles.cos().to(device), angles.sin().to(device)
@@ -286,10 +216,32 @@ def apply_rotary(x, cos, sin):
 
 class Positions(NamedTuple):
     """The T tokens' rotary cos and sin, (T, hd/2) or per row (B, 1, T, hd/2), and the keys each
-    attends to: None, causal (after a cache: all); else bool (B or 1, 1, T, S + T) (GPT.hidden)."""
+    attends to: None, causal (after a cache: all); else bool (B or 1, 1, T, S + T)."""
     cos: torch.Tensor
     sin: torch.Tensor
     allowed: torch.Tensor | None = None
+
+
+def token_positions(cos, sin, start, T, mask=None, positions=None):
+    """The Positions of T tokens after `start` cached ones, from the rotary tables (seq_len, hd/2).
+    Padded batches: mask (B, start + T), 0 for padding, which no token attends to (routing is per
+    position); positions (B, T), by default each token's count of tokens before it in its row."""
+    if start + T > len(cos):
+        raise ValueError(f"sequence of {start + T} tokens is longer than Config.seq_len={len(cos)}")
+    if positions is None and mask is not None:
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, start:]  # (B, T)
+    if positions is None:
+        cos, sin = cos[start:start + T], sin[start:start + T]                       # (T, hd/2)
+    else:
+        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)       # (B, 1, T, hd/2)
+    if mask is None and not (start and T > 1):
+        return Positions(cos, sin)                 # causal; one token after a cache reads every key
+    keys = torch.arange(start + T, device=cos.device)                              # (S + T,)
+    own = start + torch.arange(T, device=cos.device)[:, None]         # (T, 1): each query's key
+    allowed = keys <= own                                                # (T, S + T): causal
+    if mask is not None:  # no key of padding; a padding query keeps its own key (no NaN)
+        allowed = allowed & mask.bool()[:, None, None] | (keys == own)  # (B, 1, T, S + T)
+    return Positions(cos, sin, allowed)
 
 
 class Attention(nn.Module):
@@ -308,8 +260,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
 
     def forward(self, x, at, cache=None):
-        """x (B, T, d) at Positions `at`; cache, when generating, holds the keys and values of the
-        positions before them and takes these."""
+        """x (B, T, d) at Positions `at`; cache: the earlier tokens' keys and values, extended."""
         B, T, _ = x.size()
         x = self.norm(x)
         nh, nkv, hd = self.n_head, self.n_kv_head, self.head_dim
@@ -364,9 +315,19 @@ class RouteSite(nn.Module):
 
     def __init__(self, config):
         super().__init__()
+        self.query_init_std = config.query_init_std
         self.query = nn.Parameter(torch.zeros(config.n_embd))
         self.norm_weight = nn.Parameter(torch.ones(config.n_embd))
         self.gate = nn.Parameter(torch.zeros(())) if config.delta else None
+
+    def init_weights(self):
+        if self.query_init_std > 0:  # the paper's earlier protocol
+            nn.init.normal_(self.query, std=self.query_init_std)
+        else:
+            nn.init.zeros_(self.query)
+        nn.init.ones_(self.norm_weight)
+        if self.gate is not None:
+            nn.init.zeros_(self.gate)
 
 
 class LMHead(nn.Linear):
@@ -393,7 +354,7 @@ ADDED_BY_RESIDUAL = ("sites.", "connections.", "null")  # names a baseline check
 # The model.
 
 class GPT(nn.Module):
-    """The decoder with config.residual's residual stream; forward(idx, targets) -> (logits, loss)."""
+    """The decoder with config.residual's residual; forward(idx, targets) -> (logits, loss)."""
 
     def __init__(self, config):
         super().__init__()
@@ -419,20 +380,69 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", None, persistent=False)
         self.init_weights()
 
-    def init_weights(self, modules=None):
-        """How every tensor starts (modules: these alone, e.g. those a checkpoint lacks):
+    def forward_routed(self, x, at, history, cache=None):
+        """The routed Transformer (attnres, mhar): each sublayer reads a route over the raw outputs
+        before it and appends its own; the final site reads all 2L + 1 sources."""
+        history.append(x.to(compute_dtype(x)))  # s_0, stored as the sublayer outputs (bf16 on GPUs)
+        for j in range(len(self.layers)):
+            history.append(self.sublayer(j, history.read(j), at, cache))  # s_{j+1}
+        return history.read(len(self.layers))
 
-        | tensor                                  | init          |
-        |-----------------------------------------|---------------|
-        | embedding, LM head, every projection    | N(0, 0.02^2)  |
-        | every RMSNorm weight, the sites' g      | 1             |
-        | routing queries                         | 0 (uniform α), or N(0, query_init_std^2) |
-        | delta routing: gates, null source       | 0 (starts as the baseline) |
-        | hyper-connections: static read          | one-hot on stream j mod n |
-        | static mix, static write                | identity, 1 |
-        | dynamic projections                     | 0 |
-        | dynamic scales                          | 0.01 (small, learnable; Zhu et al.) |
-        """
+    def hidden(self, idx, visit=None, cache=None, mask=None, positions=None):
+        """The final normed hidden state (B, T, d) of tokens idx (B, T). visit(V, q, g), for
+        analysis, sees every routing site's sources and parameters; cache, when generating, is one
+        KVCache per sublayer holding the tokens before idx; mask, positions: token_positions."""
+        start = 0 if cache is None else cache[0].length
+        at = token_positions(self.rope_cos, self.rope_sin, start, idx.size(1), mask, positions)
+        x = self.embed(idx)                                          # (B, T, d): source s_0
+        if self.config.delta:
+            x = forward_delta(self, x, at, self.new_history(visit), cache)
+        elif self.config.routed:
+            x = self.forward_routed(x, at, self.new_history(visit), cache)
+        elif self.config.residual == "hyper":
+            x = forward_hyper(self, x, at, cache)
+        else:
+            x = forward_baseline(self, x, at, cache)
+        return self.norm(x)
+
+    def forward(self, idx, targets=None, loss_fn=None):
+        """(logits (B, T, vocab) in fp32, mean cross-entropy with targets (B, T)) of tokens idx
+        (B, T). loss_fn(hidden, weight, targets) (head.linear_cross_entropy, in training and
+        validation) computes the loss without the B * T * vocab logits: then (None, loss)."""
+        h = self.hidden(idx)                                         # (B, T, d)
+        if loss_fn is not None:
+            return None, self.lm_head.loss(h, targets, loss_fn)
+        logits = self.lm_head(h).float()                             # (B, T, vocab)
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def sublayer(self, j, x, at, cache=None):
+        """Sublayer j (attention for even j, MLP for odd j) on its input x (B, T, d); with
+        config.checkpointing, only x is kept and the activations recomputed in backward."""
+        cache = None if cache is None else cache[j]  # a cache would take the recomputed keys too
+        if self.config.checkpointing and torch.is_grad_enabled() and cache is None:
+            return checkpoint(self.layers[j], x, at, cache, use_reentrant=False)
+        return self.layers[j](x, at, cache)
+
+    def new_history(self, visit=None):
+        """An empty depth history for one forward pass: readable, or routed by kernel.py's Triton
+        kernels (config.fused); visit(V, q, g), for analysis, sees each read of a readable one."""
+        c = self.config
+        queries = [site.query / c.route_temperature if c.route_temperature != 1 else site.query
+                   for site in self.sites]                           # q / tau of each site, (d,)
+        norms = [site.norm_weight for site in self.sites]            # g of each site, (d,)
+        history = depth_history(queries, norms, c.depth_heads, c.norm_eps, c.route_block, self.null)
+        if visit is not None:
+            history.visit = visit
+        elif c.fused:
+            import kernel
+            reads = site_reads(len(self.sites), c.route_block, c.delta)
+            return kernel.FusedHistory(history, reads, group=c.fused_group)
+        return history
+
+    def init_weights(self, modules=None):
+        """Every tensor's start, or these modules' alone (e.g. those a checkpoint lacks)."""
         for module in self.modules() if modules is None else modules:
             if module is self:  # the rotary tables (computed, never stored), delta's null source
                 self.compute_rotary(self.embed.weight.device)
@@ -442,24 +452,8 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
-            elif isinstance(module, RouteSite):
-                if self.config.query_init_std > 0:  # the paper's earlier protocol
-                    nn.init.normal_(module.query, std=self.config.query_init_std)
-                else:
-                    nn.init.zeros_(module.query)
-                nn.init.ones_(module.norm_weight)
-                if module.gate is not None:
-                    nn.init.zeros_(module.gate)
-            elif isinstance(module, HyperConnection):
-                n = module.static_read.numel()
-                with torch.no_grad():
-                    module.static_read.copy_(F.one_hot(torch.tensor(module.index % n), n))
-                    module.static_mix.copy_(torch.eye(n))
-                    module.static_write.fill_(1.0)
-                    module.dynamic_read_mix.zero_()
-                    module.dynamic_write.zero_()
-                    module.read_mix_scale.fill_(0.01)
-                    module.write_scale.fill_(0.01)
+            elif isinstance(module, (RouteSite, HyperConnection)):
+                module.init_weights()
 
     def _apply(self, fn, recurse=True):  # .to(dtype) would round the rotary angles: kept fp32
         super()._apply(fn, recurse)
@@ -471,128 +465,15 @@ class GPT(nn.Module):
         c = self.config
         self.rope_cos, self.rope_sin = rotary_tables(c.seq_len, c.head_width, c.rope_theta, device)
 
-    def forward(self, idx, targets=None, loss_fn=None):
-        """(logits, loss) of tokens idx (B, T): the logits (B, T, vocab) in fp32 and, with targets
-        (B, T), the mean cross-entropy. loss_fn(hidden, weight, targets), for training and
-        validation (head.linear_cross_entropy), computes the loss from the final hidden states and
-        the LM head's weight without the B * T * vocab logits: then (None, loss)."""
-        h = self.hidden(idx)                                         # (B, T, d)
-        if loss_fn is not None:
-            return None, self.lm_head.loss(h, targets, loss_fn)
-        logits = self.lm_head(h).float()                             # (B, T, vocab)
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-
-    def hidden(self, idx, visit=None, cache=None, mask=None, positions=None):
-        """The final normed hidden state (B, T, d) of tokens idx (B, T). visit(V, q, g), for
-        analysis, sees every routing site's sources and parameters; cache, when generating, is one
-        KVCache per sublayer holding the tokens before idx (which then take the positions after).
-        mask (B, S + T) over the cache and idx: 0 marks padding, which no token attends to (routing
-        is per position); positions (B, T): rotary positions, by default each token's count of
-        tokens before it in its row, as transformers numbers a padded batch."""
-        B, T = idx.size()
-        start = 0 if cache is None else cache[0].length
-        if start + T > self.config.seq_len:
-            raise ValueError(f"sequence of {start + T} tokens is longer than Config.seq_len="
-                             f"{self.config.seq_len}")
-        if positions is None and mask is not None:
-            positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, start:]
-        if positions is None:
-            cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, hd/2)
-        else:
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]            # (B, T, hd/2)
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                          # (B, 1, T, hd/2)
-        allowed = None
-        if mask is not None or start and T > 1:
-            keys = torch.arange(start + T, device=idx.device)                       # (S + T,)
-            own = start + torch.arange(T, device=idx.device)[:, None]  # (T, 1): each query's key
-            allowed = keys <= own                                       # (T, S + T): causal
-            if mask is not None:  # no key of padding; a padding query keeps its own key (no NaN)
-                allowed = allowed & mask.bool()[:, None, None] | (keys == own)  # (B, 1, T, S + T)
-        at = Positions(cos, sin, allowed)
-        x = self.embed(idx)                                          # (B, T, d): source s_0
-        c = self.config
-        if c.delta:
-            x = self.forward_delta(x, at, self.new_history(visit), cache)
-        elif c.routed:
-            x = self.forward_routed(x, at, self.new_history(visit), cache)
-        elif c.residual == "hyper":
-            x = self.forward_hyper(x, at, cache)
-        else:
-            x = self.forward_baseline(x, at, cache)
-        return self.norm(x)
-
-    def forward_routed(self, x, at, history, cache=None):
-        """The routed Transformer (attnres, mhar): each sublayer reads a route over the raw outputs
-        before it and appends its own; the final site reads all 2L + 1 sources."""
-        history.append(x.to(compute_dtype(x)))  # s_0, stored as the sublayer outputs (bf16 on GPUs)
-        for j in range(len(self.layers)):
-            history.append(self.sublayer(j, history.read(j), at, cache))  # s_{j+1}
-        return history.read(len(self.layers))
-
-    def sublayer(self, j, x, at, cache=None):
-        """Sublayer j (attention for even j, MLP for odd j) on its input x (B, T, d); with
-        config.checkpointing, only x is kept and the activations recomputed in backward."""
-        cache = None if cache is None else cache[j]  # a cache would take the recomputed keys too
-        if self.config.checkpointing and torch.is_grad_enabled() and cache is None:
-            return checkpoint(self.layers[j], x, at, cache, use_reentrant=False)
-        return self.layers[j](x, at, cache)
-
-    def new_history(self, visit=None):
-        """An empty depth history for one forward pass: readable, or with config.fused routed by
-        kernel.py's Triton kernels; visit(V, q, g), for analysis, sees each read of a readable one."""
-        c = self.config
-        # q / tau: dividing a site's logits by the temperature tau is routing with the query q / tau,
-        # in every history (readable, block, delta, fused) with no change to any of them
-        queries = [site.query / c.route_temperature if c.route_temperature != 1 else site.query
-                   for site in self.sites]                           # q of each site, (d,)
-        norms = [site.norm_weight for site in self.sites]            # g of each site, (d,)
-        history = depth_history(queries, norms, c.depth_heads, c.norm_eps, c.route_block, self.null)
-        if visit is not None:
-            history.visit = visit
-        elif c.fused:
-            import kernel
-            return kernel.FusedHistory(history, group=c.fused_group)
-        return history
-
-    # ------------------------------------------------------------------------------------------
-    # The other residual modes: delta routing, the baseline, hyper-connections.
-
-    def forward_delta(self, x, at, history, cache=None):
-        """Delta routing: the baseline's residual x plus a gated route over [null, D_0, D_1..]."""
-        history.append(x.to(compute_dtype(x)))   # D_0 = s_0, stored as the block deltas (bf16 on GPUs)
-        for j, site in enumerate(self.sites[:-1]):
-            y = self.sublayer(j, x + site.gate * history.read(j), at, cache)
-            history.append(y)  # the history sums these into block deltas D_i = h_end - h_start
-            x = x + y
-        return x + self.sites[-1].gate * history.read(len(self.layers))
-
-    def forward_baseline(self, x, at, cache=None):
-        """The pre-norm residual stream: x = x + f(RMSNorm(x)) after every sublayer."""
-        for j in range(len(self.layers)):
-            x = x + self.sublayer(j, x, at, cache)
-        return x
-
-    def forward_hyper(self, x, at, cache=None):
-        """n residual streams, each starting as s_0; every sublayer reads, mixes and writes them."""
-        streams = x.unsqueeze(2).repeat(1, 1, self.config.hc_streams, 1)  # (B, T, n, d)
-        for j, connection in enumerate(self.connections):
-            streams = connection(streams, lambda h: self.sublayer(j, h, at, cache))
-        # Zhu et al. sum the streams; their mean starts as the baseline exactly, not up to eps
-        return streams.mean(2)
-
-    # ------------------------------------------------------------------------------------------
     # Analysis and conversion.
     @torch.no_grad()
     def routing_weights(self, idx):
-        """α of every site for a batch: 2L+1 tensors (N_j, B, T, H), N_j = site_sources(j)."""
+        """α of every site for a batch: 2L+1 tensors (N_j, B, T, H), N_j as site_reads says."""
         c = self.config
         if not c.routed:
             raise ValueError(f"routing_weights: residual={c.residual!r} has no routing sites")
-        alphas = []
-        self.hidden(idx, visit=lambda V, q, g: alphas.append(route_weights(V, q, g, c.depth_heads,
-                                                                           c.norm_eps)))
+        alphas, H = [], c.depth_heads
+        self.hidden(idx, visit=lambda V, q, g: alphas.append(route_weights(V, q, g, H, c.norm_eps)))
         return alphas
 
     @classmethod
@@ -611,18 +492,14 @@ class GPT(nn.Module):
                              f"baseline's own preset and sizes")
         return model
 
-    # ------------------------------------------------------------------------------------------
     # Generation.
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, vocab_limit=None,
                  cache=True, on_token=None):
-        """Append max_new_tokens sampled tokens to idx (B, T); temperature 0 picks the argmax.
-
-        top_k keeps the k most likely tokens; vocab_limit = n never picks an id >= n (GPT-2's 50257
-        ids in a vocabulary padded to 50304). cache keeps the attention keys and values, and each
-        new token runs alone (routing is per position); the window is the last seq_len tokens, so
-        past it every step runs the cropped window with a fresh cache, as the uncached path does.
-        on_token(ids (B, 1)) sees each new token as it is drawn."""
+        """Append max_new_tokens tokens to idx (B, T), sampled (temperature 0: the argmax; top_k: of
+        the k likeliest; never an id >= vocab_limit, e.g. GPT-2's 50257). cache keeps the keys and
+        values, each new token running alone (routing is per position); past the window (seq_len)
+        each step runs the cropped window afresh, as uncached. on_token(ids (B, 1)) sees each."""
         kv = None                                                      # one KVCache per sublayer
         for _ in range(max_new_tokens):
             window = idx[:, -self.config.seq_len:]
@@ -649,7 +526,6 @@ class GPT(nn.Module):
                 on_token(next_id)
         return idx
 
-    # ------------------------------------------------------------------------------------------
     # Accounting.
     def num_params(self, non_embedding=False):
         """Parameter count (a tied embedding and LM head counted once); non_embedding leaves out
@@ -658,26 +534,20 @@ class GPT(nn.Module):
         return n - self.embed.weight.numel() if non_embedding else n
 
     def flops_per_token(self):
-        """Training FLOPs per token (forward + backward), the routing included.
-
-        Matmuls: 6 per weight (PaLM, arXiv:2204.02311, appendix B), the LM head included, the
-        embedding (a lookup) not. Attention: 12 * L * n_head * head_dim * T (causal masking not
-        discounted). Routing: ~8d flops per source read forward (norm, logit, mix), twice that
-        backward. Hyper-connections: ~4 d n (n+2) per sublayer forward, twice that backward."""
+        """Training FLOPs per token (forward + backward), the routing included. Matmuls: 6 per
+        weight (PaLM, arXiv:2204.02311, appendix B), the LM head's included, the embedding's (a
+        lookup) not. Attention: 12 * L * n_head * head_dim * T (causal masking not discounted).
+        Routing: ~8d per source read forward (norm, logit, mix), twice that backward.
+        Hyper-connections: ~4 d n (n+2) per sublayer forward, twice that backward."""
         c = self.config
         matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         attention = 12 * c.n_layer * c.n_head * c.head_width * c.seq_len
-        sources = sum(self.site_sources(j) for j in range(2 * c.n_layer + 1)) if c.routed else 0
+        reads = site_reads(2 * c.n_layer + 1, c.route_block, c.delta) if c.routed else ()
+        sources = sum(committed + partial for committed, partial in reads)  # read by all sites
         routing = 24 * c.n_embd * sources
         n = c.hc_streams
         hyper = 2 * c.n_layer * 12 * c.n_embd * n * (n + 2) if c.residual == "hyper" else 0
         return 6 * matmul + attention + routing + hyper
-
-    def site_sources(self, j):
-        """How many sources site j reads, as its depth history's reads(j) says."""
-        history = depth_history([], [], 0, 0.0, self.config.route_block, self.null)
-        committed, partial = history.reads(j)
-        return committed + partial
 
     def param_groups(self):
         """Parameters by role: {"embedding", "matrices", "norms", "routing"}, each in exactly one;
@@ -692,18 +562,50 @@ class GPT(nn.Module):
         return groups
 
 
+def site_reads(n_sites, block=1, delta=False):
+    """((committed, partial), ...) per site: after the (j+1)-th append, site j reads the first
+    `committed` sources of its depth history and, if partial, its block's partial sum."""
+    if delta:
+        return tuple((2 + j // block, False) for j in range(n_sites))
+    return tuple((1 + j // block, j % block != 0) for j in range(n_sites))
+
+
 # ----------------------------------------------------------------------------------------------
-# Hyper-connections (Zhu et al., 2024, "Hyper-Connections", arXiv:2409.19606).
+# The other residual modes: delta routing, the baseline, hyper-connections (GPT.hidden's choice).
+
+def forward_delta(gpt, x, at, history, cache=None):
+    """Delta routing: the baseline's residual x plus a gated route over [null, D_0, D_1, ...]."""
+    history.append(x.to(compute_dtype(x)))   # D_0 = s_0, stored as the block deltas (bf16 on GPUs)
+    for j, site in enumerate(gpt.sites[:-1]):
+        y = gpt.sublayer(j, x + site.gate * history.read(j), at, cache)
+        history.append(y)  # the history sums these into block deltas D_i = h_end - h_start
+        x = x + y
+    return x + gpt.sites[-1].gate * history.read(len(gpt.layers))
+
+
+def forward_baseline(gpt, x, at, cache=None):
+    """The pre-norm residual stream: x = x + f(RMSNorm(x)) after every sublayer."""
+    for j in range(len(gpt.layers)):
+        x = x + gpt.sublayer(j, x, at, cache)
+    return x
+
+
+def forward_hyper(gpt, x, at, cache=None):
+    """n residual streams, each starting as s_0; every sublayer reads, mixes and writes them."""
+    streams = x.unsqueeze(2).repeat(1, 1, gpt.config.hc_streams, 1)  # (B, T, n, d)
+    for j, connection in enumerate(gpt.connections):
+        streams = connection(streams, lambda h: gpt.sublayer(j, h, at, cache))
+    # Zhu et al. sum the streams; their mean starts as the baseline exactly, not up to eps
+    return streams.mean(2)
+
 
 class HyperConnection(nn.Module):
-    """Hyper-connections around one sublayer, over n residual streams H (B, T, n, d).
-
-    The sublayer reads h = sum_i read[i] H_i and its output y is written back as
-    H'_k = sum_i mix[i, k] H_i + write[k] y. Each of read (n), mix (n x n) and write (n) is a
-    static parameter plus a dynamic, per-token part scale * tanh(RMSNorm(H) W). At init read is
-    one-hot on stream j mod n, mix = I, write = 1 and W = 0: every stream then carries the plain
-    residual sum, so the network starts exactly as the pre-norm baseline.
-    """
+    """Hyper-connections (Zhu et al., 2024, arXiv:2409.19606) around one sublayer, over n residual
+    streams H (B, T, n, d): the sublayer reads h = sum_i read[i] H_i and its output y is written
+    back as H'_k = sum_i mix[i, k] H_i + write[k] y. Each of read (n), mix (n x n) and write (n) is
+    a static parameter plus a dynamic, per-token part scale * tanh(RMSNorm(H) W). At init read is
+    one-hot on stream j mod n, mix = I, write = 1, W = 0, the scales 0.01 (small, learnable, as Zhu
+    et al.): every stream carries the plain residual sum, and the network starts as the baseline."""
 
     def __init__(self, config, index):
         super().__init__()
@@ -718,6 +620,17 @@ class HyperConnection(nn.Module):
         self.read_mix_scale = nn.Parameter(torch.zeros(()))
         self.write_scale = nn.Parameter(torch.zeros(()))
 
+    def init_weights(self):
+        n = self.static_read.numel()
+        with torch.no_grad():
+            self.static_read.copy_(F.one_hot(torch.tensor(self.index % n), n))
+            self.static_mix.copy_(torch.eye(n))
+            self.static_write.fill_(1.0)
+            self.dynamic_read_mix.zero_()
+            self.dynamic_write.zero_()
+            self.read_mix_scale.fill_(0.01)
+            self.write_scale.fill_(0.01)
+
     def forward(self, streams, sublayer):
         """streams (B, T, n, d) -> (B, T, n, d); sublayer maps its input (B, T, d) to its output."""
         normed = self.norm(streams)                                               # (B, T, n, d)
@@ -728,3 +641,60 @@ class HyperConnection(nn.Module):
         write = self.static_write + self.write_scale * dynamic_write              # (B, T, n)
         y = sublayer(torch.einsum("btn,btnd->btd", read, streams))                # (B, T, d)
         return torch.einsum("btik,btid->btkd", mix, streams) + write.unsqueeze(-1) * y.unsqueeze(2)
+
+
+# ----------------------------------------------------------------------------------------------
+# The config's checks, and the presets.
+
+def check_config(c):
+    """A ValueError naming the field and the fix for each mistake a user can make in a Config."""
+    def check(ok, message):
+        if not ok:
+            raise ValueError(f"Config.{message}")
+    for size in ("vocab_size", "seq_len", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn_hidden"):
+        check(getattr(c, size) >= 1, f"{size}: must be >= 1, not {getattr(c, size)}")
+    check(c.head_dim >= 0, f"head_dim: must be >= 0 (0 = n_embd / n_head), not {c.head_dim}")
+    modes = ("attnres", "mhar", "baseline", "hyper")
+    check(c.residual in modes, f"residual: unknown {c.residual!r}; use one of {modes}")
+    d, H, unrouted = c.n_embd, c.depth_heads, f"{c.residual} has no routing sites"
+    check(c.head_dim or d % c.n_head == 0, f"n_head: {c.n_head} heads do not divide n_embd={d}; "
+          f"or set head_dim")
+    check(c.head_width % 2 == 0, "head_dim: rotary embeddings need an even head width")
+    check(c.n_head % c.n_kv_head == 0,
+          f"n_kv_head: {c.n_kv_head} does not divide n_head={c.n_head}; use a divisor of it")
+    check(not c.routed or H > 0 and d % H == 0, f"route_heads: H={H} must divide n_embd={d}")
+    for name in ("rope_theta", "norm_eps", "route_temperature"):
+        check(0 < getattr(c, name) < float("inf"),
+              f"{name}: must be a positive number, not {getattr(c, name)}")
+    check(0 <= c.query_init_std < float("inf"), f"query_init_std: must be >= 0 (0: zero queries), "
+          f"not {c.query_init_std}")
+    check(c.route_block >= 1, "route_block: must be >= 1; 1 is full routing")
+    for name in ("route_temperature", "route_block", "delta", "fused"):  # at their defaults
+        check(c.routed or getattr(c, name) == getattr(Config, name),
+              f"{name}: {unrouted}; use mhar or attnres")
+    check(c.fused_group >= 0, "fused_group: must be >= 0; 0 is automatic, 1 one pass per site")
+    check(c.hc_streams >= 1, "hc_streams: hyper-connections need at least one stream")
+
+
+# The paper's shapes with H = 8 routing heads, its later version's choice at every scale (earlier:
+# H = n_kv_head and random queries, query_init_std=0.02). The CPU-sized presets keep H = n_kv_head:
+# tiny for the tests, small for the CPU demo, small-bytes (on UTF-8 bytes) for CPU comparisons.
+PRESETS = {
+    "tiny":  Config(seq_len=64, n_layer=2, n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=192),
+    "small": Config(seq_len=256, n_layer=4, n_embd=128, n_head=4, n_kv_head=2, ffn_hidden=384),
+    "small-bytes": Config(vocab_size=320, seq_len=256, n_layer=4, n_embd=128, n_head=4, n_kv_head=2,
+                          ffn_hidden=384),  # small on UTF-8 bytes: 257 ids padded to 320
+    "100m":  Config(seq_len=2048, n_layer=12, n_embd=512, n_head=8, n_kv_head=4, ffn_hidden=1536,
+                    route_heads=8),
+    "350m":  Config(seq_len=1024, n_layer=24, n_embd=1024, n_head=16, n_kv_head=8, ffn_hidden=4096,
+                    route_heads=8),
+    "1b":    Config(seq_len=1024, n_layer=36, n_embd=1280, n_head=16, n_kv_head=8, ffn_hidden=5120,
+                    route_heads=8),
+}
+
+
+def preset(name, **overrides):
+    """A preset Config with some fields replaced, e.g. preset("100m", residual="attnres")."""
+    if name not in PRESETS:
+        raise ValueError(f"preset {name!r} is unknown; use one of {sorted(PRESETS)}")
+    return replace(PRESETS[name], **overrides)

@@ -61,9 +61,9 @@ from common import (DEFAULT_CORPUS, CheckpointError, FlagParser, MachineError,  
                     StopSignals, UserError, AMOUNT, COUNT, RATE, STEPS, adamw, claim_out_dir,
                     decay_rate, estimate_mfu, exit_error, fingerprint, fraction,
                     ignore_stop_signals, largest_id, load_optimizer, logged_until, memory_for,
-                    one_line, os_error, peak_memory, read_checkpoint, read_tokens, rng_states,
-                    sample_rows, save_checkpoint, seed as SEED, set_rng_states, unwrapped,
-                    write_text)
+                    one_line, os_error, padded_vocab, peak_memory, read_checkpoint, read_tokens,
+                    rng_states, sample_rows, save_checkpoint, seed as SEED, set_rng_states,
+                    unwrapped, write_text)
 from parallel import Session, set_precision, start_session, start_sharding, wrap_model  # noqa: E402
 
 # -----------------------------------------------------------------------------
@@ -444,7 +444,7 @@ def open_data(args, rank, ddp):
 def model_config(args, meta):
     """The mhar.Config of the run: the preset's, with the model flags given (or resumed)."""
     if args.vocab_size is None and meta.get("vocab_size"):
-        args.vocab_size = -(-meta["vocab_size"] // 64) * 64  # a multiple of 64: 50257 -> 50304
+        args.vocab_size = padded_vocab(meta["vocab_size"])
     flags = {name: getattr(args, name) for name in CONFIG_FIELDS}
     try:
         config = mhar.preset(args.preset, **{k: v for k, v in flags.items() if v is not None})
@@ -467,7 +467,7 @@ def check_data(tokens, config):
         what = "the largest token id in the data, plus one, which is"
     if vocab > config.vocab_size:
         die(f"the model's vocabulary of {config.vocab_size} (--vocab_size) is smaller than {what} "
-            f"{vocab}: pass --vocab_size {-(-vocab // 64) * 64}, or check the data")
+            f"{vocab}: pass --vocab_size {padded_vocab(vocab)}, or check the data")
     for split, split_tokens in (("train", tokens.train), ("val", tokens.val)):
         if len(split_tokens) <= config.seq_len + 1:
             die(f"{split}.bin has {len(split_tokens)} tokens, not one sequence of --seq_len "

@@ -323,3 +323,11 @@ def write_task(folder, name, rows, **config):
     config = dict(task=name, dataset_path="json", test_split="test",
                   dataset_kwargs={"data_files": {"test": str(data)}}, **config)
     (folder / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def fused_history(queries, norms, heads, block=1, null=None, group=0, eps=1e-6):
+    """kernel.FusedHistory over mhar's readable history for this routing, as GPT.new_history makes it."""
+    import kernel
+    import mhar
+    return kernel.FusedHistory(mhar.depth_history(queries, norms, heads, eps, block, null),
+                               mhar.site_reads(len(queries), block, null is not None), group)

@@ -103,6 +103,13 @@ def test_a_meta_json_of_the_wrong_types_is_one_clear_error(tmp_path, meta):
         common.read_tokens(folder)
 
 
+@pytest.mark.parametrize("size, padded", [(0, 0), (1, 64), (63, 64), (64, 64), (65, 128), (257, 320),
+                                          (50257, 50304), (2**32 - 1, 2**32)],
+                         ids=["empty", "one", "one-less", "equal", "one-more", "bytes", "gpt2", "largest"])
+def test_a_vocabulary_is_padded_up_to_the_next_multiple_of_64(size, padded):
+    assert common.padded_vocab(size) == padded
+
+
 @pytest.mark.parametrize("mistake", ["another-tokenizer", "uint16-read-as-uint32"])
 def test_token_ids_past_the_vocabulary_stop_the_run_in_one_line(tmp_path, capsys, mistake):
     """meta.json says 64 ids, the files hold up to 99 (another tokenizer's), or uint16 ids that

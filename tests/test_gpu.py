@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mhar
-from helpers import ROOT, gpt_pair, rel_err, route_and_grads, route_inputs, tiny
+from helpers import ROOT, fused_history, gpt_pair, rel_err, route_and_grads, route_inputs, tiny
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
@@ -41,8 +41,8 @@ def test_compiled_chain_bf16_as_close_to_float64_as_the_readable_path():
     exact = chain_grads(lambda q, g: ReadableHistory(q, g, 4), torch.float64, 0, device=CUDA)
     errors = {}
     for name, history in (("readable", lambda q, g: ReadableHistory(q, g, 4)),
-                          ("one-pass", lambda q, g: kernel.FusedHistory(mhar.depth_history(q, g, 4, 1e-6), 1)),
-                          ("grouped", lambda q, g: kernel.FusedHistory(mhar.depth_history(q, g, 4, 1e-6), 0))):
+                          ("one-pass", lambda q, g: fused_history(q, g, 4, group=1)),
+                          ("grouped", lambda q, g: fused_history(q, g, 4, group=0))):
         results = chain_grads(history, torch.bfloat16, 0, device=CUDA)
         errors[name] = [rel_err(a, b) for a, b in zip(results, exact)]
     for name in ("one-pass", "grouped"):

@@ -10,7 +10,7 @@ import kernel
 import mhar
 import parallel
 import train
-from helpers import gpt_pair, interpreted, rel_err, tiny
+from helpers import fused_history, gpt_pair, interpreted, rel_err, tiny
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,7 +131,7 @@ def test_fused_compiles_under_bf16_autocast(overrides):
 def test_fused_history_names_a_source_of_another_dtype():
     """A source in another dtype than the first is refused with what to do, not by the kernel."""
     q, g = torch.zeros(24), torch.ones(24)
-    history = kernel.FusedHistory(mhar.depth_history([q, q], [g, g], 2, 1e-6))
+    history = fused_history([q, q], [g, g], 2)
     history.append(torch.randn(1, 3, 24))
     history.read(0)
     with pytest.raises(ValueError, match="append the embedding in the sublayers' dtype"):

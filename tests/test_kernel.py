@@ -14,7 +14,7 @@ import torch
 import bench_kernel
 import kernel
 import mhar
-from helpers import gpt_pair, interpreted, rel_err, route_and_grads, route_inputs
+from helpers import fused_history, gpt_pair, interpreted, rel_err, route_and_grads, route_inputs
 from bench_kernel import HEADS
 from kernel import FusedHistory, fused_route
 
@@ -181,7 +181,8 @@ def test_fused_history_matches_readable(nan_outputs, case):
     sites = 5
     s0, layers, queries, norms, null = network_parameters(sites, width, dtype, delta)
     history = mhar.depth_history(queries, norms, heads, 1e-6, block, null)
-    fused = outputs_and_grads(FusedHistory(history, group), s0, layers, queries, norms, null)
+    fused = outputs_and_grads(FusedHistory(history, mhar.site_reads(sites, block, delta), group),
+                              s0, layers, queries, norms, null)
     readable = outputs_and_grads(ReadableHistory(queries, norms, heads, block, null),
                                  s0, layers, queries, norms, null)
     # fp32: the acceptance bound; bf16: a few roundings to 8 bits along the chain (both paths round)
@@ -193,7 +194,7 @@ def test_fused_history_matches_readable(nan_outputs, case):
 def test_groups_leave_a_partial_last_group():
     """The depth above is one at which the explicit groups of the cases do not tile the sites."""
     for group in (2, 3):
-        launches = kernel.schedule(bench_kernel.site_reads(5), group)
+        launches = kernel.schedule(mhar.site_reads(5), group)
         sizes = [launch.sites for launch in launches if launch.phase == 1]
         assert sizes[-1] < group, sizes
 
@@ -205,7 +206,7 @@ def test_fused_history_bitwise_deterministic(monkeypatch):
     runs = []
     for _ in range(2):
         s0, layers, queries, norms, null = network_parameters(5, 24, positions=8)
-        history = FusedHistory(mhar.depth_history(queries, norms, 2, 1e-6), group=3)
+        history = fused_history(queries, norms, 2, group=3)
         runs.append(outputs_and_grads(history, s0, layers, queries, norms, null))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
@@ -223,7 +224,7 @@ def test_each_kernel_gets_the_grid_of_its_warps(nan_outputs, monkeypatch):
         return programs(M, 2, warps)
     monkeypatch.setattr(kernel, "_programs", one_sm)
     s0, layers, queries, norms, null = network_parameters(5, 256, positions=8)
-    fused = outputs_and_grads(FusedHistory(mhar.depth_history(queries, norms, 8, 1e-6), group=5),
+    fused = outputs_and_grads(fused_history(queries, norms, 8, group=5),
                               s0, layers, queries, norms, null)
     readable = outputs_and_grads(ReadableHistory(queries, norms, 8), s0, layers, queries, norms, null)
     assert worst(rel_err(a, b) for a, b in zip(fused, readable)) < 1e-5
@@ -274,7 +275,7 @@ def test_qg_partials_fill_every_slot_at_four_positions(nan_outputs, group):
     douts = [torch.randn(2, 2, d, generator=gen) for _ in range(sites)]
     move = functools.partial(map, lambda t: t.to(DEVICE))
     sources, queries, norms, douts = (list(move(ts)) for ts in (sources, queries, norms, douts))
-    fused = routed_sources_grads(lambda q, g: FusedHistory(mhar.depth_history(q, g, heads, 1e-6), group),
+    fused = routed_sources_grads(lambda q, g: fused_history(q, g, heads, group=group),
                                  sources, queries, norms, douts, heads)
     exact = routed_sources_grads(None, sources, queries, norms, douts, heads)
     errors = [rel_err(a, b) for a, b in zip(fused, exact)]
@@ -289,7 +290,7 @@ def test_qg_partials_fill_every_slot_at_four_positions(nan_outputs, group):
 def test_fused_history_without_grad():
     s0, layers, queries, norms, _ = network_parameters(3, 24)
     with torch.no_grad():
-        fused = network(FusedHistory(mhar.depth_history(queries, norms, 2, 1e-6), group=2), s0, layers)
+        fused = network(fused_history(queries, norms, 2, group=2), s0, layers)
         reference = network(ReadableHistory(queries, norms, 2), s0, layers)
     assert rel_err(fused, reference) < 1e-5
 
@@ -299,11 +300,11 @@ def test_second_backward_and_checkpointed_sublayers_give_the_same_gradients():
     gradients again, and checkpointed sublayers recompute without touching the history."""
     from torch.utils.checkpoint import checkpoint
     s0, layers, queries, norms, _ = network_parameters(3, 24)
-    out = network(FusedHistory(mhar.depth_history(queries, norms, 2, 1e-6), group=2), s0, layers)
+    out = network(fused_history(queries, norms, 2, group=2), s0, layers)
     first = torch.autograd.grad(out.sum(), queries, retain_graph=True)
     second = torch.autograd.grad(out.sum(), queries)
     checkpointed = [lambda h, layer=layer: checkpoint(layer, h, use_reentrant=False) for layer in layers]
-    out = network(FusedHistory(mhar.depth_history(queries, norms, 2, 1e-6), group=2), s0, checkpointed)
+    out = network(fused_history(queries, norms, 2, group=2), s0, checkpointed)
     third = torch.autograd.grad(out.sum(), queries)
     for a, b, c in zip(first, second, third):
         assert torch.equal(a, b) and torch.equal(a, c)
@@ -311,7 +312,7 @@ def test_second_backward_and_checkpointed_sublayers_give_the_same_gradients():
 
 def test_fused_history_refuses_misuse():
     s0, layers, queries, norms, _ = network_parameters(2, 24)
-    history = FusedHistory(mhar.depth_history(queries, norms, 2, 1e-6))
+    history = fused_history(queries, norms, 2)
     history.append(s0)
     with pytest.raises(ValueError, match="right after"):
         history.read(1)                                                 # site 1's source is not there yet
@@ -319,8 +320,7 @@ def test_fused_history_refuses_misuse():
     with pytest.raises(RuntimeError, match="checkpoint the sublayers"):
         history.append(s0)                                              # a third source for two sites
     with pytest.raises(ValueError, match="fused_group"):
-        FusedHistory(mhar.depth_history([torch.zeros(1280)] * 9, [torch.ones(1280)] * 9, 8, 1e-6),
-                     group=8)  # would spill
+        fused_history([torch.zeros(1280)] * 9, [torch.ones(1280)] * 9, 8, group=8)  # would spill
     with pytest.raises(ValueError, match="fused_group"):
         mhar.Config(fused_group=-1)
 
@@ -463,7 +463,7 @@ def test_auto_group_charges_the_padded_lanes(monkeypatch):
     groups that move the fewest bytes; on a device with a quarter of that rate, the 100M shape's
     phase 1 would be compute-bound and the roofline leaves G = 5 for a power of two."""
     _, d, L, _, _ = bench_kernel.KERNEL_TABLE[0]                                   # 100M
-    reads = bench_kernel.site_reads(2 * L + 1)
+    reads = mhar.site_reads(2 * L + 1)
     assert kernel.auto_group(reads, d, HEADS) == 5
     monkeypatch.setattr(kernel, "FLOPS", kernel.FLOPS / 4)
     kernel.auto_group.cache_clear()
@@ -513,7 +513,7 @@ def test_meter_counts_what_the_model_predicts(case, monkeypatch):
     null = torch.nn.Parameter(torch.randn(d)) if delta else None
     s0 = torch.randn(1, positions, d, dtype=torch.bfloat16, requires_grad=True)
     with bench_kernel.count_bytes() as forward:
-        history = FusedHistory(mhar.depth_history(queries, norms, heads, 1e-6, block, null), group=group)
+        history = fused_history(queries, norms, heads, block, null, group=group)
         out = network(history, s0, [torch.sin] * (sites - 1))
     with bench_kernel.count_bytes() as backward:
         out.backward(torch.ones_like(out))
@@ -573,7 +573,7 @@ def test_check_available_without_gpu_or_interpreter(monkeypatch):
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         fused_route(V, q, g, 2)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        FusedHistory(mhar.depth_history([q], [g], 2, 1e-6)).append(V[0])
+        fused_history([q], [g], 2).append(V[0])
 
 
 def test_import_without_triton(monkeypatch):
@@ -724,8 +724,8 @@ def test_fused_bf16_is_as_close_to_float64_as_the_readable_path():
     pass per site, and grouped) than on the readable one, which routes in fp32 and rounds each
     site's output and gradients to bf16; the output within 5 % (both round it once)."""
     paths = {"readable": lambda q, g: ReadableHistory(q, g, 4),
-             "one-pass": lambda q, g: FusedHistory(mhar.depth_history(q, g, 4, 1e-6), group=1),
-             "grouped": lambda q, g: FusedHistory(mhar.depth_history(q, g, 4, 1e-6), group=0)}
+             "one-pass": lambda q, g: fused_history(q, g, 4, group=1),
+             "grouped": lambda q, g: fused_history(q, g, 4, group=0)}
     errors = {name: torch.zeros(4, dtype=torch.float64) for name in paths}
     for seed in range(2):
         exact = chain_grads(paths["readable"], torch.float64, seed)
@@ -772,7 +772,7 @@ def test_fused_bf16_gradients_round_once_on_a_long_chain(group, sources_bound, q
     state's output gradient is rounded to bf16 once more (1.40× the floor is measured); q ⊙ g's
     gradients are fp32, and one pass per site rounds nothing on their way."""
     exact = routed_chain(None, torch.float64, 17, seed=0)
-    fused = routed_chain(lambda q, g, heads: FusedHistory(mhar.depth_history(q, g, heads, 1e-6), group=group),
+    fused = routed_chain(lambda q, g, heads: fused_history(q, g, heads, group=group),
                          torch.bfloat16, 17, seed=0)
     ratios = [rel_err(a, b) / rel_err(b.bfloat16(), b) for a, b in zip(fused, exact)]
     print(f"error / floor: outputs {ratios[0]:.2f}, sources {ratios[1]:.2f}, q and g {ratios[2]:.3f}")

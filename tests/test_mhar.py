@@ -438,7 +438,7 @@ def test_flops_match_torch_flop_counter(residual, overrides):
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(idx, idx)[1].backward()
     write = 2 * c.n_layer * 6 * c.hc_streams * c.n_embd if residual == "hyper" else 0
-    sources = sum(map(model.site_sources, range(len(model.sites)))) if c.routed else 0
+    sources = sum(a.shape[0] for a in model.routing_weights(idx[:1, :1])) if c.routed else 0  # read
     routing = 24 * c.n_embd * sources
     assert model.flops_per_token() == counter.get_total_flops() / idx.numel() + write + routing
 
@@ -539,11 +539,12 @@ def test_optimizer_groups_cover_every_parameter_once(residual):
     dict(delta=True), dict(delta=True, route_block=2), dict(delta=True, route_block=4),
 ], ids=["full", "block2", "block3", "block4", "delta", "delta-block2", "delta-block4"])
 def test_site_counts_and_flops_follow_what_the_history_reads(overrides):
-    """site_sources(j) and the routing FLOPs against the sources each site reads on the readable
+    """site_reads and the routing FLOPs against the sources each site reads on the readable
     path; with 9 sites and blocks of 4, delta routing reads 2,2,2,2,3,3,3,3,4 sources."""
     routed, baseline = GPT(tiny("mhar", n_layer=4, **overrides)), GPT(tiny("baseline", n_layer=4))
     read = [alpha.shape[0] for alpha in routed.routing_weights(torch.zeros(1, 3, dtype=torch.long))]
-    assert [routed.site_sources(j) for j in range(9)] == read
+    block, delta = overrides.get("route_block", 1), overrides.get("delta", False)
+    assert [committed + partial for committed, partial in mhar.site_reads(9, block, delta)] == read
     if overrides == dict(delta=True, route_block=4):
         assert read == [2, 2, 2, 2, 3, 3, 3, 3, 4]
     # a site reads each of its sources once for the norm, the logit and the mix: ~8d flops forward,
@@ -834,7 +835,7 @@ def test_block_history_reads_completed_blocks_and_the_partial(S, expected):
         hand_built = torch.stack([sum(sources[part] for part in name.split("+")) for name in names])
         assert torch.equal(history.stack(), hand_built)
     model = GPT(tiny("mhar", n_layer=3, route_block=S))
-    assert [model.site_sources(j) for j in range(7)] == [len(names) for names in expected]
+    assert [sum(reads) for reads in mhar.site_reads(7, S)] == [len(names) for names in expected]
     assert [a.shape[0] for a in model.routing_weights(torch.zeros(1, 4, dtype=torch.long))] == [
         len(names) for names in expected]
 
