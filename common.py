@@ -46,6 +46,26 @@ def one_line(e):
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
+def duration(seconds):
+    """A wall time in words, as precise as a reader of minutes-long runs needs: "42 s", "3 min 5 s",
+    "2 h 7 min"."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+
+
+def progress(done, total, elapsed=None):
+    """How far a batch of runs is: "3 of 8 done, 5 left", with `elapsed` seconds since the first
+    started ", about 8 min 20 s to go" (the pace so far, held: elapsed / done per run), "8 of 8 done"."""
+    if done >= total:
+        return f"{done} of {total} done"
+    to_go = f", about {duration(elapsed / done * (total - done))} to go" if elapsed and done else ""
+    return f"{done} of {total} done, {total - done} left{to_go}"
+
+
 def exit_error(prog, message, status=2):
     """Print `prog: error: message` on stderr and exit with `status`: 2, as argparse does, for
     bad input; 1 for a failure of the machine (a full disk); 128 + a signal's number (130 for

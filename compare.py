@@ -74,8 +74,9 @@ from pathlib import Path
 import mhar
 import prepare
 import probe
-from common import (FlagParser, MachineError, UserError, exit_error, fingerprint, ignore_stop_signals, one_line,
-                    output_folder, pick_device, read_checkpoint, seed, staged, training_data, write_atomically)
+from common import (FlagParser, MachineError, UserError, duration, exit_error, fingerprint, ignore_stop_signals,
+                    one_line, output_folder, pick_device, progress, read_checkpoint, seed, staged, training_data,
+                    write_atomically)
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("baseline", "hyper", "attnres", "mhar")
@@ -399,22 +400,6 @@ def check_eval(args, train_flags):
         exit_error("compare.py", e)
 
 
-def duration(seconds):
-    """A wall time in words, as precise as a reader of minutes-long runs needs: "42 s", "3 min 5 s",
-    "2 h 7 min"."""
-    seconds = max(0, round(seconds))
-    if seconds < 60:
-        return f"{seconds} s"
-    if seconds < 3600:
-        return f"{seconds // 60} min {seconds % 60} s"
-    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
-
-
-def progress(done, total):
-    """How far the runs this command trains are: "3 of 8 done, 5 left", "8 of 8 done"."""
-    return f"{done} of {total} done" + (f", {total - done} left" if done < total else "")
-
-
 def names(folders):
     return ", ".join(folder.name for folder in folders)
 
@@ -473,6 +458,11 @@ def train_all(commands, jobs):
     if jobs > 1:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
     running, failed, stopped, done = {}, [], [], 0  # running: process -> (its folder, output file, start time)
+    began = time.monotonic()
+
+    def heartbeat():  # minutes pass between the lines of runs whose output goes to files
+        print(f"=== under way: {under_way(running.values())} "
+              f"({progress(done, len(commands), time.monotonic() - began)})", flush=True)
     with Forwarded(running) as signals:
         while todo and not failed and not signals.signum or running:
             while todo and len(running) < jobs and not failed and not signals.signum:
@@ -488,15 +478,17 @@ def train_all(commands, jobs):
                 running[process] = (out_dir, output, time.monotonic())
                 if signals.signum:  # it came while this run was being started
                     signals.forward(process, signals.signum)
-            process = next(iter(running)) if jobs == 1 else wait_any(running)
+            process = next(iter(running)) if jobs == 1 else wait_any(running, heartbeat=heartbeat)
             process.wait()
             out_dir, output, start = running.pop(process)
             if output:
                 output.close()
-            took, status = duration(time.monotonic() - start), process.returncode
+            now, status = time.monotonic(), process.returncode
+            took = duration(now - start)
             if status == 0:
                 done += 1
-                print(f"=== {out_dir.name}: finished in {took} ({progress(done, len(commands))})", flush=True)
+                print(f"=== {out_dir.name}: finished in {took} ({progress(done, len(commands), now - began)})",
+                      flush=True)
             elif signals.signum:
                 print(f"=== {out_dir.name}: stopped after {took}", flush=True)
                 stopped.append(out_dir)
@@ -515,14 +507,41 @@ def train_all(commands, jobs):
                                  + "fix it and run the same command again", status=1)
 
 
-def wait_any(processes, poll_s=0.2):
+def wait_any(processes, poll_s=0.2, heartbeat=None, every_s=60):
     """The first of the processes to exit (polled: a fifth of a second is nothing to runs of minutes, and
-    the line of a run that ended comes at once)."""
+    the line of a run that ended comes at once); heartbeat(), when given, after each `every_s` seconds of
+    waiting."""
+    last = time.monotonic()
     while True:
         for process in processes:
             if process.poll() is not None:
                 return process
+        if heartbeat is not None and time.monotonic() - last >= every_s:
+            heartbeat()
+            last = time.monotonic()
         time.sleep(poll_s)
+
+
+LOGGED_STEP = re.compile(rb"step (\d+)/(\d+) \|")  # train.py's log and evaluation lines: "step 300/750 | ..."
+
+
+def under_way(runs):
+    """Each run under way (its folder, its output file, its start) with the last step its output logged:
+    "mhar-s0 at step 300/750, baseline-s1 starting"."""
+    return ", ".join(f"{out_dir.name} {last_step(output.name) if output else 'running'}"
+                     for out_dir, output, _ in runs)
+
+
+def last_step(path, tail_bytes=8192):
+    """"at step 300/750": the last train.py log line in a run's output file (read from its last
+    `tail_bytes`); "starting" before the first."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            steps = LOGGED_STEP.findall(f.read())
+    except OSError:
+        steps = []
+    return f"at step {steps[-1][0].decode()}/{steps[-1][1].decode()}" if steps else "starting"
 
 
 def evaluate_once(out_dir, step, args, device, manager):

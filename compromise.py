@@ -82,6 +82,7 @@ import signal
 import sys
 import time
 from contextlib import contextmanager, suppress
+import multiprocessing
 from multiprocessing import get_context, resource_tracker
 from statistics import fmean as mean
 
@@ -90,8 +91,8 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile ends as it does later
     import torch.nn.functional as F
 
     import mhar
-    from common import (FlagParser, MachineError, UserError, adamw, exit_error, one_line,
-                        output_folder, remove_staging, seed_of, staged, write_atomically)
+    from common import (FlagParser, MachineError, UserError, adamw, duration, exit_error, one_line,
+                        output_folder, progress, remove_staging, seed_of, staged, write_atomically)
     from probe import FIGURE_DPI, pyplot
 except KeyboardInterrupt:
     print("compromise.py: error: interrupted (SIGINT): nothing written; the same command runs it "
@@ -351,10 +352,11 @@ def starting_workers():
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a held press: noted
 
 
-def run_all(runs, jobs, done):
+def run_all(runs, jobs, done, waiting=None, every_s=60):
     """Train every run (a dict of train()'s arguments), `jobs` at a time; done(result) is called
-    as each one finishes. Returns the results in the order of runs. However it ends, no worker
-    outlives it: stopped at once on a signal, idle after the last result."""
+    as each one finishes, and waiting(), when given, after each `every_s` seconds without one.
+    Returns the results in the order of runs. However it ends, no worker outlives it: stopped at
+    once on a signal, idle after the last result."""
     if jobs == 1:  # in this process
         results = []
         for run in runs:
@@ -365,7 +367,14 @@ def run_all(runs, jobs, done):
     try:
         with starting_workers():
             pool = get_context("spawn").Pool(jobs, one_thread)
-        for i, result in pool.imap_unordered(indexed_run, list(enumerate(runs))):
+        ordered = pool.imap_unordered(indexed_run, list(enumerate(runs)))
+        while len(results) < len(runs):
+            try:
+                i, result = ordered.next(timeout=every_s)
+            except multiprocessing.TimeoutError:
+                if waiting is not None:
+                    waiting()
+                continue
             results[i] = result
             done(result)
         finished = True
@@ -585,15 +594,20 @@ def run(args, written):
             for s in args.seeds for m in METHODS]
     print(f"compromise.py: {len(METHODS)} methods x {len(args.seeds)} seeds, d {args.d}, "
           f"H {args.heads}, {args.steps} steps, {min(args.jobs, len(runs))} at a time", flush=True)
-    finished = 0
+    finished, began = 0, time.monotonic()
 
     def done(r):
         nonlocal finished
         finished += 1
         print(f"[{finished:>2}/{len(runs)}] {r['method']:<16} seed {r['seed']}: val loss "
-              f"{r['val_loss']:.4f}, accuracy {r['val_accuracy']:.1%} ({r['seconds']:.0f} s)",
-              flush=True)
-    results = run_all(runs, min(args.jobs, len(runs)), done)
+              f"{r['val_loss']:.4f}, accuracy {r['val_accuracy']:.1%} ({duration(r['seconds'])}; "
+              f"{progress(finished, len(runs), time.monotonic() - began)})", flush=True)
+
+    def waiting():  # on a busy machine a run can take minutes: say that they go on
+        print(f"     {min(args.jobs, len(runs) - finished)} runs under way "
+              f"({progress(finished, len(runs), time.monotonic() - began)}; "
+              f"{duration(time.monotonic() - began)} so far)", flush=True)
+    results = run_all(runs, min(args.jobs, len(runs)), done, waiting)
     print(report(results))
     with signals_held():  # a second or two: a stop meanwhile waits until both files are whole
         written.extend(write_results(out_dir, args, results))

@@ -129,6 +129,16 @@ def sample(model, codec, prompt="", num_samples=1, max_new_tokens=200, temperatu
     return texts
 
 
+def what_is_drawn(args, model, ckpt, device):
+    """The line said before the first token (on stderr: the samples alone on stdout): "3 samples of 200
+    tokens from out/ckpt.pt (mhar, step 200) on cpu, temperature 0.8, top-k 200, seed 0"."""
+    n, k = args.num_samples, args.top_k
+    return (f"{n} sample{'s' if n > 1 else ''} of {args.max_new_tokens} tokens from {args.ckpt} "
+            f"({model.config.residual}, step {ckpt.get('step', '?')}) on {device}, "
+            + ("greedy" if args.temperature == 0 else f"temperature {args.temperature:g}, "
+               f"top-k {k if k else 'all'}") + f", seed {args.seed}")
+
+
 def parse_args(argv=None):
     p = FlagParser(prog="sample.py", description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -161,12 +171,15 @@ def main(argv=None):
 
     def show(i, text):  # each piece as its tokens come; a line of dashes between two samples
         nonlocal current
+        if current < 0:  # the prompt is read: say what comes
+            print(f"sample.py: {what_is_drawn(args, model, ckpt, device)}", file=sys.stderr, flush=True)
         if i != current:
             print("\n" + "-" * 40 + "\n" if i else "", end="")
             current = i
         print(text, end="", flush=True)
     try:
-        model, ckpt = load_model(args.ckpt, pick_device(args.device))
+        device = pick_device(args.device)
+        model, ckpt = load_model(args.ckpt, device)
         codec = codec_for(model, ckpt, args.tokenizer)  # (imports prepare.py, tiktoken: the first handler's)
         interrupts.begin()  # printing begins: a Ctrl-C ends the sample's line first
         samples = sample(model, codec, args.prompt, args.num_samples, args.max_new_tokens, args.temperature,

@@ -110,6 +110,15 @@ def test_a_vocabulary_is_padded_up_to_the_next_multiple_of_64(size, padded):
     assert common.padded_vocab(size) == padded
 
 
+@pytest.mark.parametrize("done, total, elapsed, words", [
+    (0, 4, 100, "0 of 4 done, 4 left"), (1, 4, None, "1 of 4 done, 3 left"), (1, 4, 0, "1 of 4 done, 3 left"),
+    (1, 4, 50, "1 of 4 done, 3 left, about 2 min 30 s to go"), (3, 4, 50, "3 of 4 done, 1 left, about 17 s to go"),
+    (4, 4, 50, "4 of 4 done"), (5, 4, 50, "5 of 4 done"), (1, 2, 7200, "1 of 2 done, 1 left, about 2 h 0 min to go"),
+], ids=["none-done", "no-clock", "no-time-yet", "one-done", "one-left", "all-done", "more-than-all", "hours"])
+def test_progress_gives_the_time_to_go_at_the_pace_so_far(done, total, elapsed, words):
+    assert common.progress(done, total, elapsed) == words
+
+
 @pytest.mark.parametrize("mistake", ["another-tokenizer", "uint16-read-as-uint32"])
 def test_token_ids_past_the_vocabulary_stop_the_run_in_one_line(tmp_path, capsys, mistake):
     """meta.json says 64 ids, the files hold up to 99 (another tokenizer's), or uint16 ids that

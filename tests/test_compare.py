@@ -409,7 +409,7 @@ def test_after_a_run_fails_no_other_starts(jobs, data, tmp_path, stand_ins, caps
     left = 4 - jobs
     assert f"{tmp_path / 'baseline-s0'} failed" in err and f"{left} other runs not started" in err, err
     assert "=== baseline-s0: failed after 0 s (exit status 1)" in out
-    assert ("=== hyper-s0: finished in 0 s (1 of 4 done, 3 left)" in out) == (jobs == 2)
+    assert ("=== hyper-s0: finished in 0 s (1 of 4 done, 3 left" in out) == (jobs == 2)  # (then the time to go)
 
 
 @pytest.mark.parametrize("jobs", [1, 2])
@@ -454,14 +454,16 @@ def test_ctrl_c_before_the_runs_start_is_one_line(data, tmp_path, capsys, monkey
 
 
 def test_each_finished_run_says_how_long_it_took_and_what_is_left(tmp_path, stand_ins, capsys, monkeypatch):
-    """Runs of 42 s, 75 s and 3,700 s on the clock compare.py reads when each starts and ends."""
-    clock = iter([0, 42, 42, 117, 117, 3817])
+    """Runs of 42 s, 75 s and 3,700 s on the clock compare.py reads when each starts and ends (and once
+    before the first): the time to go at the pace so far, 42 s a run, then 117 / 2."""
+    clock = iter([0, 0, 42, 42, 117, 117, 3817])
     monkeypatch.setattr(compare, "time", SimpleNamespace(monotonic=lambda: next(clock), sleep=time.sleep))
     commands = {tmp_path / name: ["python", "train.py", "--out_dir", str(tmp_path / name)] for name in "abc"}
     compare.train_all(commands, jobs=1)
     lines = [line for line in capsys.readouterr().out.splitlines() if "finished in" in line]
-    assert lines == ["=== a: finished in 42 s (1 of 3 done, 2 left)",
-                     "=== b: finished in 1 min 15 s (2 of 3 done, 1 left)", "=== c: finished in 1 h 1 min (3 of 3 done)"]
+    assert lines == ["=== a: finished in 42 s (1 of 3 done, 2 left, about 1 min 24 s to go)",
+                     "=== b: finished in 1 min 15 s (2 of 3 done, 1 left, about 58 s to go)",
+                     "=== c: finished in 1 h 1 min (3 of 3 done)"]
 
 
 @pytest.mark.parametrize("seconds, words", [
@@ -478,6 +480,27 @@ def test_duration_in_words(seconds, words):
 ])
 def test_progress_in_words(done, total, words):
     assert compare.progress(done, total) == words
+
+
+def test_a_wait_of_minutes_says_which_runs_are_under_way_and_where(tmp_path, monkeypatch):
+    """wait_any calls the heartbeat after each `every_s` seconds without an exit (none before the first
+    interval, none once a run has ended); under_way names each run with the last step its output logged."""
+    clock = iter([0, 0, 30, 59.9, 60, 60, 90, 120, 120, 150])  # the start, each poll, the restart at a beat
+    monkeypatch.setattr(compare, "time", SimpleNamespace(monotonic=lambda: next(clock), sleep=lambda s: None))
+    polls, beats = iter([None] * 7 + [0]), []
+    running = SimpleNamespace(poll=lambda: next(polls))
+    assert compare.wait_any([running], heartbeat=lambda: beats.append(len(beats)), every_s=60) is running
+    assert beats == [0, 1]                                            # at 60 and at 120, not at 59.9
+    (tmp_path / "a.out").write_text("model tiny\nstep 10/750 | loss 5.1\nstep 300/750 | val loss 4.2\n"
+                                    "saved ckpt.pt\n")
+    (tmp_path / "b.out").write_text("preparing the built-in corpus (once) ...\n")
+    runs = [(tmp_path / "a", open(tmp_path / "a.out"), 0), (tmp_path / "b", open(tmp_path / "b.out"), 0),
+            (tmp_path / "c", None, 0)]
+    assert compare.under_way(runs) == "a at step 300/750, b starting, c running"
+    assert compare.last_step(tmp_path / "gone.out") == "starting"
+    (tmp_path / "long.out").write_text("step 5/9 | loss 1\n" + "x" * 9000)        # past the tail read
+    assert compare.last_step(tmp_path / "long.out") == "starting"
+    assert compare.last_step(tmp_path / "long.out", tail_bytes=10**5) == "at step 5/9"
 
 
 @pytest.mark.parametrize("saved, unsaved, words", [

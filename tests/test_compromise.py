@@ -6,6 +6,7 @@ import errno
 import io
 import json
 import math
+import multiprocessing
 import os
 import select
 import signal
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 import compromise
+from common import duration
 from helpers import (PNG_SIGNATURE, ROOT, error_line, files_in, interrupted_while_importing,
                      sigint_as_in_a_terminal)
 
@@ -853,16 +855,15 @@ def test_a_worker_trains_on_one_thread_and_returns_its_runs_index(monkeypatch):
 
 class FakePool:
     """multiprocessing's Pool as run_all uses it, in this process: the runs finish in reverse
-    order; terminate() may send a signal (a stop as the workers are being stopped)."""
-    def __init__(self, log, jobs, initializer, signal_on_terminate=None, stop_after=None):
+    order, each after `waits` timeouts of the wait for it; terminate() may send a signal (a stop
+    as the workers are being stopped)."""
+    def __init__(self, log, jobs, initializer, signal_on_terminate=None, stop_after=None, waits=0):
         self.log, self.signal, self.stop_after = log, signal_on_terminate, stop_after
+        self.waits = waits
         log.append(("Pool", jobs, initializer))
 
     def imap_unordered(self, function, items):
-        for k, item in enumerate(reversed(items)):
-            if k == self.stop_after:
-                raise KeyboardInterrupt("")                          # Ctrl-C while training
-            yield function(item)
+        return FakeResults(self, function, list(reversed(items)))
 
     def terminate(self):
         self.log.append("terminate")
@@ -871,6 +872,23 @@ class FakePool:
 
     def join(self):
         self.log.append("join")
+
+
+class FakeResults:
+    """Pool.imap_unordered's iterator: next(timeout) gives the next result, or raises
+    multiprocessing.TimeoutError `waits` times before each."""
+    def __init__(self, pool, function, items):
+        self.pool, self.function, self.items, self.taken, self.timeouts = pool, function, items, 0, 0
+
+    def next(self, timeout=None):
+        if self.timeouts < self.pool.waits:
+            self.timeouts += 1
+            self.pool.log.append(("timeout", timeout))
+            raise multiprocessing.TimeoutError
+        if self.taken == self.pool.stop_after:
+            raise KeyboardInterrupt("")                                 # Ctrl-C while training
+        self.timeouts, self.taken = 0, self.taken + 1
+        return self.function(self.items[self.taken - 1])
 
 
 def fake_pool(monkeypatch, **behaviour):
@@ -898,6 +916,18 @@ def test_the_workers_results_come_back_in_the_order_of_the_runs(jobs, runs, monk
     assert results == [dict(run, trained=True) for run in runs]
     assert finished == results[::-1]
     assert log == [("context", "spawn"), ("Pool", jobs, compromise.one_thread), "terminate", "join"]
+
+
+@pytest.mark.parametrize("waits", [0, 1, 2], ids=["none", "one", "two"])
+def test_a_wait_without_a_result_is_reported_after_every_interval(monkeypatch, waits):
+    """waiting() after each `every_s` seconds that brings no result (a run of minutes on a busy
+    machine): once per timeout, none when results come in time; every result still handed on."""
+    log, finished, calls = fake_pool(monkeypatch, waits=waits), [], []
+    results = compromise.run_all(RUNS, 2, finished.append, lambda: calls.append(len(finished)),
+                                 every_s=7)
+    assert results == [dict(run, trained=True) for run in RUNS] and len(finished) == 4
+    assert calls == [k for k in range(4) for _ in range(waits)]        # waits before each result
+    assert [entry for entry in log if entry[0] == "timeout"] == [("timeout", 7)] * (4 * waits)
 
 
 @pytest.mark.parametrize("runs", [RUNS, RUNS[:1], []], ids=["four-runs", "one-run", "no-runs"])
@@ -938,7 +968,7 @@ def fake_training(monkeypatch, stop=None):
     instead."""
     given = []
 
-    def run_all(runs, jobs, done):
+    def run_all(runs, jobs, done, waiting=None):
         given.append((runs, jobs))
         if stop is not None:
             raise KeyboardInterrupt(stop)
@@ -964,8 +994,11 @@ def drawn(plt, results, path):
 def test_a_run_prints_its_progress_and_the_table_and_writes_both_files(
         seeds, jobs, at_a_time, tmp_path, capsys, monkeypatch):
     """Every method for every seed (seed by seed), on at most as many workers as runs, on one
-    thread here; a line per finished run, the table, the files written and named."""
+    thread here; a line per finished run with its time and what is left (a run every 10 s here:
+    the time to go is 10 s per run left), the table, the files written and named."""
     given = fake_training(monkeypatch)
+    clock = iter(range(0, 1000, 10))                                  # began at 0, a run per 10 s
+    monkeypatch.setattr(compromise, "time", SimpleNamespace(monotonic=lambda: next(clock)))
     monkeypatch.setattr(compromise, "pyplot", lambda: "matplotlib")
     monkeypatch.setattr(compromise, "plot_depth_maps", drawn)
     torch.set_num_threads(2)                                          # the suite's fixture restores it
@@ -977,8 +1010,10 @@ def test_a_run_prints_its_progress_and_the_table_and_writes_both_files(
     runs = [dict(method=m, seed=s, d=32, heads=4, steps=7) for s in seed_list for m in compromise.METHODS]
     assert given == [(runs, at_a_time)]
     n = len(runs)
+    left = [f"{n - k - 1} left, about {duration(10 * (n - k - 1))} to go" for k in range(n - 1)]
     progress = [f"[{k + 1:>2}/{n}] {r['method']:<16} seed {r['seed']}: val loss {0.1 + k / 100:.4f}, "
-                f"accuracy {k / 8:.1%} ({2.5 + k:.0f} s)" for k, r in enumerate(runs)]
+                f"accuracy {k / 8:.1%} ({2.5 + k:.0f} s; {k + 1} of {n} done"
+                + (f", {left[k]})" if k < n - 1 else ")") for k, r in enumerate(runs)]
     assert capsys.readouterr().out.split("\n") == [
         f"compromise.py: 6 methods x {len(seed_list)} seeds, d 32, H 4, 7 steps, {at_a_time} at a time",
         *progress, *compromise.report(results).split("\n"),
@@ -1002,9 +1037,9 @@ def test_the_first_lines_reach_a_pipe_as_they_are_printed(tmp_path, monkeypatch)
     given = fake_training(monkeypatch)
     run_all = compromise.run_all
 
-    def watched(runs, jobs, done):
+    def watched(runs, jobs, done, waiting):
         flushed()
-        return run_all(runs, jobs, lambda r: (done(r), flushed()))
+        return run_all(runs, jobs, lambda r: (done(r), flushed()), waiting)
     monkeypatch.setattr(compromise, "run_all", watched)
     monkeypatch.setattr(compromise, "pyplot", lambda: None)
     compromise.main(["--d", "32", "--steps", "7", "--seeds", "0", "--out_dir", str(tmp_path / "o")])

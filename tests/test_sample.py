@@ -181,6 +181,29 @@ def test_tokens_are_printed_as_they_are_drawn(probe_runs, capsys, monkeypatch):
     assert all(any(e != "forward" for e in events[a + 1:b]) for a, b in zip(after, after[1:]))
 
 
+@pytest.mark.parametrize("flags, drawn", [
+    ([], "3 samples of 2 tokens from {ckpt} (mhar, step {step}) on cpu, temperature 0.8, top-k 200, seed 0"),
+    (["--num_samples", "1", "--temperature", "0", "--seed", "7"],
+     "1 sample of 2 tokens from {ckpt} (mhar, step {step}) on cpu, greedy, seed 7"),
+    (["--temperature", "1.5", "--top_k", "0"],
+     "3 samples of 2 tokens from {ckpt} (mhar, step {step}) on cpu, temperature 1.5, top-k all, seed 0"),
+], ids=["defaults", "one-greedy", "all-tokens"])
+def test_what_is_drawn_is_said_on_stderr_before_the_first_token(probe_runs, monkeypatch, flags, drawn):
+    """One line on stderr (stdout holds the samples alone), before the model's first forward."""
+    ckpt = probe_runs["mhar"] / "ckpt.pt"
+    events, hidden = [], GPT.hidden
+    monkeypatch.setattr(GPT, "hidden", lambda self, *args, **kwargs: events.append("forward")
+                        or hidden(self, *args, **kwargs))
+    monkeypatch.setattr(sys.stderr, "write", lambda text: events.append(("stderr", text)))
+    monkeypatch.setattr(sys.stdout, "write", lambda text: None)
+    sample.main(["--ckpt", str(ckpt), "--prompt", "1 2 3", "--max_new_tokens", "2", "--device", "cpu", *flags])
+    monkeypatch.undo()
+    said = "".join(text for event, text in (e for e in events if e != "forward"))
+    step = load_model(ckpt)[1]["step"]
+    assert said == f"sample.py: {drawn.format(ckpt=ckpt, step=step)}\n"
+    assert events[0][0] == "stderr" and "forward" in events
+
+
 def test_ctrl_c_while_sampling_is_one_line_and_status_130(probe_runs):
     """A real SIGINT once the first tokens are out (streamed): one line on stderr, status 130."""
     p = subprocess.Popen([sys.executable, "sample.py", "--ckpt", str(probe_runs["mhar"] / "ckpt.pt"), "--prompt",
@@ -192,7 +215,9 @@ def test_ctrl_c_while_sampling_is_one_line_and_status_130(probe_runs):
         pytest.fail("sample.py printed nothing for 2 minutes")
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
-    assert p.returncode == 130 and err == "sample.py: error: interrupted (Ctrl-C)\n", err
+    drawn = f"sample.py: 3 samples of 1000000 tokens from {probe_runs['mhar'] / 'ckpt.pt'} (mhar, step"
+    said, stopped = err.splitlines()
+    assert p.returncode == 130 and said.startswith(drawn) and stopped == "sample.py: error: interrupted (Ctrl-C)"
 
 
 def test_a_model_trained_on_token_files_samples_only_the_datas_ids(tmp_path, capsys):
