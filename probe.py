@@ -37,7 +37,7 @@ baseline and hyper checkpoints have no routing: probe.json says so, and the loss
 Writes to --out (default <checkpoint folder>/probe, or ./probe with --logs alone):
     probe.json              the summary below
     depth_map.png           one heatmap per head and the head average
-    head_deviation.png      H > 1: per-head deviation against the null, and per site
+    head_deviation.png      H > 1: each pair of heads' distance against the null, and the deviation per site
     width_disagreement.png  H = 1: KL per site against the null, and the collinearity per site
     loss_curves.png         --logs (or the checkpoint's own log.jsonl)
 The figures need matplotlib (pip install matplotlib); without it probe.json is still written.
@@ -70,6 +70,8 @@ probe.json (S = 2L + 1 sites, N = the most sources one site reads, H = routing h
         null_per_site_mean      S floats: the same for the null, mean over draws
         null_per_site_std       S floats: its standard deviation over draws
         per_head                {mean_abs, null_mean, null_std, z, null_frac_above}: H floats each
+        per_pair                {pairs, distance, null_mean, null_std, z, null_frac_above}: P = H(H-1)/2 pairs
+                                (h, h') and P floats each: mean |α_h − α_h'| over sites with >= 2 sources
         overall                 the same as scalars, over all heads
     width_disagreement          H = 1 only:
         kl_per_site             S floats: mean KL(slice || shared α) at each site (null for one source)
@@ -134,6 +136,21 @@ def mean_abs_deviation(deviation):
     valid = ~deviation.isnan()
     valid &= valid.sum(-2, keepdim=True) >= 2
     return torch.where(valid, deviation.abs(), 0.0).sum((-3, -2)) / valid.sum((-3, -2))
+
+
+def head_pairs(heads):
+    """The pairs of heads (h, h'), h < h': [(0, 1), (0, 2), ..., (H - 2, H - 1)]; none for one head."""
+    return [(h, k) for h in range(heads) for k in range(h + 1, heads)]
+
+
+def pair_distance(maps):
+    """How far apart each pair of heads routes: mean |α_h − α_h'| over the entries of sites with >= 2
+    sources, (..., S, N, H) -> (..., P), pairs in head_pairs order. Each head's deviation from the head
+    mean cannot tell heads apart at H = 2 (the two deviations are opposite, equal in size); a pair's
+    distance is what differs between heads at any H."""
+    pairs = head_pairs(maps.shape[-1])
+    first, second = [h for h, _ in pairs], [k for _, k in pairs]
+    return mean_abs_deviation(maps[..., first] - maps[..., second])
 
 
 def null_queries(q, draws, generator):
@@ -282,10 +299,12 @@ def summarize(measured, config):
         deviation, null_deviation = head_deviation(measured["depth_map"]), head_deviation(measured["null_depth_map"])
         per_site, null_per_site = deviation.abs().nanmean((-2, -1)), null_deviation.abs().nanmean((-2, -1))
         per_head, null_per_head = mean_abs_deviation(deviation), mean_abs_deviation(null_deviation)   # (H,), (D, H)
+        per_pair, null_per_pair = pair_distance(measured["depth_map"]), pair_distance(measured["null_depth_map"])
         out["head_deviation"] = dict(
             deviation=deviation, per_site=per_site,
             null_per_site_mean=null_per_site.mean(0), null_per_site_std=null_per_site.std(0),
             per_head=dict(mean_abs=per_head, **against_null(per_head, null_per_head)),
+            per_pair=dict(pairs=head_pairs(H), distance=per_pair, **against_null(per_pair, null_per_pair)),
             overall=dict(mean_abs=per_head.mean(), **against_null(per_head.mean(), null_per_head.mean(-1))))
     else:
         kl, null_kl = measured["kl_per_site"], measured["null_kl"]                                      # (S,), (S, D)
@@ -438,24 +457,28 @@ def plot_depth_map(plt, summary, path, title):
 
 
 def plot_head_deviation(plt, summary, path, title):
+    """Left: how far apart each pair of heads routes (at H = 2 the one pair), against random queries of
+    the same norm; right: the heads' deviation from their mean, site by site. One legend, below both."""
     dev = summary["head_deviation"]
-    per_head, H = dev["per_head"], len(dev["per_head"]["mean_abs"])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), constrained_layout=True)
-    heads = np.arange(H)
-    left.bar(heads - 0.2, per_head["mean_abs"].numpy(), 0.4, label="trained queries")
-    left.bar(heads + 0.2, per_head["null_mean"].numpy(), 0.4, yerr=2 * per_head["null_std"].numpy(), color="grey",
-             label="random queries, same norm (±2 std)")
-    left.set_xticks(heads, [f"head {h}\nz={z:.1f}" for h, z in enumerate(per_head["z"].tolist())])
-    left.set_ylabel("mean |α_h − mean over heads|")
-    left.legend(fontsize=7)
+    per_pair = dev["per_pair"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8), layout="constrained")
+    pairs = np.arange(len(per_pair["pairs"]))
+    left.bar(pairs - 0.2, per_pair["distance"].numpy(), 0.4, label="trained queries")
+    left.bar(pairs + 0.2, per_pair["null_mean"].numpy(), 0.4, yerr=2 * per_pair["null_std"].numpy(),
+             color="grey", label="random queries of the same norm (±2 std)")
+    left.set_xticks(pairs, [f"heads {h}, {k}\nz={z:.1f}" for (h, k), z in zip(per_pair["pairs"],
+                                                                             per_pair["z"].tolist())],
+                    fontsize=7 if len(pairs) > 6 else None, rotation=90 if len(pairs) > 6 else 0)
+    left.set_xlim(-0.8, len(pairs) - 0.2)
+    left.set_ylabel("mean |α_h − α_h'| (sites with ≥ 2 sources)")
     sites = np.arange(len(summary["sites"]))
     mean, std = dev["null_per_site_mean"].numpy(), dev["null_per_site_std"].numpy()
-    right.plot(sites, dev["per_site"].numpy(), "o-", label="trained queries")
-    right.plot(sites, mean, "-", color="grey", label="random queries, same norm (±2 std)")
+    right.plot(sites, dev["per_site"].numpy(), "o-")
+    right.plot(sites, mean, "-", color="grey")
     right.fill_between(sites, np.maximum(mean - 2 * std, 0), mean + 2 * std, color="grey", alpha=0.3)
     right.set_xticks(sites, summary["sites"], rotation=90, fontsize=7)
-    right.set_ylabel("mean |deviation| at the site")
-    right.legend(fontsize=7)
+    right.set_ylabel("mean |α_h − mean over heads| at the site")
+    fig.legend(*left.get_legend_handles_labels(), loc="outside lower center", ncols=2, fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.savefig(path, dpi=FIGURE_DPI)
     plt.close(fig)
@@ -596,6 +619,10 @@ def report(summary, out_dir):
         lines.append(f"head deviation {num(o['mean_abs'])} vs random queries of the same norm {num(o['null_mean'])} "
                      f"± {num(o['null_std'])} (z {num(o['z'], '.1f')}, {num(100 * o['null_frac_above'], '.0f')}% "
                      f"of draws above)")
+        pair = summary["head_deviation"]["per_pair"]
+        lines.extend(f"heads {h}, {k} apart {num(d)} vs random queries {num(m)} ± {num(s)} (z {num(z, '.1f')})"
+                     for (h, k), d, m, s, z in zip(pair["pairs"], pair["distance"], pair["null_mean"],
+                                                   pair["null_std"], pair["z"]))
     if "width_disagreement" in summary:
         w = summary["width_disagreement"]
         lines.append(f"width disagreement KL {num(w['kl_mean'])} vs random queries of the same norm "

@@ -69,6 +69,17 @@ def test_head_deviation_on_hand_made_maps():
     torch.testing.assert_close(probe.mean_abs_deviation(deviation), torch.tensor([1 + 4 / 3, 4 / 3, 1 + 4 / 3]) / 5)
     same = probe.depth_map([torch.rand(4, 2, 3, 1).softmax(0).expand(4, 2, 3, 4)])
     assert probe.mean_abs_deviation(probe.head_deviation(same)).eq(0).all()
+    # each pair of heads: |α_h − α_h'| over the same 5 entries: site 1 gives .5 .5 | 1 1 | .5 .5, site 2 1 1 0 each
+    assert probe.head_pairs(3) == [(0, 1), (0, 2), (1, 2)]
+    torch.testing.assert_close(probe.pair_distance(maps), torch.tensor([3, 4, 3]) / 5)
+    assert probe.pair_distance(same).eq(0).all() and probe.pair_distance(same).shape == (6,)
+
+
+@pytest.mark.parametrize("heads, pairs", [(0, []), (1, []), (2, [(0, 1)]), (4, [(0, 1), (0, 2), (0, 3), (1, 2),
+                                                                                  (1, 3), (2, 3)])],
+                         ids=["none", "one", "two", "four"])
+def test_head_pairs_are_every_pair_once_in_order(heads, pairs):
+    assert probe.head_pairs(heads) == pairs
 
 
 @pytest.mark.parametrize("case", ["zero_query", "identical_sources", "one_source"])
@@ -194,6 +205,12 @@ def test_head_deviation_summary_on_hand_made_numbers():
         assert float(stats["null_std"]) == pytest.approx(std)
         assert float(stats["z"]) == pytest.approx(0.025 / std)
         assert float(stats["null_frac_above"]) == 0.5  # the draws 0.1 (a tie) and 0.15
+    # the one pair: |2d| over the same 5 entries -> 4|d| / 5: observed 0.2; null 0, .1, .2, .3; unlike the
+    # per-head deviation, the statistic a figure at H = 2 can show
+    pair, std_pair = dev["per_pair"], math.sqrt((2 * 0.15 ** 2 + 2 * 0.05 ** 2) / 3)
+    assert pair["pairs"] == [(0, 1)] and float(pair["distance"][0]) == pytest.approx(0.2)
+    assert (float(pair["null_mean"][0]), float(pair["null_std"][0])) == pytest.approx((0.15, std_pair))
+    assert float(pair["z"][0]) == pytest.approx(0.05 / std_pair) and float(pair["null_frac_above"][0]) == 0.5
     torch.testing.assert_close(dev["per_site"], torch.tensor([0.0, 0.25, 0.0], dtype=torch.float64))
     std = math.sqrt((2 * 0.1875 ** 2 + 2 * 0.0625 ** 2) / 3)
     torch.testing.assert_close(dev["null_per_site_mean"], torch.tensor([0, 0.1875, 0], dtype=torch.float64))
@@ -285,6 +302,8 @@ def test_probe_mhar_checkpoint(probe_runs, data):
     for field in ("mean_abs", "null_mean", "null_std", "z", "null_frac_above"):
         assert len(dev["per_head"][field]) == H and isinstance(dev["overall"][field], float)
     assert 0 <= dev["overall"]["null_frac_above"] <= 1
+    assert dev["per_pair"]["pairs"] == [[0, 1]] and all(len(dev["per_pair"][field]) == 1 for field in (
+        "distance", "null_mean", "null_std", "z", "null_frac_above"))
     for field in ("per_site", "null_per_site_mean", "null_per_site_std"):
         assert len(dev[field]) == S
     assert "width_disagreement" not in summary
