@@ -274,17 +274,37 @@ def routing(shape, clock, device, reps, warm=2):
             "% copy": 100 * per_second / clock.copy_bandwidth()}
 
 
+FAKED = ("route ms", "kernel ms", "GB/s", "% copy")  # what FakeClock makes up where no GPU measures
+FOOTNOTE = ("   * fake: no GPU measured it (a placeholder clock, 1 ms per kernel and 1 TB/s, so that the "
+            "arithmetic runs); ~ the kernels in Triton's CPU interpreter: its pace, not a GPU's")
+
+
+def mark(column, config, fake):
+    """The footnote mark of a printed figure: "*" made up by FakeClock, "~" the routing's host time or a
+    fused configuration's speed, in the interpreter (both only where there is no GPU), "" measured."""
+    if not fake:
+        return ""
+    if column in FAKED:
+        return "*"
+    fused = config == "routing" or "--fused" in CONFIGS.get(config, [])
+    return "~" if fused and column in ("tok/s", "x base", "host ms") else ""
+
+
 def print_routing(results, clock):
     print(f"2. routing: all 2L+1 sites forward + backward, fused, automatic G, bf16; copy "
-          f"bandwidth {clock.copy_bandwidth() / 1e9:.0f} GB/s" + (" (fake)" if clock.fake else ""))
-    print(f"   {'shape':6} {'G':>2} {'route ms':>8} {'kernel ms':>9} {'host ms':>8} {'GB/s':>6} "
-          f"{'% copy':>6}")
+          f"bandwidth {clock.copy_bandwidth() / 1e9:.0f} GB/s" + ("*" if clock.fake else ""))
+    print(f"   {'shape':6} {'G':>2} {'route ms':>9} {'kernel ms':>10} {'host ms':>8} {'GB/s':>7} "
+          f"{'% copy':>7}")
     for preset, r in results.items():
         if isinstance(r, str):
             print(f"   {preset:6} {r}")
         else:
-            print(f"   {preset:6} {r['G']:2} {r['route ms']:8.2f} {r['kernel ms']:9.2f} "
-                  f"{r['host ms']:8.2f} {r['GB/s']:6.0f} {r['% copy']:6.0f}")
+            m = {column: mark(column, "routing", clock.fake) for column in (*FAKED, "host ms")}
+            print(f"   {preset:6} {r['G']:2} {r['route ms']:8.2f}{m['route ms']:1} "
+                  f"{r['kernel ms']:9.2f}{m['kernel ms']:1} {r['host ms']:7.2f}{m['host ms']:1} "
+                  f"{r['GB/s']:6.0f}{m['GB/s']:1} {r['% copy']:6.0f}{m['% copy']:1}")
+    if clock.fake:
+        print(FOOTNOTE)
 
 
 # %% 3. train.py's step
@@ -358,13 +378,13 @@ def measured(what, fn, *args):
             torch.cuda.empty_cache()
 
 
-def print_step(preset, config, r):
+def print_step(preset, config, r, fake=False):
     if isinstance(r, str):
         print(f"   {preset:5} {config:15} {r}")
     else:
-        print(f"   {preset:5} {config:15} {r['first s']:8.1f} {r['tok/s']:9.0f} "
-              f"{r['peak GiB']:8.2f} {r['graphs']:6} {r['recompiles']:10} "
-              f"{r['cudagraph skips']:15}")
+        print(f"   {preset:5} {config:15} {r['first s']:8.1f} {r['tok/s']:9.0f}"
+              f"{mark('tok/s', config, fake):1} {r['peak GiB']:8.2f} {r['graphs']:6} "
+              f"{r['recompiles']:10} {r['cudagraph skips']:15}")
 
 
 # %% The run and its table
@@ -430,12 +450,15 @@ def table(parity_rows, routed, stepped):
 def print_table(rows, verdict, clock, elapsed):
     print(f"\nThe GPU check: {versions()}" + (" -- no GPU: kernel times and bandwidth FAKE, the "
                                                 "rest this CPU's" if clock.fake else ""))
-    cells = [[cell(row.get(column, ""), column) for column in TABLE_COLUMNS] for row in rows]
+    cells = [[cell(row[column], column) + mark(column, row["config"], clock.fake) if column in row else ""
+              for column in TABLE_COLUMNS] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(TABLE_COLUMNS)]
     print(" ".join(f"{c:>{w}}" for c, w in zip(TABLE_COLUMNS, widths)))
     for row, line in zip(rows, cells):
         print((" ".join(f"{c:>{w}}" for c, w in zip(line, widths))
                + (f"  ({row['note']})" if "note" in row else "")).rstrip())
+    if clock.fake:
+        print(FOOTNOTE.strip())
     print(f"{verdict}; {elapsed:.0f} s in all")
 
 
@@ -474,7 +497,7 @@ def run_check(tiny=False, budget=270.0):
     print_routing(routed, clock)
     print(f"   ({time_left.elapsed():.0f} s so far)")
     print(f"3. train.py's step: the first, {warm} more, {steps} timed; recompiles after the first")
-    print(f"   {'shape':5} {'config':15} {'first s':>8} {'tok/s':>9} {'peak GiB':>8} {'graphs':>6} "
+    print(f"   {'shape':5} {'config':15} {'first s':>8} {'tok/s':>10} {'peak GiB':>8} {'graphs':>6} "
           f"{'recompiles':>10} {'cudagraph skips':>15}")
     stepped = {}
     with compile_backend(backend):
@@ -484,7 +507,9 @@ def run_check(tiny=False, budget=270.0):
                     measured(f"{config} step", train_steps,
                              step_config(preset, config, not on_gpu), clock, steps, warm)
                     if time_left.fits((preset, config)) else "skipped: over the budget")
-                print_step(preset, config, stepped[preset, config])
+                print_step(preset, config, stepped[preset, config], clock.fake)
+    if clock.fake:
+        print("   " + FOOTNOTE.split("; ")[1])
     rows, verdict = table(parity_rows, routed, stepped)
     print_table(rows, verdict, clock, time_left.elapsed())
     return rows, verdict

@@ -77,7 +77,16 @@ def test_the_table_prints_every_column_and_the_fake_bandwidth_adds_up(check):
     table = printed[printed.index("\nThe GPU check: "):].splitlines()
     assert "no GPU: kernel times and bandwidth FAKE" in table[1]
     assert table[2].split() == " ".join(gpu_check.TABLE_COLUMNS).split()
-    assert len(table) == 3 + len(rows) + 1 and table[-1].startswith("parity")
+    assert len(table) == 3 + len(rows) + 2 and table[-1].startswith("parity")
+    # no GPU: every made-up figure marked "*", every interpreter's pace "~", where it is printed
+    cells = {line.split()[1]: line.split() for line in table[3:3 + len(rows)]}
+    assert cells["fused"][-4:] == ["0.50*", "1.00*", cells["fused"][-2], cells["fused"][-1]]
+    assert cells["fused"][-2].endswith("~") and cells["fused"][-1].endswith("*")
+    assert all(cells[c][3].endswith("~") and cells[c][4].endswith("~") for c in ("fused", "captured"))
+    assert not any(cells[c][3].endswith(("~", "*")) for c in ("baseline", "readable", "compiled"))
+    assert table[-2].startswith("* fake: no GPU measured it") and "~ the kernels in Triton's CPU" in table[-2]
+    routing = printed[printed.index("2. routing"):printed.index("3. train.py")].splitlines()
+    assert routing[0].endswith("GB/s*") and [c[-1] for c in routing[2].split()[2:]] == ["*", "*", "~", "*", "*"]
     fused = next(r for r in rows if r["config"] == "fused")
     _, d, L, B, T = gpu_check.TINY_ROUTING[0]
     moved = traffic(L, d, HEADS, B * T, 0, source_bytes=2)
@@ -85,6 +94,17 @@ def test_the_table_prints_every_column_and_the_fake_bandwidth_adds_up(check):
     clock = gpu_check.FakeClock
     assert fused["kernel ms"] == clock.KERNEL_MS and fused["route ms"] == clock.KERNEL_MS / 2
     assert fused["% copy"] == pytest.approx(100 * moved / (clock.KERNEL_MS / 1e3) / clock.BANDWIDTH)
+
+
+@pytest.mark.parametrize("column, config, fake, marked", [
+    ("kernel ms", "routing", True, "*"), ("% copy", "fused", True, "*"), ("host ms", "routing", True, "~"),
+    ("tok/s", "captured", True, "~"), ("x base", "compiled+fused", True, "~"), ("tok/s", "compiled", True, ""),
+    ("host ms", "baseline", True, ""), ("peak GiB", "fused", True, ""), ("kernel ms", "routing", False, ""),
+    ("tok/s", "fused", False, ""),
+], ids=["kernel-fake", "copy-fake", "host-interpreted", "captured-interpreted", "x-base-interpreted",
+        "compiled-measured", "baseline-host", "peak-measured", "gpu-kernel", "gpu-fused"])
+def test_a_figure_is_marked_where_no_gpu_measured_it(column, config, fake, marked):
+    assert gpu_check.mark(column, config, fake) == marked
 
 
 def test_budget_skips_what_would_end_past_it(monkeypatch):
