@@ -143,6 +143,22 @@ def wrap_model(gpt, args, session):
     return torch.compile(model, mode=getattr(args, "compile_mode", "default")) if args.compile else model
 
 
+def graph_grads(model, args):
+    """Whether the model runs as CUDA graphs (torch.compile's reduce-overhead mode: cudagraph trees),
+    after giving each trainable parameter that has none a zeroed .grad, allocated here, outside any
+    graph. Under cudagraph trees a .grad that the first micro-step's backward allocates lives in the
+    graphs' memory pool, and the next replay overwrites it: gradient accumulation would read garbage.
+    torch's cudagraph_trees.py names this case ("accessing gradient tensor output of CUDAGraphs that
+    has been overwritten by a subsequent run", CUDAGraphTreeManager.format_dealloc_msg) and asks for
+    zeroed .grad buffers allocated outside capture; train_step then zeroes them in place."""
+    if not (args.compile and getattr(args, "compile_mode", "default") == "reduce-overhead"):
+        return False
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return True
+
+
 # -------------------------------------------------------------------------------------------
 # Sharding: FSDP2 units, rank 0's model handed out as shards.
 

@@ -86,8 +86,7 @@ RUNS = {
                  eval_batches=4, lr=3e-3),
     "small": dict(batch_size=8, global_batch=8, max_steps=200, warmup_steps=20, eval_interval=40,
                   eval_batches=8, lr=3e-3),
-    # the small model on bytes, the CPU comparison's run: 750 steps of 4k tokens (3.1M), in about
-    # 8 minutes on one core; the 257-row LM head leaves the time to the Transformer
+    # the small model on bytes, the CPU comparison's: 750 steps of 4k tokens, 6-16 min on a thread
     "small-bytes": dict(batch_size=16, global_batch=16, max_steps=750, warmup_steps=50,
                         eval_interval=50, eval_batches=8, lr=3e-3, data=BYTES_DATA),
     "100m": dict(batch_size=4, global_batch=64, **PAPER_RUN),
@@ -96,8 +95,7 @@ RUNS = {
 }
 DEFAULT_PRESET = "small"
 DEFAULT_DATA = Path("data") / DEFAULT_CORPUS  # a preset's corpus, unless its row of RUNS names one
-# The built-in corpora (this Python's standard library), prepared when missing: folder -> prepare.py's
-# --tokenizer (None: GPT-2's BPE)
+# The built-in corpora (the standard library), made when missing: folder -> --tokenizer (None: GPT2)
 BUILT_IN_DATA = {DEFAULT_DATA: None, BYTES_DATA: prepare.BYTES}
 
 
@@ -121,9 +119,8 @@ ROUTING = "routing"  # as RUN, but --init_from chooses it anew (a baseline has n
 SETTING = "setting"  # the checkpoint's unless given: may change between sessions of a run
 MACHINE = "machine"  # this session's alone: never taken from a checkpoint
 
-# What a model flag says beyond its mhar.Config field's comment (its help, see add_model_flags)
-FLAG_NOTES = {"vocab_size": "default: meta.json's vocab_size padded to a multiple of 64, or the "
-                            "preset's for synthetic data"}
+# What a model flag's help says beyond its mhar.Config field's comment (add_model_flags)
+FLAG_NOTES = {"vocab_size": "default: meta.json's vocab_size to a multiple of 64, or the preset's"}
 CONFIG_FIELDS = [f.name for f in dataclasses.fields(mhar.Config)]
 
 
@@ -906,12 +903,15 @@ def log_step(run, loss_sum, lr, timer, device_name):
 def train_step(model, optimizer, xs, ys, args, session, loss_fn):
     """One optimizer step over grad_accum micro-batches; returns the summed micro-batch losses.
     DDP synchronizes the gradients on the last micro-step only; FSDP reduce-scatters them after
-    every micro-step, so that no rank ever holds more than its shard of them. loss_fn: the
-    chunked head's loss (head.linear_cross_entropy) with the run's z-loss, which is in the
-    gradient alone."""
+    every micro-step, so that no rank ever holds more than its shard of them. loss_fn: the chunked
+    head's loss (head.linear_cross_entropy) with the run's z-loss, in the gradient alone. As CUDA
+    graphs, the .grad buffers stay allocated (parallel.graph_grads); a micro-step, an iteration."""
+    graphs = parallel.graph_grads(model, args)
     loss_sum = torch.zeros((), device=xs.device)
     for micro in range(args.grad_accum):
         last = micro == args.grad_accum - 1
+        if graphs:  # the previous micro-step's outputs are read (loss_sum): the pool may reuse them
+            torch.compiler.cudagraph_mark_step_begin()
         with model.no_sync() if session.replicated and not last else nullcontext():
             with session.autocast:
                 _, loss = model(xs[micro], ys[micro], loss_fn=loss_fn)
@@ -920,7 +920,7 @@ def train_step(model, optimizer, xs, ys, args, session, loss_fn):
     if args.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not graphs)
     return loss_sum
 
 

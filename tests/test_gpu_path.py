@@ -176,3 +176,43 @@ def test_the_per_step_agreement_of_the_ranks_never_waits_for_the_gpu(monkeypatch
     assert [session.max_over_ranks(0) for _ in range(3)] == [7, 7, 7]
     assert groups == ["gloo"] and reduced == [("cpu", "gloo")] * 3
     assert session.any_rank(False)                                   # 7 > 0 on another rank
+
+
+@pytest.mark.parametrize("accum", [1, 3], ids=["one-micro-step", "three-micro-steps"])
+def test_captured_steps_keep_their_grad_buffers_and_train_as_eager_steps(monkeypatch, accum):
+    """--compile --compile_mode reduce-overhead: under CUDA graph trees a .grad that a captured backward
+    allocates is overwritten by the next replay (torch's cudagraph_trees.py says so), so train_step gives
+    every parameter a .grad before the first micro-step and zeroes it in place after each step: the same
+    storage, step after step; each micro-step begins a graph iteration. The losses and the weights after
+    two steps are the default mode's, bit for bit. (The model runs eager: a CPU has no CUDA graphs; what
+    is checked is the step around them.)"""
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(len(marks)))
+    gen = torch.Generator().manual_seed(0)
+    xs, ys = torch.randint(0, 128, (2, accum, 2, 16), generator=gen)
+    session = argparse.Namespace(replicated=False, autocast=torch.autocast("cpu", enabled=False))
+    ready = []
+
+    def two_steps(mode):
+        torch.manual_seed(0)
+        model = mhar.GPT(tiny("mhar"))
+        ready.clear()  # at each forward: does every parameter hold its .grad already (outside capture)?
+        model.register_forward_pre_hook(lambda m, args: ready.append(all(p.grad is not None
+                                                                           for p in m.parameters())))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        args = argparse.Namespace(grad_accum=accum, grad_clip=1.0, compile=True, compile_mode=mode)
+        losses, grads = [], []
+        for _ in range(2):
+            losses.append(train.train_step(model, optimizer, xs, ys, args, session, None))
+            grads.append([p.grad for p in model.parameters()])
+        return model, losses, grads
+
+    eager, eager_losses, eager_grads = two_steps("default")
+    assert marks == [] and all(g is None for step in eager_grads for g in step)  # set to None, as before
+    captured, losses, grads = two_steps("reduce-overhead")
+    assert len(marks) == 2 * accum
+    assert all(a is b and a.eq(0).all() for a, b in zip(*grads))                  # kept, zeroed in place
+    assert ready == [True] * (2 * accum)                           # allocated before the first backward
+    assert torch.equal(torch.stack(losses), torch.stack(eager_losses))
+    for (name, p), q in zip(captured.named_parameters(), eager.parameters()):
+        assert torch.equal(p, q), name
