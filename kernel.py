@@ -24,6 +24,19 @@ Two algorithms, one pair of kernels (`Config.fused_group`):
       with the few sources written inside the group (phase 2). Backward mirrors it: phase 1
       updates each gradient row once for all G sites. ≈ 6·S²/G + 6·S·G bytes per element.
 
+The schedule's words (`schedule`, `Launch`, `Spec`). A site reads committed sources, rows 0.. of
+the fp32 gradient buffer (those no later block sum changes), and in block or delta routing its
+block's partial sum. A group is G consecutive sites (Config.fused_group; 1: one pass per site).
+Phase 1 is one launch that routes a group's G sites over the committed rows its first site reads
+(a group of one also reads the partial sum); a site that reads more leaves a partial state, which
+its phase 2, a launch of that site alone, continues over the rest. A launch's backward works on
+its sources 0..N-1 (source n is buffer row row0 + n): own_lo, the first source it completes (no
+earlier launch of the forward reads sources own_lo.., so this backward, the last to touch them,
+writes their final gradients in their own dtype); fresh_lo, the first source it touches first (no
+later launch reads sources fresh_lo..: their rows are written, not added to); given_sites (Spec
+and Launch's `continued`), a bit per site, 1 << i for its i-th, whose state a phase 2 continues:
+that site's coupling <dout, out> is handed back by the phase 2's backward, not computed.
+
 Autograd without Python-side state. Each launch is a torch custom operator with a functional
 signature (a list of source tensors, which the kernel reads through a table of addresses: no
 copies), so `torch.compile(fullgraph=True)` traces a fused model; eager code runs the same
