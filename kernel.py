@@ -92,6 +92,14 @@ PROGRAMS = RESIDENT_WARPS // 8 * 132
 INTERPRETED_PROGRAMS = 3    # the interpreter runs programs one after another: few, of many positions
 NUM_STAGES = 3              # source rows in flight in the software pipeline of the loop over sources
 TABLE_CHUNK = 64            # address-table entries one launch of _table_kernel writes (1-2 a table)
+# A launch's kernels read their tensors through a table of int64 addresses: its N sources', then
+# per site, forward: its output, the output's remainder, its lse; backward: its output, remainder,
+# output gradient, lse, and the coupling given for a partial state. In phase 2 each site's go on
+# with the partial state's, forward: its output, remainder and lse; backward: its lse, and where
+# its output gradient and coupling go. (tl.constexpr, so that the kernels can read them.)
+FORWARD_ENTRIES = tl.constexpr(3)
+BACKWARD_ENTRIES = tl.constexpr(5)
+INIT_ENTRIES = tl.constexpr(3)
 
 
 # %% The kernels
@@ -168,14 +176,15 @@ def _route_forward_kernel(
     tile2 = site_mask[:, None, None] & mask2[None, :, :]                           # (.., K2_PAD)
     qg1 = tl.load(qg_ptr + sites[:, None, None] * D + cols1[None, :, :], mask=tile1, other=0.0)
     qg2 = tl.load(qg_ptr + sites[:, None, None] * D + cols2[None, :, :], mask=tile2, other=0.0)
-    site_table = table_ptr + N + sites * (6 if INIT else 3)                        # entries per site
+    site_table = table_ptr + N + sites * (FORWARD_ENTRIES + INIT_ENTRIES if INIT else FORWARD_ENTRIES)
     out_at = _addresses(site_table, site_mask, SOURCE)
     rest_at = _addresses(site_table + 1, site_mask, SOURCE)
     lse_at = _addresses(site_table + 2, site_mask, tl.float32)
     if INIT:
-        init_out_at = _addresses(site_table + 3, site_mask, SOURCE)
-        init_rest_at = _addresses(site_table + 4, site_mask, SOURCE)
-        init_lse_at = _addresses(site_table + 5, site_mask, tl.float32)
+        init_table = site_table + FORWARD_ENTRIES
+        init_out_at = _addresses(init_table, site_mask, SOURCE)
+        init_rest_at = _addresses(init_table + 1, site_mask, SOURCE)
+        init_lse_at = _addresses(init_table + 2, site_mask, tl.float32)
 
     for pos in range(first, last):
         row1 = pos * D + cols1[None, :, :]
@@ -266,9 +275,9 @@ def _route_backward_kernel(
         state = pos * H + heads
         dout1, dout2, lse, coupling = (), (), (), ()
         for i in tl.static_range(G):
-            # the site's addresses, loaded again at each position: kept, 64-bit scalars, 5 to 8 of
-            # them per site, they would take the registers that 16 resident warps need
-            site_table = table_ptr + N + i * (8 if INIT else 5)
+            # the site's addresses, loaded again at each position: kept, 64-bit scalars (5 to 8 a
+            # site: BACKWARD_ENTRIES, + INIT_ENTRIES), they would take registers 16 warps need
+            site_table = table_ptr + N + i * (BACKWARD_ENTRIES + INIT_ENTRIES if INIT else BACKWARD_ENTRIES)
             out_at = _address(site_table, SOURCE)
             rest_at = _address(site_table + 1, SOURCE)
             dout_at = _address(site_table + 2, SOURCE)
@@ -291,9 +300,10 @@ def _route_backward_kernel(
             c = (tl.sum(d1 * out1, axis=1) + tl.sum(d2 * out2, axis=1)
                  + tl.load(given_at + state, mask=head_mask & given, other=0.0))
             if INIT:    # out = β·init_out + Σ_n α_n·V_n, with β = exp(init_lse − lse)
-                init_lse_at = _address(site_table + 5, tl.float32)
-                init_dout_at = _address(site_table + 6, SOURCE)
-                init_coupling_at = _address(site_table + 7, tl.float32)
+                init_table = site_table + BACKWARD_ENTRIES
+                init_lse_at = _address(init_table, tl.float32)
+                init_dout_at = _address(init_table + 1, SOURCE)
+                init_coupling_at = _address(init_table + 2, tl.float32)
                 beta = tl.exp(tl.load(init_lse_at + state, mask=head_mask, other=0.0) - lse[i])
                 tl.store(init_dout_at + row1, (beta[:, None] * d1).to(SOURCE), mask=mask1)
                 tl.store(init_dout_at + row2, (beta[:, None] * d2).to(SOURCE), mask=mask2)
@@ -910,7 +920,8 @@ def launch_bytes(launch, positions, width, heads, source_bytes, target=None):
     out = row * (2 if b == 2 else 1)                                   # bf16: with its remainder
     # forward: per program q ⊙ g and the sites' addresses; per position a table entry and a row per
     # source, the partial state read, the outputs (with remainders) and their lse written
-    forward = (programs * G * (4 * d + 8 * (6 if init else 3))
+    forward_entries, backward_entries = site_entries(init)             # per site
+    forward = (programs * G * (4 * d + 8 * forward_entries)
                + M * (N * (8 + row) + G * (out + state) * (2 if init else 1)))
     # backward: per program q ⊙ g and the partial gradient of q ⊙ g; per position the sites'
     # addresses, the output gradients and lse, the outputs of complete sites (with remainders), the coupling of
@@ -920,18 +931,23 @@ def launch_bytes(launch, positions, width, heads, source_bytes, target=None):
     per_source = [8 + row + 4 * d * (n < launch.fresh_lo) + (4 * d if n < launch.own_lo else row)
                   for n in range(N)]
     continued = bin(launch.continued).count("1")
-    sites = G * (row + state + 8 * (8 if init else 5)) + (G - continued) * out + continued * state
+    sites = G * (row + state + 8 * backward_entries) + (G - continued) * out + continued * state
     backward = (backward_programs * G * 8 * d + M * (sites + init * (2 * state + row) + sum(per_source)))
     # and the address tables, written by _table_kernel in whole chunks
-    forward_entries, backward_entries = table_entries(launch)
-    return forward + 8 * _chunks(forward_entries), backward + 8 * _chunks(backward_entries)
+    forward_table, backward_table = table_entries(launch)
+    return forward + 8 * _chunks(forward_table), backward + 8 * _chunks(backward_table)
+
+
+def site_entries(init):
+    """A site's entries in a launch's forward and backward address tables (init: in phase 2)."""
+    more = INIT_ENTRIES.value if init else 0
+    return FORWARD_ENTRIES.value + more, BACKWARD_ENTRIES.value + more
 
 
 def table_entries(launch):
-    """The addresses in a launch's forward and backward tables: the sources', then per site 3 and
-    5 (6 and 8 in phase 2)."""
+    """The addresses in a launch's forward and backward tables: the sources', then each site's."""
     N = launch.hi - launch.lo + launch.partial
-    return tuple(N + launch.sites * entries for entries in ((6, 8) if launch.phase == 2 else (3, 5)))
+    return tuple(N + launch.sites * entries for entries in site_entries(launch.phase == 2))
 
 
 def _chunks(entries):                     # what _table_kernel writes: whole chunks
