@@ -1,16 +1,22 @@
 """
-The GPU check: one run, at most five minutes on one H200, that answers what a first GPU is for,
-on the machine's own packages (the repository copied, nothing installed).
+The GPU check: one run of at most four minutes on one H200 (by its own plan) that answers what a
+first GPU is for, on the machine's own packages (the repository copied, nothing installed).
 
-    python gpu_check.py                # on a CUDA GPU: the whole check, about 4 min on an H200
-    python gpu_check.py --budget 200   # start no part expected to end past 200 s (default 270)
-    python gpu_check.py --plan         # the parts' expected seconds on an H200, and what the
-                                       # budget leaves out (no GPU needed)
+    python gpu_check.py                # on a CUDA GPU: the whole check, about 3 min on an H200
+    python gpu_check.py --quick        # does every mode run, is fused faster: under 2 min
+    python gpu_check.py --plan         # each part's expected seconds on an H200 and hard timeout,
+                                       # what the budget leaves out, the total (no GPU needed)
+    python gpu_check.py --budget 200   # start no part expected to end past 200 s (default 240,
+                                       # --quick 120), and kill any part at it
     python gpu_check.py --tiny         # the same code at tiny shapes on this machine: kernels in
                                        # Triton's interpreter, compiled configurations traced with
                                        # aot_eager, the GPU's timings faked (the suite runs it)
 
-It prints, as it goes:
+Each part runs in a process of its own (python gpu_check.py --part ROW... --json FILE), killed
+at a hard timeout (twice its expected seconds, never past the budget): a part that overruns is a
+row "timed out after N s", one that crashes a row with its last line of error, and the others
+still run. The captured steps (CUDA graphs, whose errors are sticky) each have a process alone.
+It prints, flushing every line, as it goes:
   1. parity: the readable path, the fused kernels, and the fused kernels under torch.compile
      (what --compile --fused runs), in fp32 and bf16, each against the readable path in float64:
      relative errors of the output, ds0, dq, dg; fp32 within 1e-4, bf16 within 2x the readable
@@ -20,24 +26,33 @@ It prints, as it goes:
      every kernel, from torch.profiler, the host's time to issue it all, and the bandwidth: the
      traffic model's bytes over the kernel time, against the device's measured copy bandwidth;
   3. train.py's own step (train.train_step: synthetic tokens, the chunked head, AdamW, bf16
-     autocast, the preset's micro-batch, one micro-step per step) at 100m and 350m, for baseline,
-     readable MHAR, fused, compiled + fused, captured (--compile --fused --compile_mode
-     reduce-overhead) and compiled (readable MHAR): the first step's seconds (compiling), tokens/s
-     over 5 steps after 2 more, peak memory, dynamo's graphs, the recompiles after the first step
-     and inductor's CUDA-graph skips;
-then one table of it all, headed by the device, the versions and the date. Each part's expected
-time (EXPECTED_S) is what --budget weighs: a part that would end past it is skipped, and its row
-says so; the table comes regardless.
+     autocast, the preset's micro-batch) for baseline, readable MHAR, fused, compiled + fused,
+     captured (--compile --fused --compile_mode reduce-overhead), captured+accum (the same over
+     4 micro-steps a step) and compiled (readable MHAR): the first step's seconds (compiling),
+     tokens/s over 5 steps after 2 more, peak memory, dynamo's graphs, the recompiles after the
+     first step and inductor's CUDA-graph skips;
+then one table of it all, headed by the device, the versions and the date, also written to
+--out (default out/gpu_check/) as <mode>.md and <mode>.json (mode: full, quick or tiny).
 """
-import contextlib
-import datetime
-import functools
-import gc
-import io
-import os
-import statistics
-import sys
 import time
+
+STARTED = time.perf_counter()  # the budget counts from here, the imports included
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import datetime  # noqa: E402
+import functools  # noqa: E402
+import gc  # noqa: E402
+import io  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 try:  # torch and triton take seconds to import: Ctrl-C meanwhile ends as it does later
     import torch
@@ -62,27 +77,52 @@ except KeyboardInterrupt:
 # (sites, B, T, d, H) of the parity chain: on a GPU the 100m depth and width, whose bf16 kernels
 # (G = 5) the routing and the 100m steps then find compiled; --tiny's
 PARITY = {"gpu": (25, 2, 64, 512, 8), "tiny": (5, 1, 4, 40, 4)}
-TINY_ROUTING = [("tiny", 64, 2, 1, 4)]                     # (preset, d, L, B, T), as KERNEL_TABLE
-STEP_PRESETS = {"gpu": ("100m", "350m"), "tiny": ("tiny",)}
+ROUTES = {r[0]: r for r in (*KERNEL_TABLE, ("tiny", 64, 2, 1, 4))}  # (preset, d, L, B, T)
 TINY_FLAGS = ["--n_layer", "1", "--seq_len", "8", "--batch_size", "1", "--vocab_size", "256",
               "--device", "cpu"]
-CONFIGS = {  # name: train.py's flags beyond --preset P --data synthetic --grad_accum 1, in the
-    "baseline": ["--residual", "baseline"],          # order they run: the budget drops the last
-    "readable": [],                                  # first (the compiled readable model: the
-    "fused": ["--fused"],                            # kernels' speed question is the others')
+SHAPES = {"tiny": ["--preset", "tiny", *TINY_FLAGS],  # a step's shape: its train.py flags
+          "100m-4L": ["--preset", "100m", "--n_layer", "4"]}  # --quick's compiles: 4 of 12 layers
+CONFIGS = {  # name: train.py's flags beyond the shape's, --data synthetic and --grad_accum 1
+    "baseline": ["--residual", "baseline"],
+    "readable": [],
+    "fused": ["--fused"],
     "compiled+fused": ["--compile", "--fused"],
     "captured": ["--compile", "--fused", "--compile_mode", "reduce-overhead"],
+    "captured+accum": ["--compile", "--fused", "--compile_mode", "reduce-overhead",
+                       "--grad_accum", "4"],
     "compiled": ["--compile"],
 }
 FP32_TOLERANCE = 1e-4      # relative, along a chain of sites (bench_kernel._check's)
 BF16_SLACK = 2             # a bf16 path's errors at most this x the readable bf16 path's
-# Expected seconds of each part on one H200 (docs/kernels.md, "GPU check", says how each was
-# estimated); --budget skips a part whose expected end is past it. The budget counts from after
-# the imports ("start").
-EXPECTED_S = {"start": 10, "parity": 22,
-              ("routing", "100m"): 3, ("routing", "350m"): 6, ("routing", "1b"): 8,
-              **{("100m", c): s for c, s in zip(CONFIGS, (2, 2, 3, 22, 17, 35))},
-              **{("350m", c): s for c, s in zip(CONFIGS, (3, 3, 4, 57, 44, 71))}}
+
+# The parts of each mode, in the order they run: a part is the rows it measures, in a process of
+# its own. The captured steps each run alone; --tiny groups its rows in three processes (each one
+# costs this CPU 4 s of imports).
+EAGER = ("baseline", "readable", "fused")
+PLANS = {
+    "full": [["parity", "routing 100m", "routing 350m", "routing 1b"], [f"100m {c}" for c in EAGER],
+             ["100m compiled+fused"], ["100m captured"], ["100m captured+accum"],
+             [f"350m {c}" for c in EAGER], ["100m compiled"], ["350m compiled+fused"],
+             ["350m captured"], ["350m captured+accum"], ["350m compiled"]],
+    "quick": [["parity"], [f"100m {c}" for c in EAGER], ["100m-4L compiled+fused"],
+              ["100m-4L captured"], ["100m-4L captured+accum"]],
+    "tiny": [["parity", "routing tiny"], [f"tiny {c}" for c in (*EAGER, "compiled+fused", "compiled")],
+             ["tiny captured", "tiny captured+accum"]],
+}
+# Expected seconds on one H200 (docs/kernels.md, "GPU check", says how each was estimated): the
+# parent's start (Python, torch, CUDA), each part's process (START_S: its imports and CUDA context)
+# and each row. A compile is 3x this CPU's aot_eager trace of the step, 2x in a later process that
+# finds its kernels in the on-disk caches (captured, captured+accum).
+START_S = 6
+EXPECTED_S = {"start": 10, "parity": 22, "routing 100m": 3, "routing 350m": 6, "routing 1b": 8,
+              "100m baseline": 2, "100m readable": 2, "100m fused": 3, "100m compiled+fused": 35,
+              "100m captured": 24, "100m captured+accum": 27, "100m compiled": 53,
+              "350m baseline": 3, "350m readable": 3, "350m fused": 4, "350m compiled+fused": 87,
+              "350m captured": 59, "350m captured+accum": 62, "350m compiled": 108,
+              "100m-4L compiled+fused": 17, "100m-4L captured": 12, "100m-4L captured+accum": 14}
+TIMEOUT_FACTOR = 2         # a part is killed at this x its expected seconds (or at the budget)
+TINY_TIMEOUT_S = 600       # --tiny's, per part: no budget on a CPU
+BUDGET_S = {"full": 240.0, "quick": 120.0}
 
 
 # %% Clocks: the GPU's (profiler, allocator), or a fake one where there is no GPU
@@ -290,34 +330,35 @@ def mark(column, config, fake):
     return "~" if fused and column in ("tok/s", "x base", "host ms") else ""
 
 
-def print_routing(results, clock):
+def print_routing_header(clock):
     print(f"2. routing: all 2L+1 sites forward + backward, fused, automatic G, bf16; copy "
           f"bandwidth {clock.copy_bandwidth() / 1e9:.0f} GB/s" + ("*" if clock.fake else ""))
     print(f"   {'shape':6} {'G':>2} {'route ms':>9} {'kernel ms':>10} {'host ms':>8} {'GB/s':>7} "
           f"{'% copy':>7}")
-    for preset, r in results.items():
-        if isinstance(r, str):
-            print(f"   {preset:6} {r}")
-        else:
-            m = {column: mark(column, "routing", clock.fake) for column in (*FAKED, "host ms")}
-            print(f"   {preset:6} {r['G']:2} {r['route ms']:8.2f}{m['route ms']:1} "
-                  f"{r['kernel ms']:9.2f}{m['kernel ms']:1} {r['host ms']:7.2f}{m['host ms']:1} "
-                  f"{r['GB/s']:6.0f}{m['GB/s']:1} {r['% copy']:6.0f}{m['% copy']:1}")
-    if clock.fake:
-        print(FOOTNOTE)
+
+
+def print_routing(preset, r, fake):
+    if isinstance(r, str):
+        print(f"   {preset:6} {r}")
+    else:
+        m = {column: mark(column, "routing", fake) for column in (*FAKED, "host ms")}
+        print(f"   {preset:6} {r['G']:2} {r['route ms']:8.2f}{m['route ms']:1} "
+              f"{r['kernel ms']:9.2f}{m['kernel ms']:1} {r['host ms']:7.2f}{m['host ms']:1} "
+              f"{r['GB/s']:6.0f}{m['GB/s']:1} {r['% copy']:6.0f}{m['% copy']:1}")
 
 
 # %% 3. train.py's step
 
-def step_config(preset, config, tiny):
-    """train.py's flags of one step configuration."""
-    flags = ["--preset", preset, "--data", "synthetic", "--grad_accum", "1", *CONFIGS[config]]
-    return flags + (TINY_FLAGS if tiny else [])
+def step_config(shape, config):
+    """train.py's flags of one step configuration at one shape (a preset, or one of SHAPES)."""
+    accum = [] if "--grad_accum" in CONFIGS[config] else ["--grad_accum", "1"]
+    return [*SHAPES.get(shape, ["--preset", shape]), "--data", "synthetic", *accum, *CONFIGS[config]]
 
 
 def train_steps(flags, clock, steps, warm=2):
     """Build train.py's run from its flags and take steps with its own train_step: the first
-    (compiling), `warm` more (reduce-overhead records its CUDA graph in these), `steps` timed:
+    (compiling), `warm` more (reduce-overhead records its CUDA graphs in these), `steps` timed
+    (tokens/s counts every micro-step's):
     {"first s", "tok/s", "peak GiB", "graphs", "recompiles", "cudagraph skips"}."""
     import head
     import parallel
@@ -355,7 +396,8 @@ def train_steps(flags, clock, steps, warm=2):
         step()
     clock.sync()
     seconds = time.perf_counter() - start
-    return {"first s": first, "tok/s": steps * args.batch_size * args.seq_len / seconds,
+    tokens = steps * args.grad_accum * args.batch_size * args.seq_len
+    return {"first s": first, "tok/s": tokens / seconds,
             "peak GiB": clock.peak_bytes() / 2**30, "graphs": graphs,
             "recompiles": counters["stats"]["unique_graphs"] - graphs,
             "cudagraph skips": counters["inductor"]["cudagraph_skips"]}
@@ -380,34 +422,154 @@ def measured(what, fn, *args):
 
 def print_step(preset, config, r, fake=False):
     if isinstance(r, str):
-        print(f"   {preset:5} {config:15} {r}")
+        print(f"   {preset:7} {config:15} {r}")
     else:
-        print(f"   {preset:5} {config:15} {r['first s']:8.1f} {r['tok/s']:9.0f}"
+        print(f"   {preset:7} {config:15} {r['first s']:8.1f} {r['tok/s']:9.0f}"
               f"{mark('tok/s', config, fake):1} {r['peak GiB']:8.2f} {r['graphs']:6} "
               f"{r['recompiles']:10} {r['cudagraph skips']:15}")
+
+
+# %% A part: its rows measured in a process of its own (python gpu_check.py --part ROW... --json F)
+
+def step_header(steps, warm):
+    print(f"3. train.py's step: the first, {warm} more, {steps} timed; recompiles after the first")
+    print(f"   {'shape':7} {'config':15} {'first s':>8} {'tok/s':>10} {'peak GiB':>8} {'graphs':>6} "
+          f"{'recompiles':>10} {'cudagraph skips':>15}")
+
+
+# (parity shape, timed steps, warm-up steps, profiled calls) of each mode
+SIZES = {"full": (PARITY["gpu"], 5, 2, 5), "quick": (PARITY["gpu"], 1, 2, 5),
+         "tiny": (PARITY["tiny"], 1, 0, 1)}
+
+
+def measure_part(rows, path, mode):
+    """The child's work: each row measured in turn ("parity", "routing SHAPE", "SHAPE CONFIG"),
+    printed, and the results so far written to `path` as JSON after each, so that a kill loses only
+    the row under way."""
+    on_gpu = mode != "tiny" and torch.cuda.is_available() and not kernel.INTERPRETED
+    clock, device = (CudaClock(), "cuda") if on_gpu else (FakeClock(), "cpu")
+    shape, steps, warm, reps = SIZES[mode]
+    torch.manual_seed(0)
+    results = {}
+    with compile_backend("inductor" if on_gpu else "aot_eager"):
+        for row in rows:
+            what, _, config = row.partition(" ")
+            if what == "parity":
+                results[row] = measured("parity", parity, shape, device,
+                                        "inductor" if on_gpu else "aot_eager")
+            elif what == "routing":
+                if not any(r.startswith("routing") for r in results):
+                    print_routing_header(clock)
+                results[row] = measured("routing", routing, ROUTES[config], clock, device, reps,
+                                        max(warm, 1))
+            else:
+                results[row] = measured(f"{config} step", train_steps, step_config(what, config),
+                                        clock, steps, warm)
+            print_row(row, results[row], clock.fake)
+            with open(f"{path}.part", "w") as f:
+                json.dump(results, f)
+            os.replace(f"{path}.part", path)  # whole, even if the next row's kill comes now
+
+
+def is_step(row):
+    return " " in row and not row.startswith("routing ")
+
+
+def print_row(row, result, fake):
+    what, _, config = row.partition(" ")
+    if what == "parity":
+        print_parity(result, PARITY["tiny" if fake else "gpu"]) if isinstance(result, list) else \
+            print(f"1. parity: {result}")
+    elif what == "routing":
+        print_routing(config, result, fake)
+    else:
+        print_step(what, config, result, fake)
+
+
+def part_command(rows, mode, path):
+    """The command line of a part's process."""
+    return [sys.executable, os.path.abspath(__file__), "--part", *rows, "--json", str(path),
+            *([f"--{mode}"] if mode != "full" else [])]
+
+
+def run_process(command, timeout):
+    """Run `command` in a session of its own, relaying its output line by line; kill it and its own
+    processes (inductor's compile workers) after `timeout` seconds. Returns (its exit status, None if
+    killed at the timeout; the last line it wrote on stderr)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    last = [""]
+
+    def relay(stream, to_stderr):
+        for line in stream:
+            print(line, end="", file=sys.stderr if to_stderr else sys.stdout, flush=True)
+            last[0] = line.strip() if to_stderr and line.strip() else last[0]
+    relays = [threading.Thread(target=relay, args=(process.stdout, False), daemon=True),
+              threading.Thread(target=relay, args=(process.stderr, True), daemon=True)]
+    for thread in relays:
+        thread.start()
+    try:
+        status = process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        status = None
+    finally:  # also on Ctrl-C: no process of the check outlives it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        for thread in relays:
+            thread.join(5)
+    return status, last[0]
+
+
+def run_part(rows, mode, timeout, path):
+    """{row: result} of one part, run in a process of its own: a row it did not write says why (timed
+    out, or crashed with its last line of error), printed as the part's own rows are."""
+    status, last = run_process(part_command(rows, mode, path), timeout)
+    results = json.loads(path.read_text()) if path.exists() else {}
+    if status is None:
+        why = f"timed out after {timeout:.0f} s"
+    else:
+        how = f"killed by {signal.Signals(-status).name}" if status < 0 else f"exit status {status}"
+        why = f"crashed: {how}" + (f": {last[:160]}" if last else "")
+    for row in rows:
+        if row not in results:
+            results[row] = why
+            print_row(row, why, mode == "tiny")
+    return results
 
 
 # %% The run and its table
 
 class Budget:
-    """Seconds since the start; whether a part expected to take `EXPECTED_S[key]` still fits."""
+    """Seconds since `start`; whether a part expected to take `seconds` still fits, and the hard
+    timeout it gets: TIMEOUT_FACTOR x its seconds, never past the budget."""
 
-    def __init__(self, seconds, enforce):
-        self.seconds, self.enforce, self.start = seconds, enforce, time.perf_counter()
+    def __init__(self, seconds, enforce, start=None):
+        self.seconds, self.enforce = seconds, enforce
+        self.start = time.perf_counter() if start is None else start
 
     def elapsed(self):
         return time.perf_counter() - self.start
 
-    def fits(self, key):
-        return not self.enforce or self.elapsed() + EXPECTED_S.get(key, 0) <= self.seconds
+    def fits(self, seconds):
+        return not self.enforce or self.elapsed() + seconds <= self.seconds
+
+    def timeout(self, seconds):
+        if not self.enforce:
+            return TINY_TIMEOUT_S
+        return max(0.0, min(TIMEOUT_FACTOR * seconds, self.seconds - self.elapsed()))
 
 
 def versions():
     import triton
     device = (torch.cuda.get_device_name() if torch.cuda.is_available()
               else "no GPU (CPU, interpreter)")
-    return (f"{device}, torch {torch.__version__}, triton {triton.__version__}, Python "
-            f"{sys.version.split()[0]}, {datetime.date.today()}")
+    return {"device": device, "torch": torch.__version__, "triton": triton.__version__,
+            "python": sys.version.split()[0], "date": str(datetime.date.today())}
+
+
+def describe(v):
+    return f"{v['device']}, torch {v['torch']}, triton {v['triton']}, Python {v['python']}, {v['date']}"
 
 
 TABLE_COLUMNS = ("shape", "config", "first s", "tok/s", "x base", "peak GiB", "graphs",
@@ -417,13 +579,14 @@ STEP_COLUMNS, ROUTING_COLUMNS = TABLE_COLUMNS[2:4] + TABLE_COLUMNS[5:8], TABLE_C
 
 def table(parity_rows, routed, stepped):
     """The check's rows, each a dict of TABLE_COLUMNS (absent values empty): per shape, a row per
-    step configuration, the routing's measures on the fused row (on a row of their own at a
-    shape with no steps); the parity's verdict last."""
+    step configuration (in CONFIGS' order), the routing's measures on the fused row (on a row of
+    their own at a shape with no steps); the parity's verdict last. parity_rows: a list, or why
+    there is none."""
     rows = []
     shapes = list(dict.fromkeys([p for p, _ in stepped] + list(routed)))
     for preset in shapes:
         base = stepped.get((preset, "baseline"))
-        configs = [c for p, c in stepped if p == preset] or ["routing"]
+        configs = [c for c in CONFIGS if (preset, c) in stepped] or ["routing"]
         for config in configs:
             row = {"shape": preset, "config": config}
             r = stepped.get((preset, config))
@@ -441,23 +604,30 @@ def table(parity_rows, routed, stepped):
                 else:
                     row["note"] = routed[preset]
             rows.append(row)
+    if isinstance(parity_rows, str):
+        return rows, f"parity {'not run' if 'skipped' in parity_rows else 'FAILED'}: {parity_rows}"
     failed = [f"{dtype} {name}" for dtype, name, _, ok in parity_rows if not ok]
     verdict = ("parity: every path within its tolerance" if parity_rows and not failed
                else f"parity FAILED: {', '.join(failed)}" if failed else "parity: not run")
     return rows, verdict
 
 
-def print_table(rows, verdict, clock, elapsed):
-    print(f"\nThe GPU check: {versions()}" + (" -- no GPU: kernel times and bandwidth FAKE, the "
-                                                "rest this CPU's" if clock.fake else ""))
-    cells = [[cell(row[column], column) + mark(column, row["config"], clock.fake) if column in row else ""
-              for column in TABLE_COLUMNS] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(TABLE_COLUMNS)]
+def cells(rows, fake):
+    """Each row's printed cells, marked."""
+    return [[cell(row[column], column) + mark(column, row["config"], fake) if column in row else ""
+             for column in TABLE_COLUMNS] for row in rows]
+
+
+def print_table(rows, verdict, fake, heading, elapsed):
+    print(f"\nThe GPU check: {heading}" + (" -- no GPU: kernel times and bandwidth FAKE, the "
+                                          "rest this CPU's" if fake else ""))
+    printed = cells(rows, fake)
+    widths = [max(len(c), *(len(r[i]) for r in printed)) for i, c in enumerate(TABLE_COLUMNS)]
     print(" ".join(f"{c:>{w}}" for c, w in zip(TABLE_COLUMNS, widths)))
-    for row, line in zip(rows, cells):
+    for row, line in zip(rows, printed):
         print((" ".join(f"{c:>{w}}" for c, w in zip(line, widths))
                + (f"  ({row['note']})" if "note" in row else "")).rstrip())
-    if clock.fake:
+    if fake:
         print(FOOTNOTE.strip())
     print(f"{verdict}; {elapsed:.0f} s in all")
 
@@ -468,99 +638,136 @@ def cell(value, column):
     return str(value)
 
 
-# (parity shape, routing shapes, step presets, timed steps, warm-up calls, profiled calls)
-SIZES = {"gpu": (PARITY["gpu"], KERNEL_TABLE, STEP_PRESETS["gpu"], 5, 2, 5),
-         "tiny": (PARITY["tiny"], TINY_ROUTING, STEP_PRESETS["tiny"], 1, 0, 1)}
+def write_table(out, mode, found, fake, heading, elapsed):
+    """The table as <mode>.md and <mode>.json in the folder `out`: their paths."""
+    rows, verdict = found["rows"], found["verdict"]
+    columns = (*TABLE_COLUMNS, "note")
+    lines = [f"# The GPU check ({mode}): {heading}", "",
+             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row, line in zip(rows, cells(rows, fake)):
+        lines.append("| " + " | ".join([*line, row.get("note", "")]) + " |")
+    if isinstance(found["parity"], list) and found["parity"]:
+        lines += ["", "| parity dtype | path | out | ds0 | dq | dg | ok |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {d} | {name} | " + " | ".join(f"{x:.1e}" for x in e) + f" | {'yes' if ok else 'NO'} |"
+                  for d, name, e, ok in found["parity"]]
+    lines += ["", *([FOOTNOTE.strip(), ""] if fake else []), f"{verdict}; {elapsed:.0f} s in all", ""]
+    md, js = out / f"{mode}.md", out / f"{mode}.json"
+    md.write_text("\n".join(lines))
+    js.write_text(json.dumps({"mode": mode, "fake": fake, "elapsed s": round(elapsed, 1), **found},
+                             indent=1) + "\n")
+    return md, js
 
 
-def run_check(tiny=False, budget=270.0):
-    """The whole check; returns (table rows, the parity's verdict). tiny: --tiny's shapes, clock
-    and backend, so that the suite runs it on a CPU (where no budget is enforced)."""
-    on_gpu = torch.cuda.is_available() and not kernel.INTERPRETED and not tiny
-    clock, device = (CudaClock(), "cuda") if on_gpu else (FakeClock(), "cpu")
-    backend = "inductor" if on_gpu else "aot_eager"
-    shape, routes, presets, steps, warm, reps = SIZES["gpu" if on_gpu else "tiny"]
-    time_left = Budget(budget, enforce=on_gpu)
-    print(f"GPU check: {versions()}; budget {budget:.0f} s" + ("" if on_gpu else " (not enforced)"))
-    torch.manual_seed(0)
-    parity_rows = []
-    if time_left.fits("parity"):
-        parity_rows = measured("parity", parity, shape, device, backend)
-    if isinstance(parity_rows, str):
-        print(f"1. {parity_rows}")
-        parity_rows = []
-    print_parity(parity_rows, shape)
-    print(f"   ({time_left.elapsed():.0f} s so far)")
-    routed = {route[0]: (measured("routing", routing, route, clock, device, reps, max(warm, 1))
-                         if time_left.fits(("routing", route[0])) else "skipped: over the budget")
-              for route in routes}
-    print_routing(routed, clock)
-    print(f"   ({time_left.elapsed():.0f} s so far)")
-    print(f"3. train.py's step: the first, {warm} more, {steps} timed; recompiles after the first")
-    print(f"   {'shape':5} {'config':15} {'first s':>8} {'tok/s':>10} {'peak GiB':>8} {'graphs':>6} "
-          f"{'recompiles':>10} {'cudagraph skips':>15}")
-    stepped = {}
-    with compile_backend(backend):
-        for preset in presets:
-            for config in CONFIGS:
-                stepped[preset, config] = (
-                    measured(f"{config} step", train_steps,
-                             step_config(preset, config, not on_gpu), clock, steps, warm)
-                    if time_left.fits((preset, config)) else "skipped: over the budget")
-                print_step(preset, config, stepped[preset, config], clock.fake)
-    if clock.fake:
-        print("   " + FOOTNOTE.split("; ")[1])
-    rows, verdict = table(parity_rows, routed, stepped)
-    print_table(rows, verdict, clock, time_left.elapsed())
+def run_check(mode="full", budget=None, out=Path("out/gpu_check"), start=None):
+    """The whole check, each part in a process of its own; prints it, writes its table to `out`,
+    returns (table rows, the parity's verdict). tiny: --tiny's shapes, clock and backend, so that
+    the suite runs it on a CPU (where no budget is enforced). start: when the budget's clock
+    started (perf_counter; default now)."""
+    budget = BUDGET_S.get(mode, 0.0) if budget is None else budget
+    time_left = Budget(budget, enforce=mode != "tiny", start=start)
+    v = versions()
+    fake = mode == "tiny"
+    print(f"GPU check ({mode}): {describe(v)}; "
+          + ("no budget on a CPU" if fake else f"budget {budget:.0f} s"), flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for i, rows in enumerate(PLANS[mode]):
+            if is_step(rows[0]) and not any(map(is_step, results)):
+                _, steps, warm, _ = SIZES[mode]
+                step_header(steps, warm)
+            expected = START_S + sum(EXPECTED_S.get(r, 0) for r in rows)
+            if not time_left.fits(expected):
+                for row in rows:
+                    results[row] = "skipped: over the budget"
+                    print_row(row, results[row], fake)
+                continue
+            results.update(run_part(rows, mode, time_left.timeout(expected),
+                                    Path(folder) / f"part{i}.json"))
+            print(f"   ({time_left.elapsed():.0f} s so far)", flush=True)
+    if fake:
+        print(FOOTNOTE)
+    routed = {r.split()[1]: x for r, x in results.items() if r.startswith("routing ")}
+    stepped = {tuple(r.split()): x for r, x in results.items() if is_step(r)}
+    rows, verdict = table(results.get("parity", []), routed, stepped)
+    elapsed = time_left.elapsed()
+    print_table(rows, verdict, fake, describe(v), elapsed)
+    found = {**v, "budget s": budget, "verdict": verdict, "rows": rows,
+             "parity": results.get("parity", [])}
+    for path in write_table(out, mode, found, fake, describe(v), elapsed):
+        print(f"written: {path}")
     return rows, verdict
 
 
-def plan(budget=270.0):
-    """[(part, expected s, runs)] in the order the check runs them on a GPU, as Budget decides
-    with every part taking its EXPECTED_S, and the expected seconds in all (imports included)."""
-    parts = ["parity", *(("routing", r[0]) for r in KERNEL_TABLE),
-             *((p, c) for p in STEP_PRESETS["gpu"] for c in CONFIGS)]
-    rows, spent = [], 0
-    for part in parts:
-        runs = spent + EXPECTED_S[part] <= budget
-        spent += EXPECTED_S[part] if runs else 0
-        rows.append((part, EXPECTED_S[part], runs))
-    return rows, EXPECTED_S["start"] + spent
+def plan(mode="full", budget=None):
+    """[(rows, expected s, hard timeout s or None if skipped)] of each part, in the order the check
+    runs them on a GPU, as Budget decides with every part taking its expected seconds (its
+    process's start included), and the expected seconds in all (the check's own start included)."""
+    budget = BUDGET_S[mode] if budget is None else budget
+    parts, spent = [], EXPECTED_S["start"]
+    for rows in PLANS[mode]:
+        expected = START_S + sum(EXPECTED_S[r] for r in rows)
+        runs = spent + expected <= budget
+        parts.append((rows, expected, min(TIMEOUT_FACTOR * expected, budget - spent) if runs else None))
+        spent += expected if runs else 0
+    return parts, spent
 
 
-def print_plan(budget):
-    rows, total = plan(budget)
-    print(f"expected seconds on one H200 (docs/kernels.md, GPU check), budget {budget:.0f} s:")
-    print(f"   {'start (imports, CUDA)':28} {EXPECTED_S['start']:4}")
-    for part, seconds, runs in rows:
-        name = part if isinstance(part, str) else " ".join(part)
-        print(f"   {name:28} {seconds:4}" + ("" if runs else "  skipped: over the budget"))
-    print(f"   {'in all':28} {total:4}  ({total / 60:.1f} min)")
+def print_plan(mode, budget):
+    parts, total = plan(mode, budget)
+    budget = BUDGET_S[mode] if budget is None else budget
+    print(f"gpu_check.py{' --quick' if mode == 'quick' else ''}: expected seconds on one H200 "
+          f"(docs/kernels.md, GPU check), each part in a process of its own ({START_S} s to start "
+          f"it); budget {budget:.0f} s")
+    print(f"   {'part':52} {'expected':>8} {'timeout':>8}")
+    print(f"   {'start (imports, CUDA)':52} {EXPECTED_S['start']:8}")
+    for rows, seconds, timeout in parts:
+        print(f"   {', '.join(rows):52} {seconds:8} "
+              + (f"{timeout:8.0f}" if timeout is not None else "    skipped: over the budget"))
+    print(f"   {'in all':52} {total:8}  ({total / 60:.1f} min)")
 
 
 def main(argv=None):
     p = FlagParser(prog="gpu_check.py", description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--tiny", action="store_true",
                    help="tiny shapes, the interpreter, aot_eager, fake GPU timings (any machine)")
+    p.add_argument("--quick", action="store_true",
+                   help="the fewest parts: parity, 100m's eager steps, the compiled modes at 4 "
+                        "layers, 1 timed step (under 2 min)")
     p.add_argument("--plan", action="store_true",
-                   help="print each part's expected seconds on an H200 and what the budget skips")
-    p.add_argument("--budget", type=AMOUNT, default=270.0,
-                   help="seconds after the imports: start no part expected to end past them "
-                        "(default 270)")
+                   help="print each part's expected seconds on an H200, its timeout, the total")
+    p.add_argument("--budget", type=AMOUNT, default=None,
+                   help="seconds from the start: start no part expected to end past them, kill "
+                        "any at them (default 240, --quick 120)")
+    p.add_argument("--out", type=Path, default=Path("out/gpu_check"),
+                   help="folder for the table, <mode>.md and <mode>.json (default out/gpu_check)")
+    p.add_argument("--part", nargs="+", metavar="ROW", help=argparse.SUPPRESS)
+    p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.plan:
-        print_plan(args.budget)
+    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    if args.tiny and (args.quick or args.plan):
+        p.error("--tiny runs tiny shapes on any machine: it takes neither --quick nor --plan")
+    if args.part:
+        if not args.json:
+            p.error("--part writes its rows to --json FILE")
+        measure_part(args.part, args.json, mode)
         return 0
+    if args.plan:
+        print_plan(mode, args.budget)
+        return 0
+    if args.out.exists() and not args.out.is_dir():
+        p.error(f"--out {args.out} is a file: give a folder for the table")
     if not args.tiny and not torch.cuda.is_available():
         exit_error("gpu_check.py", "no CUDA GPU here: the check measures one; --tiny runs its "
                                    "code at tiny shapes, --plan prints its expected times")
+    args.out.mkdir(parents=True, exist_ok=True)
     try:
-        _, verdict = run_check(args.tiny, args.budget)
-    except KeyboardInterrupt:  # measured() lets it through: one part's failure, not a stop
-        exit_error("gpu_check.py", "interrupted (Ctrl-C): no table; what finished is printed above",
+        _, verdict = run_check(mode, args.budget, args.out, STARTED)
+    except KeyboardInterrupt:  # run_process kills the part under way
+        exit_error("gpu_check.py", "interrupted (Ctrl-C): what finished is printed above",
                    status=130)
     return 1 if "FAILED" in verdict else 0
 
 
 if __name__ == "__main__":
+    sys.stdout.reconfigure(line_buffering=True)  # every line out as it is printed
     sys.exit(main())

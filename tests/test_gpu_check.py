@@ -1,15 +1,19 @@
-"""gpu_check.py's CPU part: the whole check at tiny shapes (kernels in the Triton interpreter,
-compiled configurations traced with aot_eager, the GPU's timings faked), its table's rows and
-columns and the arithmetic behind them, its budget's boundary; Ctrl-C in it and in
-bench_kernel.py's check, one line and status 130."""
+"""gpu_check.py's CPU part: the whole check at tiny shapes (each part in a process of its own, kernels
+in the Triton interpreter, compiled configurations traced with aot_eager, the GPU's timings faked), its
+table's rows and columns, the files it writes and the arithmetic behind them; its plan and budget; a
+part that overruns (killed, with what it started) or crashes is a row and the next part runs; Ctrl-C in
+it and in bench_kernel.py's check, one line and status 130."""
 import io
+import json
 import os
 import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import redirect_stdout
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -32,24 +36,18 @@ def takes_compile_mode():
 
 
 @pytest.fixture(scope="module")
-def check():
-    """(rows, verdict, printed) of one tiny run, shared by the tests below: on one thread, tl.sum
-    computed directly (as tests/test_kernel.py does: the interpreter's own re-patches the language
-    at every call, half the kernels' time)."""
-    import triton.language as tl
-    printed, threads = io.StringIO(), torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as patch, redirect_stdout(printed):
-        patch.setattr(tl, "sum", lambda x, axis=None, keep_dims=False: tl.reduce(
-            x, axis, tl.standard._sum_combine, keep_dims=keep_dims))
-        rows, verdict = gpu_check.run_check(tiny=True)
-    torch.set_num_threads(threads)
-    return rows, verdict, printed.getvalue()
+def check(tmp_path_factory):
+    """(rows, verdict, printed, out) of one tiny run, shared by the tests below: each part in a
+    process of its own, as on a GPU; out: the folder it wrote its table to."""
+    printed, out = io.StringIO(), tmp_path_factory.mktemp("gpu_check")
+    with redirect_stdout(printed):
+        rows, verdict = gpu_check.run_check("tiny", out=out)
+    return rows, verdict, printed.getvalue(), out
 
 
 @interpreted
 def test_every_path_agrees_with_float64(check):
-    _, verdict, printed = check
+    _, verdict, printed, _ = check
     assert verdict == "parity: every path within its tolerance", printed
     for dtype in ("float32", "bfloat16"):
         for path in ("readable", "fused", "compiled"):
@@ -58,7 +56,9 @@ def test_every_path_agrees_with_float64(check):
 
 @interpreted
 def test_one_row_per_configuration_every_one_measured(check):
-    rows, _, printed = check
+    """captured+accum included: reduce-overhead's graphs over 4 micro-steps a step (traced with
+    aot_eager here, train_step's graph_grads path taken all the same)."""
+    rows, _, printed, _ = check
     assert [(r["shape"], r["config"]) for r in rows] == [("tiny", c) for c in gpu_check.CONFIGS]
     for row in rows:
         if row["config"] == "captured" and not takes_compile_mode():
@@ -73,8 +73,8 @@ def test_one_row_per_configuration_every_one_measured(check):
 
 @interpreted
 def test_the_table_prints_every_column_and_the_fake_bandwidth_adds_up(check):
-    rows, _, printed = check
-    table = printed[printed.index("\nThe GPU check: "):].splitlines()
+    rows, _, printed, _ = check
+    table = printed[printed.index("\nThe GPU check: "):printed.index("written: ")].splitlines()
     assert "no GPU: kernel times and bandwidth FAKE" in table[1]
     assert table[2].split() == " ".join(gpu_check.TABLE_COLUMNS).split()
     assert len(table) == 3 + len(rows) + 2 and table[-1].startswith("parity")
@@ -82,13 +82,14 @@ def test_the_table_prints_every_column_and_the_fake_bandwidth_adds_up(check):
     cells = {line.split()[1]: line.split() for line in table[3:3 + len(rows)]}
     assert cells["fused"][-4:] == ["0.50*", "1.00*", cells["fused"][-2], cells["fused"][-1]]
     assert cells["fused"][-2].endswith("~") and cells["fused"][-1].endswith("*")
-    assert all(cells[c][3].endswith("~") and cells[c][4].endswith("~") for c in ("fused", "captured"))
+    assert all(cells[c][3].endswith("~") and cells[c][4].endswith("~")
+               for c in ("fused", "captured", "captured+accum"))
     assert not any(cells[c][3].endswith(("~", "*")) for c in ("baseline", "readable", "compiled"))
     assert table[-2].startswith("* fake: no GPU measured it") and "~ the kernels in Triton's CPU" in table[-2]
     routing = printed[printed.index("2. routing"):printed.index("3. train.py")].splitlines()
     assert routing[0].endswith("GB/s*") and [c[-1] for c in routing[2].split()[2:]] == ["*", "*", "~", "*", "*"]
     fused = next(r for r in rows if r["config"] == "fused")
-    _, d, L, B, T = gpu_check.TINY_ROUTING[0]
+    _, d, L, B, T = gpu_check.ROUTES["tiny"]
     moved = traffic(L, d, HEADS, B * T, 0, source_bytes=2)
     moved = sum(sum(moved[way].values()) for way in ("forward", "backward"))
     clock = gpu_check.FakeClock
@@ -107,71 +108,76 @@ def test_a_figure_is_marked_where_no_gpu_measured_it(column, config, fake, marke
     assert gpu_check.mark(column, config, fake) == marked
 
 
-def test_budget_skips_what_would_end_past_it(monkeypatch):
+def test_budget_skips_what_would_end_past_it_and_kills_at_it(monkeypatch):
     budget = gpu_check.Budget(30, enforce=True)
-    monkeypatch.setitem(gpu_check.EXPECTED_S, "parity", 25)
-    assert budget.fits("parity")
+    assert budget.fits(25) and budget.timeout(10) == pytest.approx(20, abs=0.5)  # 2x its 10 s
     monkeypatch.setattr(budget, "elapsed", lambda: 10.0)
-    assert not budget.fits("parity") and gpu_check.Budget(30, enforce=False).fits("parity")
-
-
-def test_a_failure_is_a_row_not_the_end_of_the_run():
-    def out_of_memory():
-        raise torch.OutOfMemoryError("CUDA out of memory")
-    assert gpu_check.measured("x", out_of_memory) == "out of memory"
-    assert gpu_check.measured("x", lambda: 1 / 0) == "x failed: ZeroDivisionError: division by zero"
-    rows, verdict = gpu_check.table([("float32", "fused", [0.1] * 4, False)],
-                                    {"1b": "skipped: over the budget"}, {})
-    assert rows == [{"shape": "1b", "config": "routing", "note": "skipped: over the budget"}]
-    assert verdict == "parity FAILED: float32 fused"
-
-
-def test_the_plan_fits_five_minutes_with_every_captured_step(capsys):
-    """The expected times (docs/kernels.md: how they were estimated) leave the default budget's
-    run under five minutes on an H200 with every part but one in it (the 350m compiled readable
-    model, run last), the captured steps of both shapes included."""
-    rows, total = gpu_check.plan()
-    assert total <= 300
-    assert [part for part, _, run in rows if not run] == [("350m", "compiled")]
-    gpu_check.main(["--plan"])
-    assert capsys.readouterr().out.splitlines()[-1].split()[:3] == ["in", "all", str(total)]
+    assert not budget.fits(25) and budget.timeout(15) == 20                # what is left: 20 s
+    assert gpu_check.Budget(30, enforce=False).fits(25)
+    assert gpu_check.Budget(30, enforce=False).timeout(5) == gpu_check.TINY_TIMEOUT_S
 
 
 @pytest.mark.parametrize("budget, runs", [(25, True), (24, False), (26, True), (0, False)],
                          ids=["equal-runs", "one-less-skips", "one-more-runs", "none"])
 def test_a_part_that_ends_exactly_at_the_budget_runs(budget, runs, monkeypatch):
-    monkeypatch.setitem(gpu_check.EXPECTED_S, "parity", 25)
     check = gpu_check.Budget(budget, enforce=True)
     monkeypatch.setattr(check, "elapsed", lambda: 0.0)
-    assert check.fits("parity") is runs
+    assert check.fits(25) is runs
     monkeypatch.setattr(check, "elapsed", lambda: 7.0)             # later: 7 + 25 against it
-    assert check.fits("parity") is (budget >= 32)
-    parts, _ = gpu_check.plan(budget)                              # the plan decides alike
-    assert parts[0] == ("parity", 25, runs)
+    assert check.fits(25) is (budget >= 32)
 
 
-@pytest.mark.parametrize("spent, runs", [(22 + 3, True), (22 + 3 - 1, False)],
+@pytest.mark.parametrize("mode, most", [("full", 240), ("quick", 120)])
+def test_the_plan_fits_its_minutes_with_every_captured_step(mode, most, capsys):
+    """The expected times (docs/kernels.md: how they were estimated), each part's process start
+    included, leave the default budget's run within four minutes (--quick: two) on an H200, with
+    the captured steps of 100m in it, with and without gradient accumulation, each in a process
+    of its own; each part's hard timeout at least its expected seconds, never past the budget."""
+    parts, total = gpu_check.plan(mode)
+    assert total <= most
+    alone = [rows[0] for rows, _, timeout in parts if len(rows) == 1 and timeout is not None]
+    shape = "100m" if mode == "full" else "100m-4L"
+    assert {f"{shape} captured", f"{shape} captured+accum", f"{shape} compiled+fused"} <= set(alone)
+    assert any({"100m readable", "100m fused"} <= set(rows) for rows, _, t in parts if t)
+    start = gpu_check.EXPECTED_S["start"]
+    for rows, expected, timeout in parts:
+        if timeout is not None:
+            assert expected <= timeout <= most - start
+            start += expected
+    gpu_check.main(["--plan"] + (["--quick"] if mode == "quick" else []))
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1].split()[:3] == ["in", "all", str(total)]
+    assert "captured+accum" in "\n".join(printed) and len(printed) == 3 + len(parts) + 1
+
+
+@pytest.mark.parametrize("budget, runs", [(10 + 45 + 13, True), (10 + 45 + 13 - 1, False)],
                          ids=["two-parts-exactly", "one-second-short"])
-def test_the_plan_runs_a_part_that_ends_exactly_at_the_budget(spent, runs):
-    """parity (22 s) then the 100m routing (3 s): a budget of their sum runs both."""
-    parts, _ = gpu_check.plan(spent)
-    assert parts[1] == (("routing", "100m"), 3, runs) and parts[0][2] == (spent >= 22)
+def test_the_plan_runs_a_part_that_ends_exactly_at_the_budget(budget, runs):
+    """The start (10 s), the kernels' part (45 s) then 100m's eager steps (13 s): a budget of their
+    sum runs both, and gives each part what is left as its timeout when that is less than twice
+    its expected seconds."""
+    parts, _ = gpu_check.plan("full", budget)
+    assert parts[0][2] == budget - 10 and parts[1][:2] == (gpu_check.PLANS["full"][1], 13)
+    assert parts[1][2] == (13 if runs else None)
 
 
-def test_tokens_per_second_count_every_timed_step_and_no_other(monkeypatch):
+@pytest.mark.parametrize("config, micro", [("baseline", 1), ("captured+accum", 4)])
+def test_tokens_per_second_count_every_timed_step_and_no_other(config, micro, monkeypatch):
     """A stand-in step advances a stand-in clock: the first (compiling) 2 s, each later one 0.25 s.
-    Four timed steps of batch 1 x 8 tokens in 1 s: 32 tok/s; the first step's time apart."""
+    Four timed steps of batch 1 x 8 tokens in 1 s: 32 tok/s, 4x that with 4 micro-steps a step;
+    the first step's time apart."""
     clock, durations = [0.0], iter([2.0] + [0.25] * 10)
 
     def step(*args):
         clock[0] += next(durations)
     monkeypatch.setattr(train, "train_step", step)
     monkeypatch.setattr(gpu_check, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    flags = gpu_check.step_config("tiny", "baseline", tiny=True)
+    flags = gpu_check.step_config("tiny", config)
     assert flags[flags.index("--batch_size") + 1] == "1"
     assert flags[flags.index("--seq_len") + 1] == "8"
+    assert flags.count("--grad_accum") == 1 and flags[flags.index("--grad_accum") + 1] == str(micro)
     r = gpu_check.train_steps(flags, gpu_check.FakeClock(), steps=4, warm=2)
-    assert r["first s"] == 2.0 and r["tok/s"] == pytest.approx(4 * 1 * 8 / (4 * 0.25))
+    assert r["first s"] == 2.0 and r["tok/s"] == pytest.approx(micro * 4 * 1 * 8 / (4 * 0.25))
     assert next(durations) == 0.25 and clock[0] == 2.0 + 6 * 0.25  # 1 + 2 warm + 4 timed
 
 
@@ -193,19 +199,124 @@ def interrupted(*args):
     raise KeyboardInterrupt
 
 
-@pytest.mark.parametrize("part", ["parity", "routing", "train_steps"])
-def test_ctrl_c_in_the_gpu_check_is_one_line_and_status_130(part, monkeypatch, capsys):
-    """Each part runs inside measured(), which makes a failure a row of the table: Ctrl-C is not a
-    failure, it ends the check (before: 63 lines of traceback)."""
-    for name in ("parity", "routing", "train_steps"):
-        monkeypatch.setattr(gpu_check, name, interrupted if name == part else
-                            (lambda *args: "stand-in: a row"))
+def alive(pid):
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
     try:
-        line = error_line(capsys, gpu_check.main, ["--tiny"], status=130)
+        return " Z " not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:4]
+    except FileNotFoundError:
+        return False
+
+
+def sleeper(pids):
+    """A part's stand-in that prints a line, starts a process of its own (as inductor's compile
+    workers), writes both ids to `pids` and sleeps."""
+    return [sys.executable, "-c", "import subprocess, sys, time; print('asleep'); "
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(pids)!r}, 'w').write(f'{{child.pid}}'); time.sleep(60)"]
+
+
+def writer(rows, path):
+    """A part's stand-in that writes a measured row for each of `rows`."""
+    r = {"first s": 1.0, "tok/s": 100.0, "peak GiB": 1.0, "graphs": 0, "recompiles": 0,
+         "cudagraph skips": 0}
+    return [sys.executable, "-c", f"import json; json.dump({dict.fromkeys(rows, r)!r}, "
+            f"open({str(path)!r}, 'w'))"]
+
+
+def two_parts(monkeypatch, first):
+    """The tiny check cut to two parts, tiny baseline then tiny readable, the first run by the
+    command `first` with a timeout of 1 s, the second writing its row."""
+    monkeypatch.setitem(gpu_check.PLANS, "tiny", [["tiny baseline"], ["tiny readable"]])
+    monkeypatch.setattr(gpu_check, "TINY_TIMEOUT_S", 1)
+    monkeypatch.setattr(gpu_check, "part_command", lambda rows, mode, path: (
+        first if rows == ["tiny baseline"] else writer(rows, path)))
+
+
+def test_a_part_that_overruns_is_killed_and_the_next_still_runs(monkeypatch, tmp_path, capsys):
+    """Killed at its timeout with the processes it started; its row says so; what it printed
+    came through; the next part runs, and the table is written."""
+    two_parts(monkeypatch, sleeper(tmp_path / "pids"))
+    start = time.perf_counter()
+    rows, verdict = gpu_check.run_check("tiny", out=tmp_path)
+    assert time.perf_counter() - start < 20
+    assert rows[0] == {"shape": "tiny", "config": "baseline", "note": "timed out after 1 s"}
+    assert rows[1]["config"] == "readable" and rows[1]["tok/s"] == 100.0 and verdict == "parity: not run"
+    printed = capsys.readouterr().out
+    assert "asleep\n" in printed and "   tiny    baseline        timed out after 1 s\n" in printed
+    assert not alive(int((tmp_path / "pids").read_text()))
+    assert json.loads((tmp_path / "tiny.json").read_text())["rows"] == rows
+
+
+@pytest.mark.parametrize("code, why", [
+    ("raise RuntimeError('CUDA error: an illegal memory access was encountered')",
+     "crashed: exit status 1: RuntimeError: CUDA error: an illegal memory access was encountered"),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", "crashed: killed by SIGSEGV"),
+], ids=["exception", "signal"])
+def test_a_part_that_crashes_is_a_row_with_its_error(code, why, monkeypatch, tmp_path, capsys):
+    two_parts(monkeypatch, [sys.executable, "-c", code])
+    rows, _ = gpu_check.run_check("tiny", out=tmp_path)
+    assert rows[0]["note"] == why and rows[1]["tok/s"] == 100.0
+    assert why in (tmp_path / "tiny.md").read_text()
+
+
+def test_a_part_writes_each_row_as_it_ends_and_flushes_each_line(tmp_path):
+    """A part's process, killed once its first row is printed: the line came at once (stdout a
+    pipe), and the row is in its JSON file."""
+    path = tmp_path / "part.json"
+    p = subprocess.Popen([sys.executable, "gpu_check.py", "--tiny", "--part", "tiny baseline",
+                          "tiny readable", "--json", str(path)], cwd=ROOT, stdout=subprocess.PIPE,
+                         text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert select.select([p.stdout], [], [], 120)[0], "the part printed nothing"
+        line = p.stdout.readline()
+        p.kill()
+    finally:
+        p.kill()
+        p.wait()
+    assert line.split()[:2] == ["tiny", "baseline"]
+    assert list(json.loads(path.read_text())) == ["tiny baseline"]
+
+
+@interpreted
+def test_the_tiny_check_writes_its_table_as_markdown_and_json(check):
+    rows, verdict, _, out = check
+    found = json.loads((out / "tiny.json").read_text())
+    assert found["rows"] == json.loads(json.dumps(rows)) and found["verdict"] == verdict
+    assert found["device"] == "no GPU (CPU, interpreter)" and found["torch"] == torch.__version__
+    md = (out / "tiny.md").read_text().splitlines()
+    assert md[0].startswith("# The GPU check (tiny): no GPU (CPU, interpreter), torch ")
+    table = [line.split(" | ") for line in md if line.startswith("| tiny")]
+    assert [line[1] for line in table] == [row["config"] for row in rows] == list(gpu_check.CONFIGS)
+    assert "| float32 | fused |" in "\n".join(md) and md[-1].startswith(verdict)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--out", "{file}"], "is a file"), (["--tiny", "--quick"], "neither"),
+    (["--tiny", "--plan"], "neither"), (["--part", "parity"], "--json"),
+    (["--budget", "-1"], "--budget"), (["--quick", "--budget", "x"], "--budget"),
+], ids=["out-a-file", "tiny-quick", "tiny-plan", "part-no-json", "negative-budget", "budget-nan"])
+def test_a_bad_flag_is_one_line_and_status_2(argv, says, capsys, tmp_path):
+    (tmp_path / "a file").write_text("")
+    argv = [a.format(file=tmp_path / "a file") for a in argv]
+    assert says in error_line(capsys, gpu_check.main, argv)
+
+
+def test_ctrl_c_in_the_gpu_check_is_one_line_and_status_130(monkeypatch, capsys, tmp_path):
+    """Ctrl-C while a part runs kills it (and what it started) and ends the check: one line."""
+    two_parts(monkeypatch, sleeper(tmp_path / "pids"))
+    monkeypatch.setattr(gpu_check, "TINY_TIMEOUT_S", 60)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        line = error_line(capsys, gpu_check.main, ["--tiny", "--out", tmp_path], status=130)
     except KeyboardInterrupt:  # escaping, it would stop pytest itself
         pytest.fail("gpu_check.main let the KeyboardInterrupt through")
-    assert line == ("gpu_check.py: error: interrupted (Ctrl-C): no table; what finished is "
-                    "printed above")
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+    assert line == "gpu_check.py: error: interrupted (Ctrl-C): what finished is printed above"
+    assert not alive(int((tmp_path / "pids").read_text()))
 
 
 def test_ctrl_c_in_the_kernel_check_is_one_line_and_status_130(monkeypatch, capsys):
