@@ -24,40 +24,33 @@ Two algorithms, one pair of kernels (`Config.fused_group`):
       with the few sources written inside the group (phase 2). Backward mirrors it: phase 1
       updates each gradient row once for all G sites. ≈ 6·S²/G + 6·S·G bytes per element.
 
-The schedule's words (`schedule`, `Launch`, `Spec`). A site reads committed sources, rows 0.. of
-the fp32 gradient buffer (those no later block sum changes), and in block or delta routing its
-block's partial sum. A group is G consecutive sites (Config.fused_group; 1: one pass per site).
-Phase 1 is one launch that routes a group's G sites over the committed rows its first site reads
-(a group of one also reads the partial sum); a site that reads more leaves a partial state, which
-its phase 2, a launch of that site alone, continues over the rest. A launch's backward works on
-its sources 0..N-1 (source n is buffer row row0 + n): own_lo, the first source it completes (no
-earlier launch of the forward reads sources own_lo.., so this backward, the last to touch them,
-writes their final gradients in their own dtype); fresh_lo, the first source it touches first (no
-later launch reads sources fresh_lo..: their rows are written, not added to); given_sites (Spec
-and Launch's `continued`), a bit per site, 1 << i for its i-th, whose state a phase 2 continues:
-that site's coupling <dout, out> is handed back by the phase 2's backward, not computed.
+The schedule's words. reads[j] = (committed, partial): site j reads the first `committed`
+committed sources (no later block sum changes them: the rows of the fp32 gradient buffer) and, if
+`partial`, its block's partial sum (read by site j alone, outside the buffer). A group: G
+consecutive sites. Its phase 1: one launch over the committed rows its first site reads (in a
+group of one, with the partial sum); a site that reads more has a phase 2, a launch of it alone
+over the rest. A launch's sources n < N are buffer rows row0 + n (a partial sum last, none). In its
+backward, own_lo: sources own_lo.. are complete (no earlier launch reads them, so this backward,
+the last to touch them, writes their final gradients, in their dtype); fresh_lo: sources
+fresh_lo.. have no gradient yet (no later launch reads them: rows written, not added to);
+given_sites (`continued` in Spec and Launch): a bit per site, 1 << i for its i-th, whose state a
+phase 2 continues, which hands back that site's coupling <dout, out>.
 
 Autograd without Python-side state. Each launch is a torch custom operator with a functional
 signature (a list of source tensors, which the kernel reads through a table of addresses: no
 copies), so `torch.compile(fullgraph=True)` traces a fused model; eager code runs the same
 launch through a torch.autograd.Function, whose dispatch costs the host far less. The fp32
 source-gradient buffer travels backward as the gradient of a "carrier" tensor (no memory) that
-each launch hands to the next; each launch adds its share into the buffer in place and returns,
-in their own dtype, the final gradients of the sources it read first (it is the last to touch
-them in backward). Nothing is zero-filled: the first launch to touch a row in backward writes it
-instead of adding to it. No atomics: every position belongs to one program, and dq, dg come from
-one per-program partial of Σ dℓ·r·V that torch sums in a fixed order, so the backward is bitwise
-deterministic.
+each launch hands to the next, adding its share in place (see own_lo, fresh_lo). No atomics:
+every position belongs to one program, and dq, dg come from one per-program partial of Σ dℓ·r·V
+that torch sums in a fixed order, so the backward is bitwise deterministic.
 
-The file reads: the kernels; their launchers; autograd, first the shared launch, then the custom
-operators (torch.compile) and the eager path; the schedule of launches, with the traffic model
-(`launch_bytes`: every byte a launch's kernels move, as a test counts them in the interpreter) and
-the roofline that pick G; `FusedHistory`, which routes a readable history of mhar.py through the
-kernels. bench_kernel.py checks them against `mhar.route`, prints the bytes both algorithms move,
-benchmarks them and measures the host's time per site.
-
-Without a CUDA GPU the kernels run in the Triton interpreter, on CPU tensors, when
-TRITON_INTERPRET=1 is set before this file is imported (slow; for tests).
+The file reads (# %%): the kernels; their launchers; autograd (the shared launch, the custom
+operators, the eager path); the schedule, the traffic model (`launch_bytes`, which a test checks
+against the interpreter's count) and the roofline that pick G; `FusedHistory`. bench_kernel.py
+checks the kernels against `mhar.route`, prints the bytes both algorithms move, benchmarks them and
+measures the host's time per site. Without a CUDA GPU the kernels run in the Triton interpreter,
+on CPU tensors, when TRITON_INTERPRET=1 is set before this file is imported (slow; for tests).
 """
 import functools
 import sys
@@ -79,45 +72,42 @@ except ImportError as error:
     raise RuntimeError(f"{UNAVAILABLE}; triton is not installed (pip install triton)") from error
 
 SOURCE_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
-# The forward keeps (G, H, K) fp32 tiles of its G sites, the backward three per-site rows (q ⊙ g,
-# the output gradient, the gradient of q ⊙ g) per site. With (G, H, K) tiles in both, on sm_90 at 8
-# warps 8192 lanes (8 sites at d = 1024) fit without spilling, 10240 spilled. Larger are refused.
+# The forward keeps (G, H, K) fp32 tiles of its G sites, the backward three rows per site (q ⊙ g,
+# the output gradient, the gradient of q ⊙ g). With (G, H, K) tiles in both, on sm_90 at 8 warps
+# 8192 lanes (8 sites at d = 1024) fit without spilling, 10240 spilled. Larger are refused.
 MAX_TILE = 8192
 # Each program routes a contiguous block of positions, so that dq and dg leave as one partial per
-# program. The grid follows the device's SMs: 16 / num_warps programs per SM (two of 8 warps), all
-# resident at once when their registers allow, so that 16 warps per SM hide the loads' latency.
-# PROGRAMS is the grid of an 8-warp kernel on an H100/H200 (132 SMs), the traffic model's device.
+# program. The grid follows the SMs: 16 / num_warps programs per SM, all resident when registers
+# allow, so that 16 warps per SM hide the loads' latency. PROGRAMS: the grid of an 8-warp kernel
+# on an H100/H200 (132 SMs), the traffic model's device.
 RESIDENT_WARPS = 16
 PROGRAMS = RESIDENT_WARPS // 8 * 132
-INTERPRETED_PROGRAMS = 3    # the interpreter runs programs one after another: few, of many positions
-NUM_STAGES = 3              # source rows in flight in the software pipeline of the loop over sources
+INTERPRETED_PROGRAMS = 3    # the interpreter runs programs one by one: few, of many positions
+NUM_STAGES = 3              # source rows in flight in the loop over sources (software pipeline)
 TABLE_CHUNK = 64            # address-table entries one launch of _table_kernel writes (1-2 a table)
-# A launch's kernels read their tensors through a table of int64 addresses: its N sources', then
-# per site, forward: its output, the output's remainder, its lse; backward: its output, remainder,
-# output gradient, lse, and the coupling given for a partial state. In phase 2 each site's go on
-# with the partial state's, forward: its output, remainder and lse; backward: its lse, and where
-# its output gradient and coupling go. (tl.constexpr, so that the kernels can read them.)
+# The kernels read their tensors through a table of int64 addresses: the N sources', then per
+# site, forward: its output, the output's remainder, its lse; backward: its output, remainder,
+# output gradient, lse, and the coupling given for a partial state (any address for a complete
+# site). In phase 2 each site's go on with the partial state's, forward: its output, remainder and
+# lse; backward: its lse, and where its output gradient and coupling go. (tl.constexpr, for Triton)
 FORWARD_ENTRIES = tl.constexpr(3)
 BACKWARD_ENTRIES = tl.constexpr(5)
 INIT_ENTRIES = tl.constexpr(3)
 
 
 # %% The kernels
-#
-# A row of width d is held as two tiles of heads × lanes: the first K1 lanes of every head (K1
-# the largest power of two ≤ K) and the remaining K2 = K − K1. Every tile dimension must be a
-# power of two, so one (H, K) tile would pad K = 160 (d = 1280, H = 8) to 256 lanes, 37.5 % of
-# them idle; 160 = 128 + 32 has none. The states of a program's G sites add a leading dimension.
-# (The loops' arithmetic is written out rather than in @triton.jit helpers: the interpreter
-# re-patches the language at every helper call, which would double the tests' time.)
+# A row of width d is held as two tiles of heads × lanes: the first K1 lanes of every head (K1 the
+# largest power of two ≤ K) and the remaining K2 = K − K1. Tile dimensions are powers of two, so
+# one (H, K) tile would pad K = 160 (d = 1280, H = 8) to 256 lanes, 37.5 % idle; 128 + 32 has none.
+# A program's G sites add a leading dimension. (The loops' arithmetic is written out, not in
+# @triton.jit helpers: the interpreter re-patches the language at each call, doubling test time.)
 
 @triton.jit
 def _row_tiles(K: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K2_PAD: tl.constexpr,
                H: tl.constexpr, H_PAD: tl.constexpr):
     """Offsets and masks of the two tiles that cover a row: (H_PAD, K1) and (H_PAD, K2_PAD)."""
     heads = tl.arange(0, H_PAD)
-    lanes1 = tl.arange(0, K1)
-    lanes2 = tl.arange(0, K2_PAD)
+    lanes1, lanes2 = tl.arange(0, K1), tl.arange(0, K2_PAD)
     cols1 = heads[:, None] * K + lanes1[None, :]
     cols2 = heads[:, None] * K + K1 + lanes2[None, :]
     mask1 = (heads[:, None] < H) & (lanes1[None, :] < K1)
@@ -133,8 +123,7 @@ def _address(entry, ELEMENT: tl.constexpr):
 
 @triton.jit
 def _addresses(entries, mask, ELEMENT: tl.constexpr):
-    """Table entries as pointers to ELEMENT, 16-byte aligned (the launchers make sure of it), so
-    that the loads through them are vectorized and pipelined."""
+    """Entries as pointers to ELEMENT, 16-byte aligned (_aligned): loads vectorize and pipeline."""
     return tl.multiple_of(tl.load(entries, mask=mask, other=0).to(tl.pointer_type(ELEMENT)), 16)
 
 
@@ -142,73 +131,66 @@ def _addresses(entries, mask, ELEMENT: tl.constexpr):
 # constexpr, and specializing on their divisibility by 16 would compile more variants for no gain.
 @triton.jit(do_not_specialize=["N", "M", "per_program"])
 def _route_forward_kernel(
-    table_ptr,          # int64 addresses: the N sources, then per site its output, the output's
-                        # rounding remainder and lse (and, with INIT, those of the partial state
-                        # it continues)
+    table_ptr,          # int64 addresses: the N sources', then FORWARD_ENTRIES per site (and
+                        # INIT_ENTRIES more with INIT), as laid out above FORWARD_ENTRIES
     qg_ptr,             # [G, D] fp32: q ⊙ g of each site (g folded into the query once)
-    N,                  # number of sources to read
-    M,                  # number of positions B·T
+    N, M,               # number of sources to read, of positions B·T
     per_program,        # positions routed by each program
     eps,                # RMSNorm epsilon
     SOURCE: tl.constexpr,   # element type of sources and outputs: tl.float32 or tl.bfloat16
-    D: tl.constexpr,        # width d
-    H: tl.constexpr,        # heads
-    K: tl.constexpr,        # head width d / H
-    K1: tl.constexpr,       # lanes of the first tile: the largest power of two <= K
-    K2: tl.constexpr,       # lanes of the second tile: K - K1 (0: none)
-    K2_PAD: tl.constexpr,   # next power of two >= K2 (1 when K2 = 0)
-    H_PAD: tl.constexpr,    # next power of two >= H
-    G: tl.constexpr,        # sites routed together
-    G_PAD: tl.constexpr,    # next power of two >= G
+    D: tl.constexpr, H: tl.constexpr, K: tl.constexpr,    # width d, heads, head width d / H
+    K1: tl.constexpr, K2: tl.constexpr,   # the two tiles' lanes: largest power of 2 <= K; K - K1
+    K2_PAD: tl.constexpr, H_PAD: tl.constexpr,  # next powers of 2 >= K2 (1 when K2 = 0) and >= H
+    G: tl.constexpr, G_PAD: tl.constexpr,       # sites routed together, next power of 2 >= G
     INIT: tl.constexpr,     # each site continues a partial state instead of starting empty
     SPLIT: tl.constexpr,    # bf16 outputs: also store the remainder out − bf16(out), in bf16
     NUM_STAGES: tl.constexpr,
 ):
-    program = tl.program_id(0)
-    first = program.to(tl.int64) * per_program      # int64: pos · d passes 2^31 at large B·T
+    first = tl.program_id(0).to(tl.int64) * per_program     # int64: pos · d can pass 2^31
     last = tl.minimum(first + per_program, M)
     cols1, cols2, mask1, mask2 = _row_tiles(K, K1, K2, K2_PAD, H, H_PAD)
-    sites = tl.arange(0, G_PAD)
-    heads = tl.arange(0, H_PAD)
+    sites, heads = tl.arange(0, G_PAD), tl.arange(0, H_PAD)
     site_mask = sites < G
-    state_mask = site_mask[:, None] & (heads[None, :] < H)                         # (G_PAD, H_PAD)
-    tile1 = site_mask[:, None, None] & mask1[None, :, :]                           # (G_PAD, H_PAD, K1)
-    tile2 = site_mask[:, None, None] & mask2[None, :, :]                           # (.., K2_PAD)
+    state_mask = site_mask[:, None] & (heads[None, :] < H)            # (G_PAD, H_PAD)
+    tile1 = site_mask[:, None, None] & mask1[None, :, :]              # (G_PAD, H_PAD, K1)
+    tile2 = site_mask[:, None, None] & mask2[None, :, :]              # (G_PAD, H_PAD, K2_PAD)
     qg1 = tl.load(qg_ptr + sites[:, None, None] * D + cols1[None, :, :], mask=tile1, other=0.0)
     qg2 = tl.load(qg_ptr + sites[:, None, None] * D + cols2[None, :, :], mask=tile2, other=0.0)
-    site_table = table_ptr + N + sites * (FORWARD_ENTRIES + INIT_ENTRIES if INIT else FORWARD_ENTRIES)
+    site_table = table_ptr + N + sites * (FORWARD_ENTRIES + INIT * INIT_ENTRIES)
     out_at = _addresses(site_table, site_mask, SOURCE)
     rest_at = _addresses(site_table + 1, site_mask, SOURCE)
     lse_at = _addresses(site_table + 2, site_mask, tl.float32)
     if INIT:
-        init_table = site_table + FORWARD_ENTRIES
-        init_out_at = _addresses(init_table, site_mask, SOURCE)
-        init_rest_at = _addresses(init_table + 1, site_mask, SOURCE)
-        init_lse_at = _addresses(init_table + 2, site_mask, tl.float32)
+        init_out_at = _addresses(site_table + FORWARD_ENTRIES, site_mask, SOURCE)
+        init_rest_at = _addresses(site_table + FORWARD_ENTRIES + 1, site_mask, SOURCE)
+        init_lse_at = _addresses(site_table + FORWARD_ENTRIES + 2, site_mask, tl.float32)
 
     for pos in range(first, last):
-        row1 = pos * D + cols1[None, :, :]
-        row2 = pos * D + cols2[None, :, :]
+        row1, row2 = pos * D + cols1[None, :, :], pos * D + cols2[None, :, :]
         state = pos * H + heads[None, :]
-        if INIT:    # a normalized partial state (out, lse) is the online softmax (max lse, sum 1, acc out)
+        if INIT:    # a normalized (out, lse) is the online softmax state (max lse, sum 1, acc out)
             acc1 = tl.load(init_out_at[:, None, None] + row1, mask=tile1, other=0.0).to(tl.float32)
             acc2 = tl.load(init_out_at[:, None, None] + row2, mask=tile2, other=0.0).to(tl.float32)
             if SPLIT:
-                acc1 += tl.load(init_rest_at[:, None, None] + row1, mask=tile1, other=0.0).to(tl.float32)
-                acc2 += tl.load(init_rest_at[:, None, None] + row2, mask=tile2, other=0.0).to(tl.float32)
+                init_rest1 = tl.load(init_rest_at[:, None, None] + row1, mask=tile1, other=0.0)
+                init_rest2 = tl.load(init_rest_at[:, None, None] + row2, mask=tile2, other=0.0)
+                acc1 += init_rest1.to(tl.float32)
+                acc2 += init_rest2.to(tl.float32)
             row_max = tl.load(init_lse_at[:, None] + state, mask=state_mask, other=0.0)
             row_sum = tl.full([G_PAD, H_PAD], 1.0, tl.float32)
         else:
-            acc1 = tl.zeros([G_PAD, H_PAD, K1], tl.float32)                     # Σ_n exp(ℓ_n − max)·V_n
+            acc1 = tl.zeros([G_PAD, H_PAD, K1], tl.float32)                # Σ_n exp(ℓ_n − max)·V_n
             acc2 = tl.zeros([G_PAD, H_PAD, K2_PAD], tl.float32)
-            row_max = tl.full([G_PAD, H_PAD], float("-inf"), tl.float32)        # online softmax per head
+            row_max = tl.full([G_PAD, H_PAD], float("-inf"), tl.float32)   # online softmax per head
             row_sum = tl.zeros([G_PAD, H_PAD], tl.float32)
         for n in tl.range(0, N, num_stages=NUM_STAGES):
-            source = tl.multiple_of(tl.load(table_ptr + n).to(tl.pointer_type(SOURCE)), 16) + pos * D
+            source = tl.load(table_ptr + n).to(tl.pointer_type(SOURCE))
+            source = tl.multiple_of(source, 16) + pos * D
             v1 = tl.load(source + cols1, mask=mask1, other=0.0).to(tl.float32)   # (H_PAD, K1)
             v2 = tl.load(source + cols2, mask=mask2, other=0.0).to(tl.float32)   # (H_PAD, K2_PAD)
-            r = tl.rsqrt((tl.sum(v1 * v1) + tl.sum(v2 * v2)) / D + eps)         # over the full width
-            logit = r * (tl.sum(qg1 * v1[None, :, :], axis=2) + tl.sum(qg2 * v2[None, :, :], axis=2))
+            r = tl.rsqrt((tl.sum(v1 * v1) + tl.sum(v2 * v2)) / D + eps)    # over the full width
+            logit = r * (tl.sum(qg1 * v1[None, :, :], axis=2)
+                         + tl.sum(qg2 * v2[None, :, :], axis=2))           # (G_PAD, H_PAD)
             new_max = tl.maximum(row_max, logit)
             rescale = tl.exp(row_max - new_max)
             weight = tl.exp(logit - new_max)
@@ -216,8 +198,7 @@ def _route_forward_kernel(
             acc1 = acc1 * rescale[:, :, None] + weight[:, :, None] * v1[None, :, :]
             acc2 = acc2 * rescale[:, :, None] + weight[:, :, None] * v2[None, :, :]
             row_max = new_max
-        out1 = acc1 / row_sum[:, :, None]
-        out2 = acc2 / row_sum[:, :, None]
+        out1, out2 = acc1 / row_sum[:, :, None], acc2 / row_sum[:, :, None]
         tl.store(out_at[:, None, None] + row1, out1.to(SOURCE), mask=tile1)
         tl.store(out_at[:, None, None] + row2, out2.to(SOURCE), mask=tile2)
         if SPLIT:   # out = bf16(out) + remainder, to ~16 bits: backward and phase 2 read both
@@ -228,35 +209,30 @@ def _route_forward_kernel(
         tl.store(lse_at[:, None] + state, row_max + tl.log(row_sum), mask=state_mask)
 
 
-@triton.jit(do_not_specialize=["N", "M", "per_program", "row0", "own_lo", "fresh_lo", "given_sites"])
+@triton.jit(do_not_specialize=["N", "M", "per_program", "row0", "own_lo", "fresh_lo",
+                               "given_sites"])
 def _route_backward_kernel(
-    table_ptr,          # int64 addresses: the N sources, then per site its output, the output's
-                        # remainder, output gradient, lse, and the coupling given for a partial
-                        # state (any address for a complete site); with INIT also the lse of the partial state
-                        # it continues and where that state's output gradient and coupling go
+    table_ptr,          # int64 addresses: the N sources', then BACKWARD_ENTRIES per site (and
+                        # INIT_ENTRIES more with INIT), as laid out above FORWARD_ENTRIES
     qg_ptr,             # [G, D] fp32: q ⊙ g of each site
     grads_ptr,          # [rows, M, D] fp32 source-gradient buffer: source n is row row0 + n
     owned_ptr,          # [N - own_lo, M, D] final gradients of sources own_lo.., in their dtype
-    qg_grad_ptr,        # [programs, G, D] fp32: each program's Σ over positions and sources of dℓ·r·V
-    N,                  # number of sources to read
-    M,                  # number of positions B·T
-    per_program,        # positions handled by each program
+    qg_grad_ptr,        # [programs, G, D] fp32: per program, Σ of dℓ·r·V over positions, sources
+    N, M, per_program,  # as in the forward
     row0,               # buffer row of source 0
     own_lo,             # sources own_lo.. are complete after this launch: written to owned_ptr
     fresh_lo,           # sources fresh_lo.. have no earlier gradient: rows written, not added to
-    given_sites,        # a bit per site whose coupling is given (a partial state)
+    given_sites,        # a bit per site whose coupling is given (a partial state: Spec.continued)
     eps,                # RMSNorm epsilon
     SOURCE: tl.constexpr, D: tl.constexpr, H: tl.constexpr, K: tl.constexpr, K1: tl.constexpr,
     K2: tl.constexpr, K2_PAD: tl.constexpr, H_PAD: tl.constexpr, G: tl.constexpr,
-    G_PAD: tl.constexpr, INIT: tl.constexpr, SPLIT: tl.constexpr,
-    NUM_STAGES: tl.constexpr,                                               # as in the forward
+    G_PAD: tl.constexpr, INIT: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     # The sites' states are tuples of G (H_PAD, K) tiles, one per site, rather than (G_PAD, H_PAD,
     # K) tiles: the three a program keeps through its loops (q ⊙ g, the output gradients, the
     # gradient of q ⊙ g) hold no padded sites, and a row's (H_PAD, K) tensors are not copied to
     # every warp that holds other sites, so that 16 warps stay resident on an SM (docs/kernels.md).
-    program = tl.program_id(0)
-    first = program.to(tl.int64) * per_program
+    first = tl.program_id(0).to(tl.int64) * per_program
     last = tl.minimum(first + per_program, M)
     cols1, cols2, mask1, mask2 = _row_tiles(K, K1, K2, K2_PAD, H, H_PAD)
     heads = tl.arange(0, H_PAD)
@@ -267,22 +243,22 @@ def _route_backward_kernel(
         qg2 += (tl.load(qg_ptr + i * D + cols2, mask=mask2, other=0.0),)
         qg_grad1 += (tl.zeros([H_PAD, K1], tl.float32),)                    # Σ dℓ·r·V per site
         qg_grad2 += (tl.zeros([H_PAD, K2_PAD], tl.float32),)
-    row_stride = M.to(tl.int64) * D                 # int64: rows · B·T·d passes 2^31 at large batches
+    row_stride = M.to(tl.int64) * D                 # int64: rows · B·T·d passes 2^31 at large B·T
 
     for pos in range(first, last):
-        row1 = pos * D + cols1
-        row2 = pos * D + cols2
+        row1, row2 = pos * D + cols1, pos * D + cols2
         state = pos * H + heads
         dout1, dout2, lse, coupling = (), (), (), ()
         for i in tl.static_range(G):
             # the site's addresses, loaded again at each position: kept, 64-bit scalars (5 to 8 a
-            # site: BACKWARD_ENTRIES, + INIT_ENTRIES), they would take registers 16 warps need
-            site_table = table_ptr + N + i * (BACKWARD_ENTRIES + INIT_ENTRIES if INIT else BACKWARD_ENTRIES)
+            # site), they would take the registers that 16 resident warps need
+            site_table = table_ptr + N + i * (BACKWARD_ENTRIES + INIT * INIT_ENTRIES)
             out_at = _address(site_table, SOURCE)
             rest_at = _address(site_table + 1, SOURCE)
             dout_at = _address(site_table + 2, SOURCE)
             lse_at = _address(site_table + 3, tl.float32)
             given = ((tl.full([1], given_sites, tl.int32) >> i) & 1) != 0   # a partial state
+            complete = given == 0                                           # its output is read
             given_at = _address(site_table + 4, tl.float32)
             d1 = tl.load(dout_at + row1, mask=mask1, other=0.0).to(tl.float32)
             d2 = tl.load(dout_at + row2, mask=mask2, other=0.0).to(tl.float32)
@@ -292,18 +268,17 @@ def _route_backward_kernel(
             # rowsum(dO ∘ O)). A bf16 output's rounding would cost c most of its digits where the
             # sources are alike: out is read with its remainder, to ~16 bits. A partial state's c
             # comes from the phase 2 that continued it, exact (below): its output is not read.
-            out1 = tl.load(out_at + row1, mask=mask1 & (given == 0), other=0.0).to(tl.float32)
-            out2 = tl.load(out_at + row2, mask=mask2 & (given == 0), other=0.0).to(tl.float32)
+            out1 = tl.load(out_at + row1, mask=mask1 & complete, other=0.0).to(tl.float32)
+            out2 = tl.load(out_at + row2, mask=mask2 & complete, other=0.0).to(tl.float32)
             if SPLIT:
-                out1 += tl.load(rest_at + row1, mask=mask1 & (given == 0), other=0.0).to(tl.float32)
-                out2 += tl.load(rest_at + row2, mask=mask2 & (given == 0), other=0.0).to(tl.float32)
+                out1 += tl.load(rest_at + row1, mask=mask1 & complete, other=0.0).to(tl.float32)
+                out2 += tl.load(rest_at + row2, mask=mask2 & complete, other=0.0).to(tl.float32)
             c = (tl.sum(d1 * out1, axis=1) + tl.sum(d2 * out2, axis=1)
                  + tl.load(given_at + state, mask=head_mask & given, other=0.0))
             if INIT:    # out = β·init_out + Σ_n α_n·V_n, with β = exp(init_lse − lse)
-                init_table = site_table + BACKWARD_ENTRIES
-                init_lse_at = _address(init_table, tl.float32)
-                init_dout_at = _address(init_table + 1, SOURCE)
-                init_coupling_at = _address(init_table + 2, tl.float32)
+                init_lse_at = _address(site_table + BACKWARD_ENTRIES, tl.float32)
+                init_dout_at = _address(site_table + BACKWARD_ENTRIES + 1, SOURCE)
+                init_coupling_at = _address(site_table + BACKWARD_ENTRIES + 2, tl.float32)
                 beta = tl.exp(tl.load(init_lse_at + state, mask=head_mask, other=0.0) - lse[i])
                 tl.store(init_dout_at + row1, (beta[:, None] * d1).to(SOURCE), mask=mask1)
                 tl.store(init_dout_at + row2, (beta[:, None] * d2).to(SOURCE), mask=mask2)
@@ -312,7 +287,8 @@ def _route_backward_kernel(
                 tl.store(init_coupling_at + state, beta * c, mask=head_mask)
             dout1, dout2, coupling = dout1 + (d1,), dout2 + (d2,), coupling + (c,)
         for n in tl.range(0, N, num_stages=NUM_STAGES):
-            source = tl.multiple_of(tl.load(table_ptr + n).to(tl.pointer_type(SOURCE)), 16) + pos * D
+            source = tl.load(table_ptr + n).to(tl.pointer_type(SOURCE))
+            source = tl.multiple_of(source, 16) + pos * D
             v1 = tl.load(source + cols1, mask=mask1, other=0.0).to(tl.float32)   # (H_PAD, K1)
             v2 = tl.load(source + cols2, mask=mask2, other=0.0).to(tl.float32)   # (H_PAD, K2_PAD)
             # The gradient row is loaded before any reduction, so both loads are in flight at once.
@@ -322,8 +298,8 @@ def _route_backward_kernel(
             earlier1 = tl.load(grad_row + cols1, mask=mask1 & (index < fresh_lo), other=0.0)
             earlier2 = tl.load(grad_row + cols2, mask=mask2 & (index < fresh_lo), other=0.0)
             r = tl.rsqrt((tl.sum(v1 * v1) + tl.sum(v2 * v2)) / D + eps)
-            # dV_n = r·(g ⊙ dk) − (r³/d)·<g ⊙ dk, V_n>·V_n + Σ_sites α_n ⊙ dout, with g ⊙ dk =
-            # Σ_sites dℓ_n·(q ⊙ g) per head, and <g ⊙ dk, V_n> = Σ_sites,heads dℓ_n·<q ⊙ g, V_n>
+            # dV_n = r·(g ⊙ dk) − (r³/d)·<g ⊙ dk, V_n>·V_n + Σ_sites α_n ⊙ dout, with per head
+            # g ⊙ dk = Σ_sites dℓ_n·(q ⊙ g), and <g ⊙ dk, V_n> = Σ_sites,heads dℓ_n·<q ⊙ g, V_n>
             g_dk1 = tl.zeros([H_PAD, K1], tl.float32)
             g_dk2 = tl.zeros([H_PAD, K2_PAD], tl.float32)
             value1 = tl.zeros([H_PAD, K1], tl.float32)
@@ -331,9 +307,10 @@ def _route_backward_kernel(
             dk_v = tl.zeros([H_PAD], tl.float32)
             sums1, sums2 = (), ()
             for i in tl.static_range(G):
-                raw = tl.sum(qg1[i] * v1, axis=1) + tl.sum(qg2[i] * v2, axis=1)          # (H_PAD,)
+                raw = tl.sum(qg1[i] * v1, axis=1) + tl.sum(qg2[i] * v2, axis=1)     # (H_PAD,)
                 alpha = tl.where(head_mask, tl.exp(r * raw - lse[i]), 0.0)
-                dlogit = alpha * (tl.sum(dout1[i] * v1, axis=1) + tl.sum(dout2[i] * v2, axis=1) - coupling[i])
+                dlogit = alpha * (tl.sum(dout1[i] * v1, axis=1) + tl.sum(dout2[i] * v2, axis=1)
+                                  - coupling[i])
                 g_dk1 += dlogit[:, None] * qg1[i]
                 g_dk2 += dlogit[:, None] * qg2[i]
                 value1 += alpha[:, None] * dout1[i]
@@ -380,7 +357,6 @@ def memoized(fn):
     pure function of constants, which torch.compile calls rather than traces: traced, the cache's
     "key not in dict" became a guard that the first fill broke, a recompile."""
     results = {}
-
     @functools.wraps(fn)
     def cached(*args):
         if args not in results:
@@ -392,43 +368,42 @@ def memoized(fn):
 
 @memoized
 def layout(width, heads, sites):
-    """The constexprs of a launch routing `sites` sites at this width and head count; raises on
-    what the kernels cannot hold."""
+    """The constexprs of a launch of `sites` sites at this width and heads; raises if they can't."""
     if width % heads != 0:
         raise ValueError(f"the width d={width} must be divisible by heads={heads}")
     K = width // heads
     K1 = 1 << (K.bit_length() - 1)                  # the largest power of two <= K
     K2 = K - K1
-    config = dict(D=width, H=heads, K=K, K1=K1, K2=K2, K2_PAD=triton.next_power_of_2(K2) if K2 else 1,
-                  H_PAD=triton.next_power_of_2(heads), G=sites, G_PAD=triton.next_power_of_2(sites))
+    pad = triton.next_power_of_2
+    config = dict(D=width, H=heads, K=K, K1=K1, K2=K2, K2_PAD=pad(K2) if K2 else 1,
+                  H_PAD=pad(heads), G=sites, G_PAD=pad(sites))
     if _tile(config) > MAX_TILE:
-        raise ValueError(f"fused routing holds {sites} site(s) of width d={width} as {_tile(config)} "
-                         f"fp32 lanes per tile; past {MAX_TILE} they do not fit in one program: use a "
-                         f"smaller fused_group, or fused=False for this width")
+        raise ValueError(f"fused routing holds {sites} site(s) of width d={width} as "
+                         f"{_tile(config)} fp32 lanes per tile; past {MAX_TILE} they do not fit in "
+                         f"one program: use a smaller fused_group, or fused=False for this width")
     return config
 
 
 def _tile(config):
-    """Lanes of a (G, H, K) tile of the sites' states (the second tile included, when there is one)."""
+    """Lanes of a (G, H, K) tile of the sites' states (with the second tile, when there is one)."""
     lanes = config["K1"] + (config["K2_PAD"] if config["K2"] else 0)
     return config["G_PAD"] * config["H_PAD"] * lanes
 
 
 def _fits(width, heads, sites):
     try:
-        layout(width, heads, sites)
+        return bool(layout(width, heads, sites))
     except ValueError:
         return False
-    return True
 
 
 def _num_warps(config, backward):
     # Tiles of up to 1024 lanes take 4 warps, so that each thread still loads several contiguous
-    # elements of a row at a time. Larger ones: the forward spills at 8 warps past 4096 lanes, not
-    # at 16. The backward keeps 3·G rows of its sites: G·d <= 4096 fit 2 CTAs of 8 warps under 128
-    # registers (100M); more take 16 warps, whose 128 registers hold them (350M; 1B with
-    # _num_stages' two stages), so that 16 warps stay resident on an SM (docs/kernels.md). A
-    # one-site backward of 1024 lanes takes 8 (at 4, 350M's fp32 phase 2 spilled 8 bytes).
+    # elements of a row at a time. Larger: the forward spills at 8 warps past 4096 lanes, not at
+    # 16. The backward keeps 3·G rows: G·d <= 4096 fit 2 CTAs of 8 warps under 128 registers
+    # (100M); more take 16 warps, whose 128 registers hold them (350M; 1B with _num_stages' two
+    # stages), so that 16 warps stay resident on an SM (docs/kernels.md). A one-site backward of
+    # 1024 lanes takes 8 (at 4, 350M's fp32 phase 2 spilled 8 bytes).
     tile = _tile(config)
     if backward:
         return 4 if tile < 1024 else 8 if config["G"] * config["D"] <= 4096 else 16
@@ -460,7 +435,7 @@ def _programs(M, target=None, warps=8):
     else:
         grid = INTERPRETED_PROGRAMS
     per_program = -(-M // grid)
-    return per_program, -(-M // per_program)          # ceiling divisions (triton.cdiv: 5 µs a call)
+    return per_program, -(-M // per_program)        # ceiling divisions (triton.cdiv: 5 µs a call)
 
 
 @memoized
@@ -479,12 +454,13 @@ def _address_table(addresses, like, table=None):
     """The kernels read their tensors through a table of addresses (no copy into one buffer),
     written on the device by _table_kernel, TABLE_CHUNK entries a launch: nothing goes up from the
     host, which never waits, and a CUDA graph captures the launch. Every entry is a 16-byte aligned
-    int64 (the callers write an absent tensor's as the first's), so one kernel variant serves all."""
+    int64 (the callers write an absent tensor's as the first's): one kernel variant serves all."""
     entries = addresses + addresses[:1] * (_chunks(len(addresses)) - len(addresses))
-    if table is None:                                           # (a history gives each launch one)
-        table = like.new_empty(len(entries), dtype=torch.int64)         # on like's device
-    elif table.numel() < len(entries):          # the kernel would write past it, into other tables
-        raise RuntimeError(f"an address table of {table.numel()} entries for {len(addresses)} addresses")
+    if table is None:                                       # (a history gives each launch one)
+        table = like.new_empty(len(entries), dtype=torch.int64)     # on like's device
+    elif table.numel() < len(entries):      # the kernel would write past it, into other tables
+        raise RuntimeError(f"an address table of {table.numel()} entries for "
+                           f"{len(addresses)} addresses")
     for offset in range(0, len(entries), TABLE_CHUNK):
         _table_kernel[(1,)](table, offset, tuple(entries[offset:offset + TABLE_CHUNK]), num_warps=1)
     return table
@@ -506,15 +482,15 @@ def check_available(device=None):
 
 
 def check_sources(sources, heads, sites):
-    """The layout of a launch over these sources (each (B, T, d)); raises on a dtype or shape the
-    kernels cannot route together."""
+    """The layout of a launch over these sources (B, T, d); raises on dtypes or shapes it cannot."""
     first = sources[0]
     if first.dtype not in SOURCE_TYPES:
         raise TypeError(f"fused routing stores sources in float32 or bfloat16, got {first.dtype}")
     for source in sources:
         if source.shape != first.shape or source.dtype != first.dtype:
-            raise ValueError(f"fused routing needs sources of one shape and dtype, got {tuple(source.shape)} "
-                             f"{source.dtype} next to {tuple(first.shape)} {first.dtype}")
+            raise ValueError(f"fused routing needs sources of one shape and dtype, got "
+                             f"{tuple(source.shape)} {source.dtype} next to {tuple(first.shape)} "
+                             f"{first.dtype}")
     return layout(first.shape[-1], heads, sites)
 
 
@@ -545,57 +521,54 @@ def _route_forward(*, sources, qg, init, heads, eps, addresses=None, lses=None, 
     if lses is None:
         lse = source.new_empty((*source.shape[:-1], heads), dtype=torch.float32)
         lses = [lse, *[torch.empty_like(lse) for _ in range(G - 1)]]
-    per_site = [[outs[i], rests[i], lses[i], *init[i::G]] for i in range(G)]
-    table = _address_table(addresses + [t.data_ptr() or addresses[0] for site in per_site for t in site],
-                           source, table)           # (an fp32 output's remainder is empty: no address)
-    per_program, programs, constexprs = _launch_constants(width, heads, G, source.dtype, bool(init), False, M)
+    # per site as laid out above FORWARD_ENTRIES (an fp32 output's remainder is empty: no address)
+    per_site = [t for i in range(G) for t in (outs[i], rests[i], lses[i], *init[i::G])]
+    table = _address_table(addresses + [t.data_ptr() or addresses[0] for t in per_site], source,
+                           table)
+    per_program, programs, constexprs = _launch_constants(width, heads, G, source.dtype, bool(init),
+                                                          False, M)
     _route_forward_kernel[(programs,)](table, qg, len(addresses), M, per_program, eps, **constexprs)
     return outs, rests, lses
 
 
 def _route_backward(grads, owned, qg_grads, init_grads, *, sources, qg, outs, rests, douts, lses,
-                    couplings, init_lse, heads, eps, row0, own_lo, fresh_lo, continued, addresses=None,
-                    table=None):
+                    couplings, init_lse, heads, eps, row0, own_lo, fresh_lo, continued,
+                    addresses=None, table=None):
     """Add the gradients of `sources` into rows row0.. of the fp32 buffer `grads` (in place); write
     the final gradients of sources own_lo.. into `owned` (their dtype), each program's partial
     gradient of qg into `qg_grads` (programs, G, d), and the output gradient and coupling of the
     partial state whose lse is `init_lse` ([] or [lse]: phase 2) into init_grads. couplings: per
     site None, or for a partial state the coupling its phase 2 handed back (whose output and
-    remainder the kernel does not read: they may be None); `continued` has a bit for each of
-    those (Spec.continued). douts: contiguous, one per site. addresses, table: as _route_forward's."""
-    source, G = douts[0], qg.shape[0]               # an output gradient has the sources' shape and dtype
+    remainder the kernel does not read: they may be None); `continued` has a bit for each of those
+    (Spec.continued). douts: contiguous, one per site. addresses, table: as _route_forward's."""
+    source, G = douts[0], qg.shape[0]       # an output gradient has the sources' shape and dtype
     if addresses is None:
         sources, addresses = _checked(sources, heads, G)
     width = source.shape[-1]
     M = source.numel() // width
-    per_site = [[outs[i], rests[i], douts[i], lses[i], couplings[i], *init_lse, *init_grads]
-                for i in range(G)]
+    per_site = [t for i in range(G)             # as laid out above FORWARD_ENTRIES
+                for t in (outs[i], rests[i], douts[i], lses[i], couplings[i], *init_lse,
+                          *init_grads)]
     table = _address_table(addresses + [(t.data_ptr() if t is not None else 0) or addresses[0]
-                                        for site in per_site for t in site], source, table)
-    per_program, programs, constexprs = _launch_constants(width, heads, G, source.dtype, bool(init_lse), True, M)
-    _route_backward_kernel[(programs,)](
-        table, qg, grads, owned, qg_grads, len(addresses), M, per_program, row0, own_lo, fresh_lo, continued,
-        eps, **constexprs)
+                                        for t in per_site], source, table)
+    per_program, programs, constexprs = _launch_constants(width, heads, G, source.dtype,
+                                                          bool(init_lse), True, M)
+    _route_backward_kernel[(programs,)](table, qg, grads, owned, qg_grads, len(addresses), M,
+                                        per_program, row0, own_lo, fresh_lo, continued, eps,
+                                        **constexprs)
 
 
 # %% Autograd: one launch, two ways in
-#
-# A launch routes G sites over a list of sources, optionally continuing a partial state. It
-# makes per site an output, its remainder (a bf16 output's rounding error, which backward and
-# phase 2 add back) and its log-sum-exp, and passes on the carrier: a tensor of the gradient
-# buffer's shape and no memory (a stride-0 view of one element), whose gradient autograd hands
-# from launch to launch backward, exactly in reverse order, under torch.compile too.
-#
-# torch.compile traces the custom operators route_sites and route_sites_backward, every state and
-# q ⊙ g an input or output (traced code cannot read addresses). Eager code goes through RouteSites,
-# a torch.autograd.Function: the operators' dispatch of tensor lists costs the host a few hundred
-# µs per launch, the Function a few µs. Both run the functions below.
+# A launch makes per site an output, its remainder (a bf16 output's rounding error, which backward
+# and phase 2 add back) and its lse, and passes on the carrier (a stride-0 view of one element),
+# whose gradient autograd hands from launch to launch backward in exactly reverse order, compiled
+# too. Traced, every state and q ⊙ g is an input or output of the custom operators (traced code
+# cannot read addresses); eager code's RouteSites costs the host a few µs a launch, where the
+# operators' dispatch of tensor lists costs a few hundred. Both run the functions below.
 
 Spec = namedtuple("Spec", "heads eps rows row0 own_lo fresh_lo last continued")
-Spec.__doc__ = """A launch's ints, in the order of route_sites's last parameters: H, the norm's
-eps, the rows of the gradient buffer, the row of its first source, and which sources it completes
-(own_lo..) and touches first (fresh_lo..) in backward; `last`: the last launch of a forward (it
-hands no buffer on); `continued`: a bit per site whose state a phase 2 continues (see Launch)."""
+Spec.__doc__ = """A launch's ints, in route_sites's order: H, the norm's eps, the gradient buffer's
+rows, its first source's row, own_lo, fresh_lo, `last` (hands no buffer on), `continued`."""
 
 
 def _carrier(like, rows):
@@ -606,27 +579,28 @@ def _launch_backward(backward, spec, *, sources, qg, outs, rests, lses, init_lse
                      dcarrier, addresses=None, table=None, qg_grads=None):
     """The gradients of one launch's inputs, from those of its outputs: (the gradient buffer the
     carrier hands back, the final gradients of the sources it completes, q ⊙ g's per program
-    (programs, G, d), and the output gradient and coupling of the partial state it continues:
-    [] without one). outs, rests, lses: as the forward made them; douts per site (None: no
-    gradient); couplings per site (None: a complete site); `backward` runs the kernel
-    (_route_backward, or the operator through _traced_backward). sources: all, or (with their
-    addresses and table) any list led by the first. qg_grads: for q ⊙ g's partials (None: new)."""
+    (programs, G, d), the output gradient and coupling of the partial state it continues: []
+    without one). outs, rests, lses: as the forward made them; douts, couplings per site (None: no
+    gradient, a complete site); `backward` runs the kernel (_route_backward, or the operator
+    through _traced_backward). sources: all, or (with their addresses and table) any list led by
+    the first. qg_grads: for q ⊙ g's partials (None: new)."""
     like = sources[0]                                    # of the sources' shape and dtype
     douts = [torch.zeros_like(like) if d is None else d.contiguous() for d in douts]
     # the forward's last launch is the first in backward: no gradient yet, every row it reads fresh
-    buffer = like.new_empty((spec.rows, *like.shape), dtype=torch.float32) if spec.last else dcarrier.contiguous()
-    n_owned = (len(sources) if addresses is None else len(addresses)) - spec.own_lo   # 1 mostly: no unbind
+    buffer = (like.new_empty((spec.rows, *like.shape), dtype=torch.float32) if spec.last
+              else dcarrier.contiguous())
+    n_owned = (len(sources) if addresses is None else len(addresses)) - spec.own_lo  # 1 mostly
     owned = torch.empty_like(like) if n_owned == 1 else like.new_empty((n_owned, *like.shape))
     if qg_grads is None:
         M, (G, d) = like.numel() // like.shape[-1], qg.shape
-        qg_grads = qg.new_empty((_backward_programs(M, d, spec.heads, G), G, d))         # fp32, as qg
+        qg_grads = qg.new_empty((_backward_programs(M, d, spec.heads, G), G, d))    # fp32, as qg
     init_lse = [] if init_lse is None else [init_lse]
     init_grads = [torch.empty_like(like), torch.empty_like(init_lse[0])] if init_lse else []
     # the tensors it writes first, then what it reads
     backward(buffer, owned, qg_grads, init_grads, sources=sources, qg=qg, outs=outs, rests=rests,
              douts=douts, lses=lses, couplings=couplings, init_lse=init_lse, heads=spec.heads,
-             eps=spec.eps, row0=spec.row0, own_lo=spec.own_lo, fresh_lo=spec.fresh_lo, continued=spec.continued,
-             addresses=addresses, table=table)
+             eps=spec.eps, row0=spec.row0, own_lo=spec.own_lo, fresh_lo=spec.fresh_lo,
+             continued=spec.continued, addresses=addresses, table=table)
     return buffer, [owned] if n_owned == 1 else list(owned.unbind(0)), qg_grads, init_grads
 
 
@@ -636,14 +610,12 @@ def _launch_backward(backward, spec, *, sources, qg, outs, rests, lses, init_lse
 def route_sites(carrier: Tensor, sources: list[Tensor], qg: Tensor, init: list[Tensor], heads: int,
                 eps: float, rows: int, row0: int, own_lo: int, fresh_lo: int, last: bool,
                 continued: int) -> list[Tensor]:
-    """Route the G = len(qg) sites over `sources`: [out × G, remainder × G, lse × G, carrier].
-
-    The sources are rows row0.. of the history's gradient buffer (an extra source past them, a
-    block's partial sum, has no row); init: [] or the (out, remainder, lse) of the partial state a
-    phase 2 continues; the ints: Spec's. The last launch of a forward passes on an empty carrier:
-    nothing consumes it, and a gradient for it would be zero-filled.
-    """
-    outs, rests, lses = _route_forward(sources=sources, qg=qg.contiguous(), init=init, heads=heads, eps=eps)
+    """Route the G = len(qg) sites over `sources` (rows row0.. of the gradient buffer; a partial
+    sum after them has none): [out × G, remainder × G, lse × G, carrier]. init: [] or the (out,
+    remainder, lse) of the partial state a phase 2 continues; the ints: Spec's. The forward's last
+    launch passes on an empty carrier: nothing consumes it; a gradient would be zero-filled."""
+    outs, rests, lses = _route_forward(sources=sources, qg=qg.contiguous(), init=init, heads=heads,
+                                       eps=eps)
     return [*outs, *rests, *lses, _carrier(sources[0], 0 if last else rows)]
 
 
@@ -651,8 +623,8 @@ def route_sites(carrier: Tensor, sources: list[Tensor], qg: Tensor, init: list[T
 def _(carrier, sources, qg, init, heads, eps, rows, row0, own_lo, fresh_lo, last, continued):
     source, G = sources[0], qg.shape[0]
     outs = [source.new_empty(source.shape) for _ in range(G)]
-    split = source.dtype == torch.bfloat16
-    rests = [source.new_empty(source.shape if split else 0) for _ in range(G)]
+    rests = [source.new_empty(source.shape if source.dtype == torch.bfloat16 else 0)
+             for _ in range(G)]
     lses = [source.new_empty((*source.shape[:-1], heads), dtype=torch.float32) for _ in range(G)]
     carrier = source.new_empty((), dtype=torch.float32).expand(0 if last else rows, *source.shape)
     return [*outs, *rests, *lses, carrier]
@@ -668,9 +640,10 @@ def route_sites_backward(grads: Tensor, owned: Tensor, qg_grads: Tensor, init_gr
                          init_lse: list[Tensor], heads: int, eps: float, row0: int, own_lo: int,
                          fresh_lo: int, continued: int) -> None:
     """Backward of one route_sites launch: _route_backward, writing into the first four."""
-    _route_backward(grads, owned, qg_grads, init_grads, sources=sources, qg=qg.contiguous(), outs=outs,
-                    rests=rests, douts=douts, lses=lses, couplings=couplings, init_lse=init_lse, heads=heads,
-                    eps=eps, row0=row0, own_lo=own_lo, fresh_lo=fresh_lo, continued=continued)
+    _route_backward(grads, owned, qg_grads, init_grads, sources=sources, qg=qg.contiguous(),
+                    outs=outs, rests=rests, douts=douts, lses=lses, couplings=couplings,
+                    init_lse=init_lse, heads=heads, eps=eps, row0=row0, own_lo=own_lo,
+                    fresh_lo=fresh_lo, continued=continued)
 
 
 def _traced_backward(grads, owned, qg_grads, init_grads, *, addresses, table, **reads):
@@ -679,7 +652,7 @@ def _traced_backward(grads, owned, qg_grads, init_grads, *, addresses, table, **
 
 
 def _setup_route_sites(ctx, inputs, output):
-    carrier, sources, qg, init, *ints = inputs          # route_sites's ints are Spec's fields, in order
+    carrier, sources, qg, init, *ints = inputs      # route_sites's ints: Spec's fields, in order
     G = qg.shape[0]
     ctx.save_for_backward(qg, *sources, *init, *output[:3 * G])
     ctx.counts, ctx.spec = (len(sources), len(init)), Spec(*ints)
@@ -688,19 +661,21 @@ def _setup_route_sites(ctx, inputs, output):
 def _route_sites_backward(ctx, grads):
     (n_sources, n_init), spec = ctx.counts, ctx.spec
     qg, *saved = ctx.saved_tensors
-    sources, init, states = saved[:n_sources], saved[n_sources:n_sources + n_init], saved[n_sources + n_init:]
+    sources, saved = saved[:n_sources], saved[n_sources:]
+    init, states = saved[:n_init], saved[n_init:]
     G = qg.shape[0]
     # the gradient of a continued site's lse is its coupling, handed back by its phase 2
     couplings = [d.contiguous() if spec.continued >> i & 1 else None
                  for i, d in enumerate(grads[2 * G:3 * G])]
     buffer, owned_grads, qg_grads, init_grads = _launch_backward(
         _traced_backward, spec, sources=sources, qg=qg, outs=states[:G], rests=states[G:2 * G],
-        lses=states[2 * G:], init_lse=init[2] if init else None, douts=grads[:G], couplings=couplings,
-        dcarrier=grads[3 * G])
+        lses=states[2 * G:], init_lse=init[2] if init else None, douts=grads[:G],
+        couplings=couplings, dcarrier=grads[3 * G])
     carrier_grad = buffer if ctx.needs_input_grad[0] else None
     init_grads = [init_grads[0], None, init_grads[1]] if init else []      # (out, remainder, lse)
-    qg_grad = qg_grads.sum(0)                           # over programs, in a fixed order: deterministic
-    return carrier_grad, [None] * spec.own_lo + owned_grads, qg_grad, init_grads, *[None] * len(Spec._fields)
+    qg_grad = qg_grads.sum(0)                       # over programs, in a fixed order: deterministic
+    return (carrier_grad, [None] * spec.own_lo + owned_grads, qg_grad, init_grads,
+            *[None] * len(Spec._fields))
 
 
 route_sites.register_autograd(_route_sites_backward, setup_context=_setup_route_sites)
@@ -714,20 +689,17 @@ def fused_route(V, q, g, heads, eps=1e-6):
         raise ValueError(f"q and g must have shape ({V.shape[-1]},) to match the sources, "
                          f"got {tuple(q.shape)} and {tuple(g.shape)}")
     qg = (q.float() * g.float())[None]                                         # (1, d)
-    return route_sites(_carrier(V[0], 0), list(V.unbind(0)), qg, [], heads=heads, eps=eps, rows=0, row0=0,
-                       own_lo=0, fresh_lo=0, last=True, continued=0)[0]
+    return route_sites(_carrier(V[0], 0), list(V.unbind(0)), qg, [], heads=heads, eps=eps, rows=0,
+                       row0=0, own_lo=0, fresh_lo=0, last=True, continued=0)[0]
 
 
 # %% Autograd for eager code: RouteSites, and what goes beside autograd
-#
-# Autograd sees only what it must: the carrier, the sources the launch completes and the outputs
-# of the sites it completes. What else goes between launches goes beside autograd, in the order
-# the carrier fixes (a later launch's backward runs first): a partial state from its phase 1 to
-# its phase 2 as a Partial, and its gradients back; each launch's per-program partials of q ⊙ g's
-# gradient, which the forward's first launch, the last backward, sums at once (QGGradients). The
-# sources' addresses are those FusedHistory checked once, when they were appended, and each
-# launch's address table a slice of one tensor per forward. (Each cut the host's time: `python
-# bench_kernel.py --host` measures it.)
+# Autograd sees only the carrier, the sources a launch completes and its sites' final outputs.
+# The rest goes beside autograd, in the order the carrier fixes (a later launch's backward runs
+# first): a partial state to its phase 2 and its gradients back (Partial); the per-program partials
+# of q ⊙ g's gradient (QGGradients). The sources' addresses are those FusedHistory checked once, at
+# append, and each launch's address table a slice of one tensor per forward. (Each cut the host's
+# time: `python bench_kernel.py --host` measures it.)
 
 class Partial:
     """A site's phase-1 state on its way to its phase 2, outside autograd (eager code): forward
@@ -739,9 +711,8 @@ class Partial:
 class QGGradients:
     """Where the launches of one forward (eager code) leave their per-program partial gradients of
     q ⊙ g, (programs, G, d) each: views of three tensors made at the first backward, for phase 1's
-    full groups, its last group when it is shorter, and phase 2's sites. The forward's first
-    launch, whose backward runs last, sums them: a few sums in a fixed order (deterministic), not
-    one per launch."""
+    full groups, its last group when shorter, and phase 2's sites. The forward's first launch, whose
+    backward runs last, sums them: a few sums in a fixed order (deterministic), not one a launch."""
 
     def __init__(self, n_sites, group, continued_sites):
         self.n_sites, self.group, self.continued_sites = n_sites, group, continued_sites
@@ -759,7 +730,8 @@ class QGGradients:
             self.slots = ([*self.buffers[0].unbind(0), self.buffers[1]], self.buffers[2].unbind(0),
                           {site: i for i, site in enumerate(self.continued_sites)})
         by_group, by_site, rank = self.slots
-        return by_group[launch.site // self.group] if launch.phase == 1 else by_site[rank[launch.site]]
+        return (by_group[launch.site // self.group] if launch.phase == 1
+                else by_site[rank[launch.site]])
 
     def total(self):
         """The gradient of q ⊙ g (S, d); the buffers go."""
@@ -769,7 +741,8 @@ class QGGradients:
         if last.shape[1]:
             grad = torch.cat([grad, last.sum(0)])
         if len(again):      # each row of a site with a phase 2 gets its sum once
-            grad = grad.index_add(0, _index(self.continued_sites, grad.device), again.sum(1).flatten(0, 1))
+            grad = grad.index_add(0, _index(self.continued_sites, grad.device),
+                                  again.sum(1).flatten(0, 1))
         return grad
 
 
@@ -791,15 +764,15 @@ class RouteSites(torch.autograd.Function):
     """One launch in eager code: RouteSites.apply(carrier, qg_all, call, *sources[spec.own_lo:])
     -> (the output of each site it completes, carrier), `call` a Call. A list argument is not an
     input: the cost of a call does not grow with the sources it reads. Nor is q ⊙ g, but for the
-    forward's first launch (qg_all, (S, d)): each backward leaves its per-program partials in
-    QGGradients, and the first launch's, which runs last, sums them all at once."""
+    forward's first launch (qg_all, (S, d)), whose backward runs last and sums QGGradients."""
 
     @staticmethod
     def forward(ctx, carrier, qg_all, call, *completed):
         init = call.init
         outs, rests, lses = _route_forward(
             sources=call.sources, qg=call.qg, init=[init.out, init.rest, init.lse] if init else [],
-            heads=call.spec.heads, eps=call.spec.eps, addresses=call.addresses, lses=call.lses, table=call.table)
+            heads=call.spec.heads, eps=call.spec.eps, addresses=call.addresses, lses=call.lses,
+            table=call.table)
         if init:
             init.out = init.rest = None                  # free: only the lse is read again
         finals = []
@@ -832,13 +805,14 @@ class RouteSites(torch.autograd.Function):
         heads = call.spec.heads
         slot = call.qg_parts.slot(call.launch, call.qg, ctx.lses[0].numel() // heads, heads)
         buffer, source_grads, _, init_grads = _launch_backward(
-            _route_backward, call.spec, sources=call.sources, qg=call.qg, outs=outs, rests=ctx.rests,
-            lses=ctx.lses, init_lse=call.init.lse if call.init else None, douts=douts, couplings=couplings,
-            dcarrier=grads[-1], addresses=call.addresses, table=call.table, qg_grads=slot)
+            _route_backward, call.spec, sources=call.sources, qg=call.qg, outs=outs,
+            rests=ctx.rests, lses=ctx.lses, init_lse=call.init.lse if call.init else None,
+            douts=douts, couplings=couplings, dcarrier=grads[-1], addresses=call.addresses,
+            table=call.table, qg_grads=slot)
         if call.init:
             call.init.grads = init_grads
         qg_grad = None
-        if call.launch.site == 0 and call.launch.phase == 1:   # the forward's first: the last backward
+        if call.launch.site == 0 and call.launch.phase == 1:   # the forward's first, last backward
             qg_grad = call.qg_parts.total()
             qg_grad = qg_grad if ctx.needs_input_grad[1] else None
         carrier_grad = buffer if ctx.needs_input_grad[0] else None
@@ -846,17 +820,13 @@ class RouteSites(torch.autograd.Function):
 
 
 # %% The schedule of one forward pass, and the traffic model and roofline that pick G
-#
-# The schedule of launches is static: it depends on what each site reads and on the group size
-# only. A history's reads(site) = (committed, partial) says that site `site` reads the first
-# `committed` committed sources (those no later sum changes: the rows of the gradient buffer),
-# and, when `partial`, its block's partial sum, which is read by that site only and so travels
-# outside the buffer. Routing is mostly memory-bound, but a group's states are tiles of G_PAD
-# sites (a power of two), whose padded lanes compute as the others do: a phase 1 of 5 to 8 sites
-# does about as many fp32 operations per byte as an H100 can (its ridge point, ~20). G is picked
-# by a roofline's time, each kernel the longer of its bytes at the HBM bandwidth and its
-# operations (padded lanes counted) at the fp32 rate.
-BANDWIDTH, FLOPS = 3.35e12, 67e12       # H100 SXM datasheet: HBM bytes/s, fp32 operations/s (FMA: 2)
+# The schedule of launches is static: it depends on what each site reads (a history's reads, as
+# the module's docstring says) and on the group size only. Routing is mostly memory-bound, but a
+# group's states are tiles of G_PAD sites (a power of two), whose padded lanes compute as the
+# others do: a phase 1 of 5 to 8 sites does about as many fp32 operations per byte as an H100 can
+# (its ridge point, ~20). G is picked by a roofline's time, each kernel the longer of its bytes at
+# the HBM bandwidth and its operations (padded lanes counted) at the fp32 rate.
+BANDWIDTH, FLOPS = 3.35e12, 67e12    # H100 SXM datasheet: HBM bytes/s, fp32 operations/s (FMA: 2)
 # fp32 operations per tile lane, source and position, counted in the loops over sources: forward
 # the logit (2) and the accumulator's update (3); backward the logit, <dout, V> (2 each), the
 # source gradient's sum over sites (4) and q ⊙ g's gradient (2).
@@ -865,11 +835,8 @@ FORWARD_OPS, BACKWARD_OPS = 5, 10
 Launch = namedtuple("Launch", "phase site sites lo hi partial own_lo fresh_lo last continued")
 Launch.__doc__ = """One route_sites call, made when site `site` is read. Phase 1: sites site..
 (`sites` of them) over committed rows 0..hi-1; phase 2: site `site` continues its phase-1 state
-over rows lo..hi-1. Either also reads the site's partial block sum when `partial`. The launch
-completes the gradients of its sources own_lo.. and touches its sources fresh_lo.. first in
-backward; the last launch of the forward has no successor to hand the gradient buffer to.
-`continued`: a bit per site (1 << i for site `site` + i) whose state a phase 2 continues: its
-backward takes that site's coupling from the phase 2."""
+over rows lo..hi-1. Either also reads the site's partial block sum when `partial`. own_lo,
+fresh_lo, `continued` (given_sites): the module's words; `last`: it hands the buffer on to none."""
 
 
 @memoized
@@ -879,21 +846,20 @@ def schedule(reads, group):
     launches, n_sites = [], len(reads)
     for leader in range(0, n_sites, group):
         sites = min(group, n_sites - leader)
-        shared = reads[leader][0]                                  # what every site of the group reads
-        # A group of one reads its partial block sum in phase 1: one pass per site.
+        shared = reads[leader][0]                       # what every site of the group reads
         launches.append(dict(phase=1, site=leader, sites=sites, lo=0, hi=shared,
-                             partial=sites == 1 and bool(reads[leader][1])))
+                             partial=sites == 1 and bool(reads[leader][1])))   # one pass per site
         for site in range(leader, leader + sites if sites > 1 else leader):
             rows, partial = reads[site]
-            if rows > shared or partial:                           # phase 2: merge what came later
-                launches.append(dict(phase=2, site=site, sites=1, lo=shared, hi=rows, partial=bool(partial)))
-    # A row's gradient is complete after the backward of its first reader, which runs last.
-    read = 0
+            if rows > shared or partial:                # phase 2: merge what came later
+                launches.append(dict(phase=2, site=site, sites=1, lo=shared, hi=rows,
+                                     partial=bool(partial)))
+    read = 0        # a row's gradient is complete after the backward of its first reader (own_lo)
     for launch in launches:
         launch["own_lo"] = max(read, launch["lo"]) - launch["lo"]
         read = max(read, launch["hi"])
-    # A launch is the first to touch its rows in backward when no later launch reads them.
-    last_reader = {row: i for i, launch in enumerate(launches) for row in range(launch["lo"], launch["hi"])}
+    last_reader = {row: i for i, launch in enumerate(launches)        # fresh_lo: no later reader
+                   for row in range(launch["lo"], launch["hi"])}
     for i, launch in enumerate(launches):
         mine = [last_reader[row] == i for row in range(launch["lo"], launch["hi"])]
         assert all(mine) or not any(mine), "a launch touches some of its rows first and others not"
@@ -908,31 +874,32 @@ def schedule(reads, group):
 
 
 def launch_bytes(launch, positions, width, heads, source_bytes, target=None):
-    """Bytes one launch's forward and backward kernels load and store: (forward, backward), when
-    launched as `target` programs (None: as in this process). It mirrors the kernels' loads and
-    stores term by term."""
+    """Bytes one launch's forward and backward kernels load and store, term by term: (forward,
+    backward), launched as `target` programs (None: as in this process)."""
     M, d, H, b, G = positions, width, heads, source_bytes, launch.sites
-    N = launch.hi - launch.lo + launch.partial                        # sources read
-    init = launch.phase == 2                                           # continues a partial state
+    N = launch.hi - launch.lo + launch.partial                  # sources read
+    init = launch.phase == 2                                     # continues a partial state
     config = layout(d, H, G)
-    programs, backward_programs = (_programs(M, target, _num_warps(config, way))[1] for way in (False, True))
-    row, state = d * b, 4 * H                                          # bytes of an output row, of its lse
-    out = row * (2 if b == 2 else 1)                                   # bf16: with its remainder
+    programs, backward_programs = (_programs(M, target, _num_warps(config, way))[1]
+                                   for way in (False, True))
+    row, state = d * b, 4 * H                                   # bytes of an output row, of its lse
+    out = row * (2 if b == 2 else 1)                             # bf16: with its remainder
+    forward_entries, backward_entries = site_entries(init)       # table entries per site
     # forward: per program q ⊙ g and the sites' addresses; per position a table entry and a row per
     # source, the partial state read, the outputs (with remainders) and their lse written
-    forward_entries, backward_entries = site_entries(init)             # per site
     forward = (programs * G * (4 * d + 8 * forward_entries)
                + M * (N * (8 + row) + G * (out + state) * (2 if init else 1)))
-    # backward: per program q ⊙ g and the partial gradient of q ⊙ g; per position the sites'
-    # addresses, the output gradients and lse, the outputs of complete sites (with remainders), the coupling of
+    # backward: per program q ⊙ g and its partial gradient; per position the sites' addresses, the
+    # output gradients and lse, the outputs of complete sites (with remainders), the coupling of
     # continued ones; with a partial state its lse read, its output gradient and coupling written;
-    # per source the table entry, the row, the fp32 gradient row (read unless fresh), and the gradient
-    # written, to the buffer, or in the source dtype for a source this launch completes
+    # per source the table entry, the row, the fp32 gradient row (read unless fresh), and the
+    # gradient written, to the buffer, or in the source dtype for a source this launch completes
     per_source = [8 + row + 4 * d * (n < launch.fresh_lo) + (4 * d if n < launch.own_lo else row)
                   for n in range(N)]
     continued = bin(launch.continued).count("1")
     sites = G * (row + state + 8 * backward_entries) + (G - continued) * out + continued * state
-    backward = (backward_programs * G * 8 * d + M * (sites + init * (2 * state + row) + sum(per_source)))
+    backward = (backward_programs * G * 8 * d
+                + M * (sites + init * (2 * state + row) + sum(per_source)))
     # and the address tables, written by _table_kernel in whole chunks
     forward_table, backward_table = table_entries(launch)
     return forward + 8 * _chunks(forward_table), backward + 8 * _chunks(backward_table)
@@ -961,7 +928,8 @@ def launch_time(launch, positions, width, heads, source_bytes, target=None):
     lanes = _tile(layout(width, heads, launch.sites))
     work = positions * (launch.hi - launch.lo + launch.partial) * lanes / FLOPS
     moved = launch_bytes(launch, positions, width, heads, source_bytes, target)
-    return (max(moved[0] / BANDWIDTH, FORWARD_OPS * work), max(moved[1] / BANDWIDTH, BACKWARD_OPS * work))
+    return (max(moved[0] / BANDWIDTH, FORWARD_OPS * work),
+            max(moved[1] / BANDWIDTH, BACKWARD_OPS * work))
 
 
 @memoized                                  # a history is built at every forward
@@ -972,15 +940,15 @@ def auto_group(reads, width, heads):
     powers of two in bytes (25 sites move 13 % fewer bytes in 5 groups of 5 than in groups of 4)
     but pay for their padded lanes; for block and delta routing usually the block or a multiple."""
     def predicted(group):
-        return sum(sum(launch_time(launch, 4096, width, heads, 2, PROGRAMS)) for launch in schedule(reads, group))
+        return sum(sum(launch_time(launch, 4096, width, heads, 2, PROGRAMS))
+                   for launch in schedule(reads, group))
     groups = [G for G in range(1, len(reads) + 1) if _fits(width, heads, G)]
     return min(groups, key=predicted)
 
 
 Plan = namedtuple("Plan", "launch spec continued first_lse number")
-Plan.__doc__ = """A launch as FusedHistory makes it: its Launch and Spec, per site of the launch
-whether its state goes on to a phase 2, its first site's index among all the lse of the forward,
-and its own among the forward's launches."""
+Plan.__doc__ = """A launch as FusedHistory makes it: its Launch and Spec, per site whether its state
+goes on to a phase 2, its first site's index among the forward's lse, its own among its launches."""
 
 
 @memoized
@@ -997,7 +965,8 @@ def _plans(reads, group, heads, eps):
         tables.append(_chunks(max(table_entries(launch))))   # forward's, then backward's
     continued_sites = tuple(site for site, entries in plans.items()
                             for plan in entries if plan.launch.phase == 2)
-    return tuple(tuple(plans.get(site, ())) for site in range(len(reads))), first, continued_sites, tuple(tables)
+    by_site = tuple(tuple(plans.get(site, ())) for site in range(len(reads)))
+    return by_site, first, continued_sites, tuple(tables)
 
 
 # %% FusedHistory: a readable history, routed by the kernels
@@ -1007,46 +976,44 @@ class FusedHistory:
 
         history = FusedHistory(mhar.depth_history(queries, norms, heads, eps, block, null),
                                mhar.site_reads(len(queries), block, null is not None), group)
-        history.append(source)    # (B, T, d): s_0 (the embedding) first, then each sublayer's output
-        h = history.read(site)    # (B, T, d): site `site`'s route, right after the (site+1)-th append
+        history.append(source)    # (B, T, d): s_0 (the embedding), then each sublayer's output
+        h = history.read(site)    # (B, T, d): site `site`'s route, after the (site+1)-th append
 
     It wraps an empty readable history (full, block or delta routing), which keeps the books: its
-    append makes the block sums and delta's null source, its `sources` are the committed sources
-    (the rows of the gradient buffer), its `partial` the current block's partial sum. `reads`,
-    ((committed, partial), ...) per site, says what each site reads, from which the schedule
-    follows. `group` sites share each phase 1 (0: auto_group).
-    """
+    append makes the block sums and delta's null source, its `sources` are the committed sources,
+    its `partial` the current block's partial sum. `reads` (the module's docstring) says what each
+    site reads, whence the schedule. `group` sites share each phase 1 (0: auto_group)."""
 
     def __init__(self, history, reads, group=0):
         self.history = history
-        self.queries, self.norms = history.queries, history.norms               # (d,) per site
+        self.queries, self.norms = history.queries, history.norms           # (d,) per site
         self.heads, self.eps = history.heads, history.eps
         n_sites, width = len(self.queries), self.queries[0].shape[-1]
         if len(reads) != n_sites:
             raise ValueError(f"FusedHistory: {len(reads)} sites' reads for {n_sites} sites")
         self.group = group = group or auto_group(reads, width, self.heads)
-        layout(width, self.heads, group)                                  # fails here if a group cannot fit
-        self.plans, self.lse_count, continued, self.table_sizes = _plans(reads, group, self.heads, self.eps)
+        layout(width, self.heads, group)            # fails here if a group cannot fit
+        self.plans, self.lse_count, continued, self.table_sizes = _plans(reads, group, self.heads,
+                                                                         self.eps)
         self.rows_total = reads[-1][0]
         self.rows = []              # the history's committed sources (eager: aligned)
         self.appended = 0
         self.traced = torch.compiler.is_compiling()   # traced code cannot read addresses
         self.addresses = []         # of the committed sources, checked and aligned as they came
         self.qg = None              # q ⊙ g (fp32) by group and by site: made at the first append
-        self.carrier = None         # hands the source-gradient buffer backward from launch to launch
-        # eager: where q ⊙ g's gradient gathers
-        self.qg_parts = None if self.traced else QGGradients(n_sites, group, continued)
+        self.carrier = None         # hands the source-gradient buffer backward, launch to launch
+        self.qg_parts = None if self.traced else QGGradients(n_sites, group, continued)   # eager
         self.lses = None            # eager: per site of each launch, where it writes its lse
-        self.tables = None          # eager: per launch, its address table (forward's, then backward's)
-        self.partials = {}          # site -> its phase-1 state, until its phase 2 (eager: a Partial)
+        self.tables = None          # eager: per launch, its address table (forward's, backward's)
+        self.partials = {}          # site -> its phase-1 state until its phase 2 (eager: a Partial)
         self.outputs = {}           # site -> its routed output, once complete
 
     def append(self, source):
         """Append a source (B, T, d): the embedding first, then each sublayer's raw output."""
         if self.appended == len(self.queries):
-            raise RuntimeError(f"FusedHistory holds the sources of {len(self.queries)} sites: a history "
-                               f"serves one forward pass (with activation checkpointing, checkpoint the "
-                               f"sublayers, not the history's append and read)")
+            raise RuntimeError(f"FusedHistory holds the sources of {len(self.queries)} sites: a "
+                               f"history serves one forward pass (with activation checkpointing, "
+                               f"checkpoint the sublayers, not the history's append and read)")
         if self.appended == 0:
             self._start(source)
         elif source.shape != self.rows[0].shape or source.dtype != self.rows[0].dtype:
@@ -1074,11 +1041,12 @@ class FusedHistory:
         self.qg_all = qg                                             # (S, d)
         values = qg if self.traced else qg.detach()
         by_site = values.split(1)                                    # (1, d) per site
-        self.qg = values.split(self.group) if self.group > 1 else by_site, by_site   # (G, d) per group
-        if not self.traced:     # every launch's lse and address table (whole chunks: aligned), in one tensor each
+        self.qg = values.split(self.group) if self.group > 1 else by_site, by_site  # (G, d) a group
+        if not self.traced:  # every launch's lse, address table (whole chunks: aligned): one tensor
             self.lses = source.new_empty((self.lse_count, *source.shape[:-1], self.heads),
                                          dtype=torch.float32).unbind(0)
-            self.tables = source.new_empty(sum(self.table_sizes), dtype=torch.int64).split(self.table_sizes)
+            tables = source.new_empty(sum(self.table_sizes), dtype=torch.int64)
+            self.tables = tables.split(self.table_sizes)
 
     def read(self, site):
         """The routed input of site `site` (B, T, d), once the history holds its sources."""
@@ -1100,12 +1068,13 @@ class FusedHistory:
         if self.carrier is None:
             self.carrier = _carrier(sources[0], self.rows_total)
         by_group, by_site = self.qg
-        qg = by_group[launch.site // self.group] if launch.phase == 1 else by_site[launch.site]  # (G, d)
+        qg = by_group[launch.site // self.group] if launch.phase == 1 else by_site[launch.site]
         if self.traced:                          # every state an output of the operator
             init = list(self.partials.pop(launch.site)) if launch.phase == 2 else []
-            *results, self.carrier = route_sites(self.carrier, sources, qg, init, *spec)  # Spec: its ints
+            *results, self.carrier = route_sites(self.carrier, sources, qg, init, *spec)  # its ints
             states = list(zip(*[iter(results)] * launch.sites))          # (outs, remainders, lses)
-            partials = [state if cont else None for cont, state in zip(plan.continued, zip(*states))]
+            partials = [state if cont else None
+                        for cont, state in zip(plan.continued, zip(*states))]
             finals = [out for cont, out in zip(plan.continued, states[0]) if not cont]
         else:                                    # partial states beside autograd, as Partials
             partials = [Partial() if cont else None for cont in plan.continued]
@@ -1115,8 +1084,8 @@ class FusedHistory:
                         partials=partials, qg=qg, qg_parts=self.qg_parts,
                         lses=self.lses[plan.first_lse:plan.first_lse + launch.sites],
                         table=self.tables[plan.number])
-            *finals, self.carrier = RouteSites.apply(self.carrier, self.qg_all if first else None, call,
-                                                     *sources[spec.own_lo:])
+            *finals, self.carrier = RouteSites.apply(self.carrier, self.qg_all if first else None,
+                                                     call, *sources[spec.own_lo:])
         finals = iter(finals)
         for site, partial in zip(range(launch.site, launch.site + launch.sites), partials):
             if partial:
@@ -1126,6 +1095,6 @@ class FusedHistory:
 
 
 if __name__ == "__main__":  # a library: its checks and benchmarks are bench_kernel.py's
-    print("kernel.py: error: the kernels' library runs nothing; python bench_kernel.py [--traffic | "
-          "--host] checks and benchmarks them", file=sys.stderr)
+    print("kernel.py: error: the kernels' library runs nothing; python bench_kernel.py "
+          "[--traffic | --host] checks and benchmarks them", file=sys.stderr)
     raise SystemExit(2)
