@@ -465,10 +465,10 @@ def measure_part(rows, path, mode):
             else:
                 results[row] = measured(f"{config} step", train_steps, step_config(what, config),
                                         clock, steps, warm)
-            print_row(row, results[row], clock.fake)
             with open(f"{path}.part", "w") as f:
                 json.dump(results, f)
-            os.replace(f"{path}.part", path)  # whole, even if the next row's kill comes now
+            os.replace(f"{path}.part", path)  # whole, even if a kill comes as the row is printed
+            print_row(row, results[row], clock.fake)
 
 
 def is_step(row):
