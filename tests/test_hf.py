@@ -1572,3 +1572,53 @@ def test_tensors_a_directory_lacks_start_as_gpt_starts_them_and_the_rest_are_rea
     assert torch.equal(query, torch.zeros_like(query)) and torch.equal(norm, torch.ones_like(norm))
     assert projection.std().item() == pytest.approx(0.02, rel=0.1)
     assert not torch.equal(ours["model.sites.1.query"], query)  # open_routing moved it off its start
+
+
+def test_set_gradient_checkpointing_has_transformers_defaults(remote):
+    """The hook's signature is PreTrainedModel._set_gradient_checkpointing's: called bare, as transformers'
+    own method may be, it turns checkpointing on (every_n_layers, unused, keeps transformers' default too)."""
+    import inspect
+    ours = inspect.signature(remote.modeling.MHARPreTrainedModel._set_gradient_checkpointing).parameters
+    theirs = inspect.signature(transformers.PreTrainedModel._set_gradient_checkpointing).parameters
+    for name in ("enable", "every_n_layers"):
+        assert ours[name].default == theirs[name].default, name
+    model = remote.modeling.MHARForCausalLM(remote.theirs.config)
+    try:
+        model._set_gradient_checkpointing()
+        assert model.model.config.checkpointing is True and model.gradient_checkpointing is True
+    finally:
+        model._set_gradient_checkpointing(enable=False)
+
+
+def test_a_hyper_connection_lacking_one_tensor_keeps_the_others_it_holds(tmp_path):
+    """A directory without one of a hyper-connection's tensors: that one starts as GPT starts it (static mix
+    the identity), and every other tensor of the same module is the directory's, bit for bit. GPT.init_weights
+    writes a hyper-connection's tensors in place, unseen by transformers' guarded torch.nn.init, so _init_weights
+    must put back those the directory held."""
+    import importlib.util
+    from safetensors.torch import load_file, save_file
+    torch.manual_seed(0)
+    model = open_routing(GPT(tiny(residual="hyper", vocab_size=100, seq_len=WINDOW)).eval())
+    hf.save(model, tmp_path)
+    dropped = "model.connections.1.static_mix"
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({n: t for n, t in tensors.items() if n != dropped}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    # imported as the package modeling_mhar, as the remote fixture does, its entries set aside meanwhile
+    held = {n: sys.modules.pop(n) for n in [n for n in sys.modules if n.split(".")[0] == "modeling_mhar"]}
+    try:
+        spec = importlib.util.spec_from_file_location("modeling_mhar", tmp_path / "modeling_mhar.py",
+                                                      submodule_search_locations=[str(tmp_path)])
+        modeling = sys.modules["modeling_mhar"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(modeling)
+        loaded = modeling.MHARForCausalLM.from_pretrained(tmp_path).state_dict()
+    finally:
+        for name in [n for n in sys.modules if n.split(".")[0] == "modeling_mhar"]:
+            del sys.modules[name]
+        sys.modules.update(held)
+    ours = {f"model.{n}": t for n, t in model.state_dict().items()}
+    assert loaded.keys() == ours.keys()
+    kept = [n for n in ours if n != dropped]
+    assert [n for n in kept if not torch.equal(loaded[n], ours[n])] == []
+    assert torch.equal(loaded[dropped], torch.eye(4))
+    assert not torch.equal(ours[dropped], torch.eye(4))  # open_routing moved it off its start
