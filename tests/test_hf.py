@@ -1622,3 +1622,34 @@ def test_a_hyper_connection_lacking_one_tensor_keeps_the_others_it_holds(tmp_pat
     assert [n for n in kept if not torch.equal(loaded[n], ours[n])] == []
     assert torch.equal(loaded[dropped], torch.eye(4))
     assert not torch.equal(ours[dropped], torch.eye(4))  # open_routing moved it off its start
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 1), (2, 4), (2, 6), (1, 5)],
+                         ids=["trailing-dim", "one-less", "one-more", "one-row-broadcast"])
+def test_position_ids_of_another_shape_are_one_valueerror(remote, shape):
+    """position_ids whose last dimension is not the input's T (5) are the one ValueError that names (B, T), as
+    one with a trailing dimension of 1 is, whose second is T; a single row (1, T) is accepted and gives the
+    logits of the default positions (it broadcasts over the batch)."""
+    idx = window_tokens(T=5)
+    positions = torch.arange(shape[1]).expand(shape[0], -1)
+    positions = positions[..., None] if len(shape) == 3 else positions
+    with torch.no_grad():
+        if shape == (1, 5):
+            assert torch.equal(remote.theirs(idx, position_ids=positions).logits, remote.theirs(idx).logits)
+            return
+        with pytest.raises(ValueError, match=re.escape(f"position_ids must be (B, 5) in [0, {WINDOW})")):
+            remote.theirs(idx, position_ids=positions)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["all-ones", "one-padded"])
+def test_a_mask_without_padding_takes_the_unmasked_path(remote, monkeypatch, padded):
+    """An attention_mask of ones reaches GPT.hidden as no mask at all (SDPA's is_causal path, the call
+    without a mask, which a GPU can run in a kernel that takes no mask); a mask with one 0 is passed on."""
+    calls, hidden = [], remote.theirs.model.hidden
+    monkeypatch.setattr(remote.theirs.model, "hidden", lambda *a, **k: calls.append(k["mask"]) or hidden(*a, **k))
+    idx, mask = window_tokens(T=5), torch.ones(2, 5, dtype=torch.long)
+    mask[1, 0] = 0 if padded else 1
+    with torch.no_grad():
+        remote.theirs(idx, attention_mask=mask)
+    assert len(calls) == 1
+    assert (calls[0] is None) != padded and (not padded or torch.equal(calls[0], mask))
