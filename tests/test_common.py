@@ -539,6 +539,23 @@ def test_restored_random_states_draw_again_what_they_drew(tmp_path):
     assert common.rng_states()["cuda"] is None or torch.cuda.is_available()
 
 
+@pytest.mark.parametrize("saved, here", [(None, 2), (0, 2), (1, 2), (2, 2), (3, 2), (2, None)],
+                         ids=["saved-without-cuda", "saved-no-gpu-state", "fewer-saved", "as-many", "more-saved",
+                              "no-cuda-here"])
+def test_restored_gpu_states_are_those_of_the_gpus_both_machines_have(monkeypatch, saved, here):
+    """set_rng_states on a machine with `here` GPUs (None: no CUDA) of a checkpoint whose process saw `saved`
+    (None: no CUDA): GPU i takes the i-th state saved, for the GPUs both have; none without CUDA on either side."""
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: here is not None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: here or 0)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, index: restored.append((index, state)))
+    states = None if saved is None else [torch.full((4,), i, dtype=torch.uint8) for i in range(saved)]
+    common.set_rng_states({**common.rng_states(), "cuda": states})
+    both = min(saved or 0, here or 0)
+    assert [i for i, _ in restored] == list(range(both))
+    assert all(state is states[i] for i, state in restored)
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_adamw_defaults_are_the_papers_recipe_one_group_per_role(device, monkeypatch):
     model = mhar.GPT(tiny(vocab_size=64))
