@@ -589,6 +589,23 @@ def test_a_loaded_optimizers_state_is_its_own_not_the_checkpoints(tmp_path):
     assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(loaded, saved))
 
 
+def test_a_loaded_optimizers_plain_values_are_kept_as_they_are(tmp_path):
+    """load_optimizer on an optimizer whose state holds numbers beside tensors (L-BFGS's counters): the numbers
+    as they were, the tensors copied out of the checkpoint."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.LBFGS(model.parameters())
+    first = next(iter(model.parameters()))
+    optimizer.state[first] = dict(func_evals=3, n_iter=2, d=torch.rand(8))
+    torch.save(optimizer.state_dict(), tmp_path / "opt.pt")
+    state = torch.load(tmp_path / "opt.pt", weights_only=True, mmap=True)
+    fresh = torch.optim.LBFGS(model.parameters())
+    common.load_optimizer(fresh, state)
+    (loaded,) = fresh.state.values()
+    assert (loaded["func_evals"], loaded["n_iter"]) == (3, 2)
+    saved = next(iter(state["state"].values()))["d"]
+    assert torch.equal(loaded["d"], saved) and loaded["d"].data_ptr() != saved.data_ptr()
+
+
 @pytest.mark.parametrize("name, today", [
     ("sites.3.norm.weight", "sites.3.norm_weight"), ("sites.12.norm.weight", "sites.12.norm_weight"),
     ("_orig_mod.sites.0.norm.weight", "_orig_mod.sites.0.norm_weight"), ("layers.0.norm.weight", None),
