@@ -698,6 +698,17 @@ def test_training_data_is_the_runs_data_and_its_meta(tmp_path, monkeypatch, args
     assert common.training_data({"args": args}) == (named, meta)
 
 
+def test_synthetic_data_has_no_meta_even_beside_a_folder_so_named(tmp_path, monkeypatch):
+    """--data synthetic is no folder: a folder named synthetic in the working directory, with a meta.json, is
+    not read (a folder of another name is)."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("synthetic", "synthetics"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "meta.json").write_text('{"vocab_size": 64}')
+    assert common.training_data({"args": {"data": "synthetic"}}) == ("synthetic", {})
+    assert common.training_data({"args": {"data": "synthetics"}}) == ("synthetics", {"vocab_size": 64})
+
+
 def test_a_second_lock_on_a_file_is_refused_until_the_first_is_released(tmp_path):
     """lock_file: the holder's host and pid in the file, which a refused second opener leaves as it was."""
     import socket
