@@ -657,6 +657,30 @@ def test_read_checkpoint_gives_a_whole_checkpoint_in_todays_names(tmp_path, case
     assert case != "with-ema" or list(read["ema"]) == ["sites.1.norm_weight"]
 
 
+def test_a_checkpoint_saved_on_a_gpu_reads_onto_the_cpu(tmp_path, monkeypatch):
+    """A checkpoint whose tensors were saved from a GPU (torch.save records each storage's device: faked here as
+    cuda:0) reads on the CPU, on any machine, with the values saved."""
+    import torch.serialization
+    weight = torch.arange(4.0)
+    with monkeypatch.context() as m:
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save(checkpoint(ema={"embed.weight": weight}), tmp_path / "ckpt.pt")
+    read = common.read_checkpoint(tmp_path / "ckpt.pt")
+    assert read["ema"]["embed.weight"].device == torch.device("cpu")
+    assert torch.equal(read["ema"]["embed.weight"], weight)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads Linux's /proc/self/maps")
+def test_read_checkpoint_maps_the_file_rather_than_reading_it(tmp_path):
+    """torch.load(mmap=True): the checkpoint's tensors are pages of the file, mapped into the process (which the
+    ranks of a machine share), for as long as they are held."""
+    path = tmp_path / "ckpt.pt"
+    torch.save(checkpoint(), path)
+    read = common.read_checkpoint(path)
+    assert str(path) in Path("/proc/self/maps").read_text()
+    assert torch.equal(read["model"]["sites.0.norm_weight"], torch.ones(2))
+
+
 def test_read_checkpoint_asks_only_for_the_keys_named(tmp_path):
     torch.save(dict(model={}, config={}), tmp_path / "ckpt.pt")
     assert common.read_checkpoint(tmp_path / "ckpt.pt", keys=("model", "config")) == dict(model={}, config={})
