@@ -786,6 +786,18 @@ def test_a_broken_line_before_the_last_is_refused_naming_it(tmp_path, bad):
     assert common.logged_until(path, 5) == ['{"step": 0}']  # the last line: dropped
 
 
+@pytest.mark.parametrize("length", [39, 40, 41, 120], ids=["39-chars", "40-chars", "41-chars", "long"])
+def test_a_broken_lines_refusal_quotes_its_first_40_characters(tmp_path, length):
+    """The refusal of a broken line quotes at most its first 40 characters, whole below that."""
+    bad = ("x" * 38 + "0123456789" * 10)[:length]
+    path = tmp_path / "log.jsonl"
+    path.write_text(f'{{"step": 0}}\n{bad}\n{{"step": 1}}\n')
+    with pytest.raises(common.UserError) as error:
+        common.logged_until(path, 5)
+    quoted = re.search(r"wrote \('(x*[0-9]*)'\): delete it", str(error.value))
+    assert quoted and quoted[1] == bad[:40] and len(quoted[1]) == min(length, 40)
+
+
 @pytest.fixture
 def stop_signals_restored():
     """SIGINT's and SIGTERM's handlers as they were before the test."""
