@@ -681,6 +681,27 @@ def test_read_checkpoint_maps_the_file_rather_than_reading_it(tmp_path):
     assert torch.equal(read["model"]["sites.0.norm_weight"], torch.ones(2))
 
 
+@pytest.mark.parametrize("case", ["pickled-object", "not-a-zip"])
+def test_an_unreadable_checkpoint_names_torchs_error_in_120_characters(tmp_path, case):
+    """A checkpoint that holds a pickled object (loading it could run any code: weights_only refuses it) or that
+    is no zip: CheckpointError naming torch's error, its type and the first 120 characters of its first line
+    (both of these run longer)."""
+    import argparse
+    path = tmp_path / "ckpt.pt"
+    if case == "pickled-object":
+        torch.save({**checkpoint(), "args": argparse.Namespace(data="corpus")}, path)
+    else:
+        path.write_bytes(b"not a zip")
+    with pytest.raises(Exception) as torchs:  # the reference: torch's own error for the read asked for
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    first = str(torchs.value).strip().splitlines()[0]
+    assert len(first) > 120 and (case == "not-a-zip" or torchs.type.__name__ == "UnpicklingError")
+    with pytest.raises(common.CheckpointError) as error:
+        common.read_checkpoint(path)
+    assert str(error.value) == (f"cannot read checkpoint {path}: it is truncated or not a train.py checkpoint "
+                                f"({torchs.type.__name__}: {first[:120]})")
+
+
 def test_read_checkpoint_asks_only_for_the_keys_named(tmp_path):
     torch.save(dict(model={}, config={}), tmp_path / "ckpt.pt")
     assert common.read_checkpoint(tmp_path / "ckpt.pt", keys=("model", "config")) == dict(model={}, config={})
