@@ -539,6 +539,17 @@ def test_restored_random_states_draw_again_what_they_drew(tmp_path):
     assert common.rng_states()["cuda"] is None or torch.cuda.is_available()
 
 
+@pytest.mark.parametrize("gpus", [None, 1, 2], ids=["no-cuda", "one-gpu", "two-gpus"])
+def test_saved_random_states_hold_every_gpus_where_there_is_cuda(monkeypatch, gpus):
+    """rng_states on a machine with `gpus` GPUs (None: no CUDA, faked): torch.cuda's states of all of them, or
+    None without CUDA."""
+    states = None if gpus is None else [torch.full((4,), i, dtype=torch.uint8) for i in range(gpus)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus is not None)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: list(states))
+    saved = common.rng_states()["cuda"]
+    assert saved is None if gpus is None else saved == states
+
+
 @pytest.mark.parametrize("saved, here", [(None, 2), (0, 2), (1, 2), (2, 2), (3, 2), (2, None)],
                          ids=["saved-without-cuda", "saved-no-gpu-state", "fewer-saved", "as-many", "more-saved",
                               "no-cuda-here"])
