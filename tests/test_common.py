@@ -2,6 +2,7 @@
 files longer than meta.json says, the peak resident set's unit, a write interrupted half-way, a
 staged write into folders it made, which weights a checkpoint gives."""
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -503,6 +504,22 @@ def test_the_data_fingerprint_sees_each_splits_ends_and_size(length):
         changed[split][at] += 1
         assert fingerprint_of(changed["train"], changed["val"]) != same, (split, at)
     assert common.fingerprint(None) == "synthetic"
+
+
+@pytest.mark.parametrize("train_length, val_length", [(1024 + 15 * 100, 10), (1024, 1024 + 15 * 7)],
+                         ids=["train-spread-val-short", "train-one-block-val-spread"])
+def test_the_data_fingerprint_is_the_hash_of_16_blocks_of_1024_tokens(train_length, val_length):
+    """The fingerprint a checkpoint stores, computed the readable way: 16 blocks of 1,024 tokens from each split,
+    the k-th starting at k/15 of the way to the last full block (lengths where that is a whole number), the
+    whole split where it is shorter than a block; a checkpoint's stays the same from one version to the next."""
+    train, val = (np.arange(n, dtype=np.uint16) % m for n, m in ((train_length, 50_000), (val_length, 777)))
+    h = hashlib.blake2b(digest_size=8)
+    for split in (train, val):
+        last = max(0, len(split) - 1024)
+        assert last % 15 == 0
+        for k in range(16):
+            h.update(split[k * last // 15:k * last // 15 + 1024].tobytes())
+    assert fingerprint_of(train, val) == f"{train_length} + {val_length} tokens, blake2b {h.hexdigest()}"
 
 
 @pytest.mark.parametrize("length", [17, 18, 40], ids=["one-row-exactly", "one-spare-token", "many"])
