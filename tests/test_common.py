@@ -490,6 +490,14 @@ def fingerprint_of(train, val):
     return common.fingerprint(common.Tokens(Path("."), np.asarray(train, np.uint16), np.asarray(val, np.uint16), {}))
 
 
+def test_read_tokens_of_the_val_split_alone_needs_no_train_bin(tmp_path):
+    """splits=("val",): val.bin mapped, train None, a missing train.bin never looked at."""
+    np.arange(4, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    (tmp_path / "meta.json").write_text(json.dumps(dict(dtype="uint16", tokens=dict(train=10, val=4))))
+    tokens = common.read_tokens(tmp_path, ("val",))
+    assert tokens.train is None and tokens.val.tolist() == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("length", [10, 1024, 16 * 1024, 100_000], ids=["shorter-than-a-block", "one-block",
                                                                          "sixteen-blocks", "spread-blocks"])
 def test_the_data_fingerprint_sees_each_splits_ends_and_size(length):
