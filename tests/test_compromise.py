@@ -794,6 +794,32 @@ def test_the_depth_maps_draw_each_heads_alpha_per_source(seeds, tmp_path, monkey
                 assert errors == pytest.approx(values.std(0).tolist(), rel=1e-5)
 
 
+def test_the_depth_maps_are_two_panels_side_by_side_at_the_size_of_the_readmes_figure(tmp_path,
+                                                                                      monkeypatch):
+    """One row of two panels (aligned left, rotated right, at the same height), laid out by
+    constrained layout, in a PNG of the pixel size of the README's assets/compromise_depth_maps.png
+    (drawn by the same function)."""
+    plt = compromise.pyplot()
+    if plt is None:
+        pytest.skip("needs matplotlib: pip install -r requirements-test.txt")
+    from matplotlib.layout_engine import ConstrainedLayoutEngine
+    figures, subplots = [], plt.subplots
+
+    def recording(*args, **kwargs):
+        figures.append(subplots(*args, **kwargs))
+        return figures[-1]
+    monkeypatch.setattr(plt, "subplots", recording)
+    results = [result(m, 0) for m in ("attnres", "mhar", "attnres-rotated", "mhar-rotated")]
+    path = tmp_path / "depth_maps.png"
+    compromise.plot_depth_maps(plt, results, path)
+    (fig, axes), = figures
+    assert isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine)
+    left, right = (ax.get_position() for ax in axes)
+    assert (left.y0, left.y1) == pytest.approx((right.y0, right.y1)) and left.x1 < right.x0
+    readme = (ROOT / "assets" / "compromise_depth_maps.png").read_bytes()
+    assert path.read_bytes()[16:24] == readme[16:24]                  # width, height in pixels
+
+
 @pytest.mark.parametrize("argv, expected", [
     ([], dict(d=64, heads=2, seeds=[0, 1, 2], steps=250, jobs=2, out_dir="runs/compromise")),
     (["--d", "32"], dict(d=32)),
