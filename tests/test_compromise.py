@@ -803,21 +803,57 @@ def test_the_depth_maps_are_two_panels_side_by_side_at_the_size_of_the_readmes_f
     if plt is None:
         pytest.skip("needs matplotlib: pip install -r requirements-test.txt")
     from matplotlib.layout_engine import ConstrainedLayoutEngine
+    fig, axes, png = drawn_depth_maps(plt, monkeypatch, tmp_path, 1)
+    assert isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine)
+    left, right = (ax.get_position() for ax in axes)
+    assert (left.y0, left.y1) == pytest.approx((right.y0, right.y1)) and left.x1 < right.x0
+    readme = (ROOT / "assets" / "compromise_depth_maps.png").read_bytes()
+    assert png[16:24] == readme[16:24]                  # width, height in pixels
+
+
+def drawn_depth_maps(plt, monkeypatch, tmp_path, seeds, **rc):
+    """(the figure, its axes, the PNG's bytes) of plot_depth_maps on result()'s runs of attnres and mhar,
+    under matplotlib settings rc."""
     figures, subplots = [], plt.subplots
 
     def recording(*args, **kwargs):
         figures.append(subplots(*args, **kwargs))
         return figures[-1]
     monkeypatch.setattr(plt, "subplots", recording)
-    results = [result(m, 0) for m in ("attnres", "mhar", "attnres-rotated", "mhar-rotated")]
-    path = tmp_path / "depth_maps.png"
-    compromise.plot_depth_maps(plt, results, path)
+    results = [result(m, s) for s in range(seeds)
+               for m in ("attnres", "mhar", "attnres-rotated", "mhar-rotated")]
+    with plt.rc_context(rc):
+        compromise.plot_depth_maps(plt, results, tmp_path / "depth_maps.png")
     (fig, axes), = figures
-    assert isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine)
-    left, right = (ax.get_position() for ax in axes)
-    assert (left.y0, left.y1) == pytest.approx((right.y0, right.y1)) and left.x1 < right.x0
-    readme = (ROOT / "assets" / "compromise_depth_maps.png").read_bytes()
-    assert path.read_bytes()[16:24] == readme[16:24]                  # width, height in pixels
+    return fig, axes, (tmp_path / "depth_maps.png").read_bytes()
+
+
+def test_the_depth_maps_text_and_caps_keep_their_sizes_whatever_the_defaults(tmp_path, monkeypatch):
+    """The README figure's sizes, set explicitly (under defaults of 10 pt text and no caps they would
+    differ): tick labels 8 pt, the panel titles and the suptitle 9 pt, the legends 7 pt, error bars capped
+    2 points either side."""
+    plt = compromise.pyplot()
+    if plt is None:
+        pytest.skip("needs matplotlib: pip install -r requirements-test.txt")
+    fig, axes, _ = drawn_depth_maps(plt, monkeypatch, tmp_path, 2, **{
+        "font.size": 10, "axes.titlesize": 10, "legend.fontsize": 10, "figure.titlesize": 10,
+        "xtick.labelsize": 10, "errorbar.capsize": 0})
+    assert fig._suptitle.get_fontsize() == 9
+    for ax in axes:
+        assert {t.get_fontsize() for t in ax.get_xticklabels()} == {8}
+        assert ax.title.get_fontsize() == 9
+        assert {t.get_fontsize() for t in ax.get_legend().get_texts()} == {7}
+        caps = [line for c in ax.containers if getattr(c, "errorbar", None) is not None
+                for line in c.errorbar.lines[1]]
+        assert caps and {line.get_markersize() for line in caps} == {2 * 2}  # capsize 2: 4 points wide
+
+
+def test_the_depth_maps_are_a_png_whatever_format_matplotlib_saves_by_default(tmp_path, monkeypatch):
+    plt = compromise.pyplot()
+    if plt is None:
+        pytest.skip("needs matplotlib: pip install -r requirements-test.txt")
+    *_, png = drawn_depth_maps(plt, monkeypatch, tmp_path, 1, **{"savefig.format": "svg"})
+    assert png[:8] == PNG_SIGNATURE
 
 
 @pytest.mark.parametrize("argv, expected", [
