@@ -574,6 +574,20 @@ def test_paired_curves_average_the_seeds_differences_at_the_steps_both_evaluated
     assert means == pytest.approx([-0.15, -0.15]) and ses == pytest.approx([0.05, 0.05])
 
 
+def test_paired_curves_keep_each_method_to_its_own_runs():
+    """Two methods over one baseline, and a second shape with its own: each curve is its own runs minus their
+    baseline, never another method's differences mixed in."""
+    val = lambda *losses: [{"step": 10 * (i + 1), "val_loss": v} for i, v in enumerate(losses)]  # noqa: E731
+    rows = [row("baseline-s0", "baseline", None, 0, 0), row("attnres-s0", "attnres", "baseline", 0, 0),
+            row("mhar-s0", "mhar", "baseline", 0, 0), row("baseline-kv2-s0", "baseline-kv2", None, 0, 0),
+            row("mhar-kv2-s0", "mhar-kv2", "baseline-kv2", 0, 0)]
+    logs = {"baseline-s0": val(3.0, 2.5), "attnres-s0": val(2.75, 2.0), "mhar-s0": val(2.5, 1.5),
+            "baseline-kv2-s0": val(4.0, 3.0), "mhar-kv2-s0": val(3.0, 2.75)}
+    assert compare.paired_curves(rows, logs) == {"attnres": ([10, 20], [-0.25, -0.5], [None, None]),
+                                                 "mhar": ([10, 20], [-0.5, -1.0], [None, None]),
+                                                 "mhar-kv2": ([10, 20], [-1.0, -0.25], [None, None])}
+
+
 def test_the_tables_take_extra_columns(monkeypatch):
     """A later metric (an lm-eval score, say) is one more entry in the column lists and the rows."""
     rows = [{**row("baseline-s0", "baseline", None, 0, 3.0), "hellaswag": 0.25},
