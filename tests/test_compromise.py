@@ -248,6 +248,21 @@ def test_without_matplotlib_the_results_are_written_and_the_figure_named(tmp_pat
     assert "(one seed)" in printed
 
 
+def test_results_json_is_the_flags_and_runs_one_value_a_line(tmp_path, capsys, monkeypatch):
+    """results.json holds the flags and the runs as they are, indented over many lines (a reader, or a diff of
+    two runs, sees one value a line), not one long line."""
+    monkeypatch.setattr(compromise, "pyplot", lambda: None)
+    args = SimpleNamespace(d=32, seeds=[0, 1], out_dir="o")
+    runs = [result("attnres", 0), result("baseline", 1)]
+    written = compromise.write_results(tmp_path / "out", args, runs)
+    assert written == [tmp_path / "out" / "results.json"]
+    text = written[0].read_text()
+    assert json.loads(text) == dict(args=vars(args), runs=runs)
+    lines = text.splitlines()
+    assert len(lines) > 20 and all(len(line) < 80 for line in lines)
+    assert sum(line.strip().rstrip(",") == '"d": 32' for line in lines) == 3  # the flag's, each run's
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--d", "36"], "--d 36: use a multiple of 8"),
     (["--d", "33"], "--d 33: use a multiple of 8"),
