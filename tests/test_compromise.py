@@ -330,6 +330,19 @@ def test_an_out_dir_that_cannot_be_written_into_is_found_before_training(
     assert files_in(tmp_path) == (["out", "out/kept"] if exists else [])
 
 
+def test_an_os_error_without_a_reason_is_named_by_its_message(tmp_path, monkeypatch):
+    """An OSError with no strerror (raised with a message alone, as some file systems' drivers and
+    wrappers do) still says what went wrong: its message's first line."""
+    def failing(path, mode="r", *args, **kwargs):
+        raise OSError("quota exceeded for this project\nsecond line")
+    monkeypatch.setattr(compromise, "open", failing, raising=False)
+    with pytest.raises(compromise.MachineError) as refused:
+        compromise.check_writable(tmp_path / "out")
+    assert str(refused.value) == (f"cannot write into {tmp_path / 'out'} (quota exceeded for this project), "
+                                  f"found before training: free some space or write elsewhere")
+    assert files_in(tmp_path) == []
+
+
 def test_the_probe_writes_its_bytes_to_disk_and_leaves_the_folder_as_it_was(tmp_path,
                                                                            monkeypatch):
     synced, fsync = [], os.fsync
