@@ -13,8 +13,10 @@ string or an argument dropped) and runs the tests that call the mutated function
 The working tree (what git tracks, and new files it does not ignore) is copied into .mutmut/<file's stem>/, with
 a pyproject.toml that tells mutmut the file to mutate and the tests to run (default tests/test_<stem>.py), and
 mutmut runs there: the checkout is never touched. mutmut first runs those tests once to learn which of them
-call which function, then each mutant against the tests that call its function alone. A second command on
-the same file reuses what is unchanged. The end is a table: killed (a test failed: good), survived (no test
+call which function, then each mutant against the tests that call its function alone. Each command starts
+from an empty folder: mutmut's saved map of tests to functions is updated for new tests only, so a function
+moved, renamed or newly called by an old test would be judged against the wrong tests (reported as surviving
+or untested). The end is a table: killed (a test failed: good), survived (no test
 noticed: add one, or say why the mutant is equivalent), no tests (no selected test calls the function),
 timeout (counted as killed: the bug made a test hang), and the score = killed / (killed + survived), with
 the diff of every survivor. `mutmut show NAME` inside the folder shows any mutant.
@@ -69,11 +71,12 @@ def workspace(file, tests):
                             capture_output=True, text=True, check=True).stdout.split("\n")
     tops = sorted({p.split("/")[0] for p in listed if p and (ROOT / p).exists()})
     folder = ROOT / ".mutmut" / Path(file).stem
-    folder.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)  # nothing of an earlier run: its mutants, results, test map
+    folder.mkdir(parents=True)
     for top in tops:
         source, copy = ROOT / top, folder / top
         if source.is_dir():
-            shutil.copytree(source, copy, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(source, copy, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(source, copy)
     (folder / "pyproject.toml").write_text(

@@ -1,7 +1,11 @@
 """tests/mutate.py's own arithmetic: the mutant names it selects, its tally of mutmut's results and its score
 (running mutmut itself takes minutes: the README's "Testing" section says how)."""
+import json
+import subprocess
+
 import pytest
 
+import mutate
 from mutate import mutant_pattern, score, tally
 
 
@@ -34,3 +38,28 @@ def test_tally_keeps_the_selected_mutants_and_score_counts_timeouts_as_killed():
                          ids=["empty", "untested-only", "all-killed", "all-survived"])
 def test_score_at_its_edges(found, expected):
     assert score(found) == expected
+
+
+def test_each_run_starts_from_a_fresh_copy_of_the_tree(tmp_path, monkeypatch):
+    """The workspace holds the tree as git lists it now and nothing of an earlier run: not mutmut's map of
+    tests to functions (updated for new tests only: a moved function was judged against the wrong tests),
+    not its results, not a file since deleted."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text(".mutmut/\n")  # as the repository's
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "a.py").write_text("def f():\n    return 1\n")
+    (tmp_path / "tests" / "test_a.py").write_text("from a import f\n")
+    monkeypatch.setattr(mutate, "ROOT", tmp_path)
+    earlier = tmp_path / ".mutmut" / "a"
+    (earlier / "mutants").mkdir(parents=True)
+    (earlier / "mutants" / "mutmut-stats.json").write_text("{}")
+    (earlier / "gone.py").write_text("")
+    (earlier / "tests").mkdir()
+    (earlier / "tests" / "test_gone.py").write_text("")
+    folder = mutate.workspace("a.py", ["tests/test_a.py"])
+    assert folder == earlier
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    assert files == [".gitignore", "a.py", "pyproject.toml", "tests/test_a.py"]
+    assert (folder / "a.py").read_text() == "def f():\n    return 1\n"
+    config = (folder / "pyproject.toml").read_text()
+    assert 'source_paths = ["a.py"]' in config and json.dumps(["tests/test_a.py"]) in config
