@@ -447,8 +447,13 @@ def test_unknown_preset_and_too_long_sequence():
     with pytest.raises(ValueError, match="preset 'huge' is unknown"):
         preset("huge")
     model = GPT(tiny())
-    with pytest.raises(ValueError, match="seq_len=32"):
+    with pytest.raises(ValueError, match=r"^sequence of 33 tokens is longer than Config.seq_len=32$"):
         model(torch.zeros(1, 33, dtype=torch.long))
+    kv = [mhar.KVCache() for _ in model.layers]
+    model.hidden(torch.zeros(1, 30, dtype=torch.long), cache=kv)  # 30 cached, then 3 more: 33
+    with pytest.raises(ValueError, match=r"^sequence of 33 tokens is longer than Config.seq_len=32$"):
+        model.hidden(torch.zeros(1, 3, dtype=torch.long), cache=kv)
+    assert model.hidden(torch.zeros(1, 2, dtype=torch.long), cache=kv).shape == (1, 2, 64)  # 32: fits
 
 
 @pytest.mark.parametrize("residual, overrides", [
@@ -532,6 +537,34 @@ def test_optimizer_groups_cover_every_parameter_once(residual):
     groups = model.param_groups()  # by shape past the embedding and routing: weight matrices and norm vectors
     assert len(groups["norms"]) == 2 * len(model.layers) + 1  # attention's norm, q and k norms, MLP's; the final
     assert all(p.dim() == 1 for p in groups["norms"]) and all(p.dim() == 2 for p in groups["matrices"])
+
+
+@pytest.mark.parametrize("args, reads", [
+    ((0,), ()), ((1,), ((1, False),)), ((3,), ((1, False), (2, False), (3, False))),  # default: full routing
+    ((5, 2), ((1, False), (1, True), (2, False), (2, True), (3, False))),
+    ((3, 4), ((1, False), (1, True), (1, True))),                                  # a block longer than all
+    ((4, 3, True), ((2, False), (2, False), (2, False), (3, False))),              # delta: null, D_0, ...
+    ((2, 1, True), ((2, False), (3, False))),
+], ids=["none", "one", "full", "block2", "block-past-end", "delta-block3", "delta-full"])
+def test_site_reads_counts_committed_sources_and_the_partial_sum(args, reads):
+    """site j, after the (j+1)-th append, reads 1 + j // S committed sources and, inside a block, the
+    block's partial sum; delta routing reads the null and the completed block deltas, no partial."""
+    assert mhar.site_reads(*args) == reads
+
+
+def test_explicit_positions_are_the_rotary_positions():
+    """positions (B, T) given to GPT.hidden are used: shifted by a constant they change nothing (rotary
+    attention depends on differences), with a gap they change the tokens after it."""
+    torch.manual_seed(0)
+    model = perturbed(GPT(tiny("mhar")), scale=0.1)
+    idx = torch.randint(0, 128, (2, 6))
+    default = torch.arange(6).expand(2, 6)
+    with torch.no_grad():
+        h = model.hidden(idx)
+        shifted = model.hidden(idx, positions=default + 5)
+        gap = model.hidden(idx, positions=torch.tensor([[0, 1, 2, 9, 10, 11]] * 2))
+    assert rel_err(shifted, h) < 1e-5
+    assert rel_err(gap[:, :3], h[:, :3]) < 1e-6 and rel_err(gap[:, 3:], h[:, 3:]) > 1e-3
 
 
 @pytest.mark.parametrize("overrides", [
@@ -669,7 +702,8 @@ def test_padding_and_tokens_after_a_cache_change_no_tokens_output(residual, over
         chunked = torch.cat([model.hidden(left[:, :4], cache=kv, mask=mask_left[:, :4]),
                              model.hidden(left[:, 4:], cache=kv, mask=mask_left)], 1)
         kv = [mhar.KVCache() for _ in model.layers]
-        unpadded = torch.cat([model.hidden(a[:, :3], cache=kv), model.hidden(a[:, 3:], cache=kv)], 1)
+        unpadded = torch.cat([model.hidden(a[:, :4], cache=kv), model.hidden(a[:, 4:6], cache=kv),
+                              model.hidden(a[:, 6:], cache=kv)], 1)  # 2 tokens after a cache, then 1
     for h in (padded[0], chunked):
         assert rel_err(h[0], alone[0]) < 1e-5 and rel_err(h[1, 3:], alone[1]) < 1e-5
     assert rel_err(padded[1][0], alone[0]) < 1e-5 and rel_err(padded[1][1, :4], alone[1]) < 1e-5
@@ -759,7 +793,8 @@ def test_ci_runs_the_readme_test_command_which_installs_what_the_code_imports():
     import ast
     import sys
     quick_start = re.search(r"## Quick start.*?```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    command = quick_start.group(1).splitlines()[1].split("  #")[0].strip()
+    command = next(line for line in quick_start.group(1).splitlines()
+                   if "pytest" in line and not line.startswith("#")).split("  #")[0].strip()
     assert (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1] == command
 
     def name(requirement):
