@@ -111,6 +111,14 @@ def test_a_vocabulary_is_padded_up_to_the_next_multiple_of_64(size, padded):
     assert common.padded_vocab(size) == padded
 
 
+@pytest.mark.parametrize("seconds, words", [
+    (-1, "0 s"), (0, "0 s"), (0.4, "0 s"), (42, "42 s"), (59, "59 s"), (59.6, "1 min 0 s"), (60, "1 min 0 s"),
+    (61, "1 min 1 s"), (3599, "59 min 59 s"), (3600, "1 h 0 min"), (3661, "1 h 1 min"), (10**7, "2777 h 46 min"),
+])
+def test_duration_in_words(seconds, words):
+    assert common.duration(seconds) == words
+
+
 @pytest.mark.parametrize("done, total, elapsed, words", [
     (0, 4, 100, "0 of 4 done, 4 left"), (1, 4, None, "1 of 4 done, 3 left"), (1, 4, 0, "1 of 4 done, 3 left"),
     (1, 4, 50, "1 of 4 done, 3 left, about 2 min 30 s to go"), (3, 4, 50, "3 of 4 done, 1 left, about 17 s to go"),
@@ -482,6 +490,8 @@ def test_read_tokens_maps_each_split_asked_for(tmp_path, case, refusal):
         return
     tokens = common.read_tokens(tmp_path, splits)
     assert tokens.folder == tmp_path and tokens.meta == meta and tokens.train.dtype == np.dtype(dtype)
+    with pytest.raises(ValueError, match="read-only"):  # mapped for reading: training never writes the data
+        tokens.train[0] = 1
     assert tokens.train.tolist() == list(range(10))
     assert tokens.val is None if case == "train-only" else tokens.val.tolist() == [0, 1, 2, 3]
 
@@ -562,6 +572,8 @@ def test_restored_random_states_draw_again_what_they_drew(tmp_path):
     common.set_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert draws() == first
     assert common.rng_states()["cuda"] is None or torch.cuda.is_available()
+    keys = common.rng_states()["numpy"][1]  # NumPy's 624 uint32 keys, whole in int64 (no float rounding)
+    assert keys.dtype == torch.int64 and torch.equal(keys, torch.from_numpy(np.random.get_state()[1].astype(np.int64)))
 
 
 @pytest.mark.parametrize("gpus", [None, 1, 2], ids=["no-cuda", "one-gpu", "two-gpus"])
@@ -736,6 +748,14 @@ def test_an_unreadable_checkpoint_names_torchs_error_in_120_characters(tmp_path,
         common.read_checkpoint(path)
     assert str(error.value) == (f"cannot read checkpoint {path}: it is truncated or not a train.py checkpoint "
                                 f"({torchs.type.__name__}: {first[:120]})")
+
+
+def test_a_checkpoint_of_a_bare_tensor_is_not_a_train_py_checkpoint(tmp_path):
+    """torch.save of a tensor (weights_only reads it): the one CheckpointError naming what is missing, not
+    the tensor's own error at `"model" in tensor`."""
+    torch.save(torch.zeros(3), tmp_path / "ckpt.pt")
+    with pytest.raises(common.CheckpointError, match=r"is not a train.py checkpoint \(missing model, "):
+        common.read_checkpoint(tmp_path / "ckpt.pt")
 
 
 def test_read_checkpoint_asks_only_for_the_keys_named(tmp_path):

@@ -466,13 +466,6 @@ def test_each_finished_run_says_how_long_it_took_and_what_is_left(tmp_path, stan
                      "=== c: finished in 1 h 1 min (3 of 3 done)"]
 
 
-@pytest.mark.parametrize("seconds, words", [
-    (-1, "0 s"), (0, "0 s"), (0.4, "0 s"), (42, "42 s"), (59, "59 s"), (59.6, "1 min 0 s"), (60, "1 min 0 s"),
-    (61, "1 min 1 s"), (3599, "59 min 59 s"), (3600, "1 h 0 min"), (3661, "1 h 1 min"), (10**7, "2777 h 46 min"),
-])
-def test_duration_in_words(seconds, words):
-    assert compare.duration(seconds) == words
-
 
 @pytest.mark.parametrize("done, total, words", [
     (0, 0, "0 of 0 done"), (0, 1, "0 of 1 done, 1 left"), (1, 1, "1 of 1 done"), (3, 8, "3 of 8 done, 5 left"),
