@@ -772,14 +772,9 @@ def bar_heights_and_errors(ax):
     return series
 
 
-@pytest.mark.parametrize("seeds", [1, 2], ids=["one-seed-no-error-bars", "two-seeds"])
-def test_the_depth_maps_draw_each_heads_alpha_per_source(seeds, tmp_path, monkeypatch):
-    """Two panels on one y scale (aligned, rotated codes); a bar per head of attnres and mhar at
-    every source of the final site, side by side around it: the mean over the seeds, their
-    standard deviation as error bars when there are several; the PNG at the figure DPI, closed."""
-    plt = compromise.pyplot()
-    if plt is None:
-        pytest.skip("needs matplotlib: pip install -r requirements-test.txt")
+def drawn_depth_maps(plt, monkeypatch, tmp_path, seeds, **rc):
+    """(the figure, its axes, the PNG's bytes) of plot_depth_maps on result()'s runs of attnres and mhar,
+    under matplotlib settings rc."""
     figures, subplots = [], plt.subplots
 
     def recording(*args, **kwargs):
@@ -788,11 +783,22 @@ def test_the_depth_maps_draw_each_heads_alpha_per_source(seeds, tmp_path, monkey
     monkeypatch.setattr(plt, "subplots", recording)
     results = [result(m, s) for s in range(seeds)
                for m in ("attnres", "mhar", "attnres-rotated", "mhar-rotated")]
-    path = tmp_path / "depth_maps.png"
-    compromise.plot_depth_maps(plt, results, path)
+    with plt.rc_context(rc):
+        compromise.plot_depth_maps(plt, results, tmp_path / "depth_maps.png")
     (fig, axes), = figures
+    return fig, axes, (tmp_path / "depth_maps.png").read_bytes()
+
+
+@pytest.mark.parametrize("seeds", [1, 2], ids=["one-seed-no-error-bars", "two-seeds"])
+def test_the_depth_maps_draw_each_heads_alpha_per_source(seeds, tmp_path, monkeypatch):
+    """Two panels on one y scale (aligned, rotated codes); a bar per head of attnres and mhar at
+    every source of the final site, side by side around it: the mean over the seeds, their
+    standard deviation as error bars when there are several; the PNG at the figure DPI, closed."""
+    plt = compromise.pyplot()
+    if plt is None:
+        pytest.skip("needs matplotlib: pip install -r requirements-test.txt")
+    fig, axes, png = drawn_depth_maps(plt, monkeypatch, tmp_path, seeds)
     assert not plt.fignum_exists(fig.number)
-    png = path.read_bytes()
     assert png[:8] == PNG_SIGNATURE
     width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
     assert (width, height) == tuple(round(x * compromise.FIGURE_DPI) for x in fig.get_size_inches())
@@ -837,23 +843,6 @@ def test_the_depth_maps_are_two_panels_side_by_side_at_the_size_of_the_readmes_f
     assert (left.y0, left.y1) == pytest.approx((right.y0, right.y1)) and left.x1 < right.x0
     readme = (ROOT / "assets" / "compromise_depth_maps.png").read_bytes()
     assert png[16:24] == readme[16:24]                  # width, height in pixels
-
-
-def drawn_depth_maps(plt, monkeypatch, tmp_path, seeds, **rc):
-    """(the figure, its axes, the PNG's bytes) of plot_depth_maps on result()'s runs of attnres and mhar,
-    under matplotlib settings rc."""
-    figures, subplots = [], plt.subplots
-
-    def recording(*args, **kwargs):
-        figures.append(subplots(*args, **kwargs))
-        return figures[-1]
-    monkeypatch.setattr(plt, "subplots", recording)
-    results = [result(m, s) for s in range(seeds)
-               for m in ("attnres", "mhar", "attnres-rotated", "mhar-rotated")]
-    with plt.rc_context(rc):
-        compromise.plot_depth_maps(plt, results, tmp_path / "depth_maps.png")
-    (fig, axes), = figures
-    return fig, axes, (tmp_path / "depth_maps.png").read_bytes()
 
 
 def test_the_depth_maps_text_and_caps_keep_their_sizes_whatever_the_defaults(tmp_path, monkeypatch):
