@@ -494,6 +494,11 @@ def test_a_wait_of_minutes_says_which_runs_are_under_way_and_where(tmp_path, mon
     (tmp_path / "long.out").write_text("step 5/9 | loss 1\n" + "x" * 9000)        # past the tail read
     assert compare.last_step(tmp_path / "long.out") == "starting"
     assert compare.last_step(tmp_path / "long.out", tail_bytes=10**5) == "at step 5/9"
+    line = b"step 7/9 | loss 1\n"                     # the tail's first bytes, 8192 of them by default
+    (tmp_path / "edge.out").write_bytes(b"step 6/9 | loss 1\n" + line + b"x" * (8192 - len(line)))
+    assert compare.last_step(tmp_path / "edge.out") == "at step 7/9"
+    (tmp_path / "edge.out").write_bytes(b"step 6/9 | loss 1\n" + line + b"x" * (8192 - len(line) + 1))
+    assert compare.last_step(tmp_path / "edge.out") == "starting"  # its "s" one byte outside: cut
 
 
 @pytest.mark.parametrize("saved, unsaved, words", [
