@@ -604,7 +604,8 @@ def run(args, written):
               f"{progress(finished, len(runs), time.monotonic() - began)})", flush=True)
 
     def waiting():  # on a busy machine a run can take minutes: say that they go on
-        print(f"     {min(args.jobs, len(runs) - finished)} runs under way "
+        going = min(args.jobs, len(runs) - finished)
+        print(f"     {going} run{'s' if going > 1 else ''} under way "
               f"({progress(finished, len(runs), time.monotonic() - began)}; "
               f"{duration(time.monotonic() - began)} so far)", flush=True)
     results = run_all(runs, min(args.jobs, len(runs)), done, waiting)

@@ -1041,10 +1041,10 @@ def test_the_probe_leaves_an_empty_folder_that_was_there(tmp_path):
     assert files_in(tmp_path) == ["empty"]
 
 
-def fake_training(monkeypatch, stop=None):
+def fake_training(monkeypatch, stop=None, waits=()):
     """run_all without training: each run's result made up (result()), done called for each as it
     would be, in order; the runs and jobs it was given recorded. stop: KeyboardInterrupt(stop)
-    instead."""
+    instead. waits: waiting() called before the k-th run ends, for each k in it."""
     given = []
 
     def run_all(runs, jobs, done, waiting=None):
@@ -1053,6 +1053,8 @@ def fake_training(monkeypatch, stop=None):
             raise KeyboardInterrupt(stop)
         results = []
         for k, run in enumerate(runs):
+            if k in waits:
+                waiting()
             results.append(dict(result(run["method"], run["seed"], loss=0.1 + k / 100,
                                        accuracy=k / 8, d=run["d"], steps=run["steps"]),
                                 seconds=2.5 + k))
@@ -1101,6 +1103,21 @@ def test_a_run_prints_its_progress_and_the_table_and_writes_both_files(
         args=dict(d=32, heads=4, seeds=seed_list, steps=7, jobs=int(jobs), out_dir=str(out)),
         runs=results)
     assert files_in(tmp_path) == ["out", "out/depth_maps.png", "out/results.json"]
+
+
+def test_a_wait_says_how_many_runs_go_on_and_the_time_so_far(tmp_path, capsys, monkeypatch):
+    """waiting() (a minute without a finished run): the runs still under way (--jobs, fewer once
+    fewer are left), what is done and the time to go at the pace so far, the time since the start."""
+    fake_training(monkeypatch, waits=(0, 2, 5))
+    clock = iter(1000 + t for t in [0, 15, 20, 95, 97, 99, 107, 109, 115, 190, 192, 195, 201, 207, 210])
+    monkeypatch.setattr(compromise, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    monkeypatch.setattr(compromise, "pyplot", lambda: None)
+    compromise.main(["--d", "32", "--steps", "7", "--seeds", "0", "--jobs", "4", "--out_dir",
+                     str(tmp_path / "o")])
+    waits = [line for line in capsys.readouterr().out.split("\n") if "under way" in line]
+    assert waits == ["     4 runs under way (0 of 6 done, 6 left; 20 s so far)",  # the clock read twice
+                     "     4 runs under way (2 of 6 done, 4 left, about 3 min 18 s to go; 1 min 47 s so far)",
+                     "     1 run under way (5 of 6 done, 1 left, about 38 s to go; 3 min 15 s so far)"]
 
 
 def test_the_first_lines_reach_a_pipe_as_they_are_printed(tmp_path, monkeypatch):
