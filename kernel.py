@@ -398,16 +398,16 @@ def _fits(width, heads, sites):
 
 
 def _num_warps(config, backward):
-    # Under 128 lanes (tests' odd widths) one warp (at 2+, triton 3.6 spilled 8 bytes); to 1024, 4,
-    # so that each thread loads several contiguous elements of a row. Larger: the forward spills at
-    # 8 warps past 4096 lanes, not at 16. The backward keeps 3·G rows: G·d <= 4096 fit 2 CTAs of 8
-    # warps under 128 registers (100M); more take 16 warps, whose 128 registers hold them (350M; 1B
-    # with _num_stages' two stages), so that 16 warps stay resident on an SM (docs/kernels.md).
-    # A one-site backward of 1024 lanes takes 8 (at 4, 350M's fp32 phase 2 spilled 8 bytes).
+    # Under 128 lanes (tests' odd widths) 1 warp (triton 3.6 spilled 8 bytes at 2+); to 1024, 4, so
+    # a thread loads several contiguous elements. Larger: the forward spills at 8 warps past 4096
+    # lanes, not at 16. The backward's 3·G rows: G·d <= 4096 fit 2 CTAs of 8 warps (100M); more take
+    # 16 (350M; 1B at _num_stages' 2), 16 resident (docs/kernels.md); one site of 1024 lanes: 8.
     tile = _tile(config)
-    if backward and tile >= 128:
+    if tile < 128:
+        return 1
+    if backward:
         return 4 if tile < 1024 else 8 if config["G"] * config["D"] <= 4096 else 16
-    return 1 if tile < 128 else 4 if tile <= 1024 else 8 if tile <= 4096 else 16
+    return 4 if tile <= 1024 else 8 if tile <= 4096 else 16
 
 
 def _num_stages(config, backward):
