@@ -383,6 +383,14 @@ def largest_id(tokens, chunk=1 << 24):
     return max(int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk))
 
 
+def unigram_entropy(tokens, limit=50_000_000):
+    """Entropy in nats of the token frequencies of (the first 50M tokens of) train.bin: the loss
+    of a model that ignores the context, an honest yardstick for a short run."""
+    counts = np.bincount(tokens[:limit])
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
 def fingerprint(tokens, blocks=16, block=1024):
     """What a checkpoint remembers of its data: the sizes of train.bin and val.bin and a hash of
     16 blocks of 1,024 tokens spread over each. Re-prepared data almost surely changes it, and it
@@ -411,6 +419,11 @@ def sample_rows(tokens, keys, n, lo, hi, seq_len, vocab_size):
     if tokens is None:
         return torch.randint(vocab_size, (n, seq_len + 1), generator=g)[lo:hi]
     starts = torch.randint(len(tokens) - seq_len, (n,), generator=g)[lo:hi].tolist()
+    return rows_at(tokens, starts, seq_len, vocab_size)
+
+
+def rows_at(tokens, starts, seq_len, vocab_size):
+    """The rows of seq_len + 1 tokens that begin at `starts`, int64 (len(starts), seq_len + 1)."""
     rows = np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int64) if starts else \
         np.empty((0, seq_len + 1), np.int64)  # no row (lo == hi), as the synthetic draw gives
     if rows.size and rows.max() >= vocab_size:  # past the embedding: an IndexError, a GPU's assert
@@ -418,6 +431,18 @@ def sample_rows(tokens, keys, n, lo, hi, seq_len, vocab_size):
                         f"the token files do not hold what meta.json says (its vocab_size, its "
                         f"dtype); run prepare.py again")
     return torch.from_numpy(rows)
+
+
+def whole_split(n_tokens, seq_len, batch_size):
+    """Batches that score every token of a split of n_tokens once, [(starts, length)]: windows of
+    length + 1 tokens at a stride of seq_len, each predicting the `length` tokens after its first, at
+    most batch_size of them per batch; the last n_tokens - 1 mod seq_len targets, a shorter window
+    of their own. Each window reads only itself, as the sampled rows of an evaluation do."""
+    full = (n_tokens - 1) // seq_len if n_tokens > 1 else 0
+    batches = [(list(range(i * seq_len, min(i + batch_size, full) * seq_len, seq_len)), seq_len)
+               for i in range(0, full, batch_size)]
+    rest = max(n_tokens - 1 - full * seq_len, 0)
+    return batches + ([([full * seq_len], rest)] if rest else [])
 
 
 # -----------------------------------------------------------------------------

@@ -7,7 +7,8 @@ own tokenizer (--tokenizer DIR), or the text's UTF-8 bytes (--tokenizer bytes).
     python prepare.py --input "dump/*.jsonl" --text_field content --max_tokens 50_000_000
     python prepare.py --hf HuggingFaceFW/fineweb-edu --hf_config sample-10BT --max_tokens 1_000_000_000
     python prepare.py --tokenizer models/Qwen3-0.6B --name pystdlib-qwen3   # the model's tokenizer.json
-    python prepare.py --tokenizer bytes --name pystdlib-bytes               # 257 ids: for CPU comparisons
+    python prepare.py --tokenizer bytes --split families --val_fraction 0.035 --name pystdlib-bytes-families
+                                                                            # 257 ids: for CPU comparisons
 
 The fourth line is the paper's corpus (FineWeb-Edu); it needs `pip install datasets` and network.
 
@@ -30,6 +31,12 @@ which is ordinary Python code. Empty documents are skipped everywhere.
 Split: by document, so no document is in both. Of every round(1/val_fraction) consecutive
 documents, one (chosen by the --seed random generator) goes to val; this works on a stream
 of unknown length, spreads val over the whole corpus, and gives val at least one document.
+--split families keeps near-duplicates (generated tables, copied modules) on one side: two documents
+that share half the 32-byte fingerprints of the smaller one (a content-defined 1 in 64 of its 32-byte
+strings, at least 4) are one family, and so are chains of such pairs; whole families, in an order the
+seed shuffles, go to val until it holds val_fraction of the bytes (at most 1.1x). It reads the corpus
+into memory, and meta.json's val_shared_32 says what overlap remains: the share of val's 32-byte
+strings that occur verbatim in train.
 
 --max_tokens N stops at exactly N tokens (train and val together); the last document is cut
 short and still ends in end-of-text.
@@ -506,15 +513,119 @@ def _batches(documents):
         yield batch
 
 
-def write_splits(tokenized, folder, val_fraction, seed, progress):
+SPLITS = ("blocks", "families")
+# --split families: near-duplicate documents (generated tables, copied modules) on one side of the split.
+SHARED_BYTES = 32            # a shared string: 32 bytes that occur verbatim in two documents
+FINGERPRINT_SHIFT = 58       # a window whose hash's top 6 bits are 0 is a fingerprint: 1 in 64, by content
+FAMILY_SHARE = 0.5           # two documents are one family when they share half the fingerprints of the smaller
+FAMILY_MIN_FINGERPRINTS = 4  # ... and it has at least 4 (about 256 bytes): shorter ones share by chance
+COMMON_PRINT = 256          # a fingerprint in more documents is an idiom (indentation, a licence), not kinship
+VAL_SLACK = 1.1              # families go to val while val stays under 1.1x its share of the bytes
+
+
+def window_hashes(data):
+    """A 64-bit hash of every SHARED_BYTES-byte window of `data` (bytes), uint64 (len - 31,): equal
+    windows, equal hashes. Eight passes, one per offset modulo 8, over the text read as 64-bit words."""
+    n = len(data) - SHARED_BYTES + 1
+    if n <= 0:
+        return np.empty(0, np.uint64)
+    padded = np.frombuffer(data + bytes(8), np.uint8)
+    mix = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93],
+                   np.uint64)
+    hashes = np.empty(n, np.uint64)
+    for offset in range(min(8, n)):
+        count = len(range(offset, n, 8))
+        words = padded[offset:offset + 8 * (count + 3)].view(np.uint64)  # the windows' 4 words each
+        h = (words[:count] * mix[0] ^ words[1:count + 1] * mix[1] ^ words[2:count + 2] * mix[2]
+             ^ words[3:count + 3] * mix[3])
+        h ^= h >> np.uint64(31)
+        hashes[offset::8] = h * np.uint64(0xBF58476D1CE4E5B9)
+    return hashes
+
+
+def families(texts):
+    """The family of each document (texts: its UTF-8 bytes), numbered by its first member: documents
+    sharing FAMILY_SHARE of the smaller one's fingerprints are one family, and so, by chains of such
+    pairs, are their families (a union-find)."""
+    prints = [np.unique(h[h >> np.uint64(FINGERPRINT_SHIFT) == 0]) for h in map(window_hashes, texts)]
+    sizes = np.array([len(f) for f in prints], dtype=np.int64)
+    owner = np.repeat(np.arange(len(texts)), sizes)                # document of each (doc, print)
+    _, which = np.unique(np.concatenate(prints or [np.empty(0, np.uint64)]), return_inverse=True)
+    order = np.argsort(which, kind="stable")
+    holders, first = owner[order], np.searchsorted(which[order], np.arange(which.max(initial=-1) + 2))
+    common = np.diff(first) > COMMON_PRINT
+    parent = list(range(len(texts)))
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    ends = np.cumsum(sizes)
+    for i in range(len(texts)):
+        mine = which[ends[i] - sizes[i]:ends[i]]
+        if len(mine) < FAMILY_MIN_FINGERPRINTS:
+            continue
+        shared = np.bincount(np.concatenate([holders[first[f]:first[f + 1]] for f in mine[~common[mine]]]
+                                            or [np.empty(0, np.int64)]),
+                             minlength=len(texts))     # fingerprints each document shares with i
+        smaller = np.minimum(sizes, len(mine))
+        for j in np.nonzero((shared >= FAMILY_SHARE * smaller) & (smaller >= FAMILY_MIN_FINGERPRINTS))[0]:
+            parent[root(int(j))] = root(i)
+    return [root(i) for i in range(len(texts))]
+
+
+def family_sides(texts, val_fraction, seed):
+    """"val" or "train" per document: whole families, in an order the seed shuffles, go to val while it
+    stays under VAL_SLACK x val_fraction of the bytes, until it holds val_fraction of them; the smallest
+    family when none fits."""
+    family = families(texts)
+    size = {}
+    for f, text in zip(family, texts):
+        size[f] = size.get(f, 0) + len(text)
+    target, val, held = val_fraction * sum(size.values()), set(), 0
+    for f in np.random.default_rng(seed).permutation(sorted(size)).tolist():
+        if held >= target:
+            break
+        if held + size[f] <= VAL_SLACK * target:
+            val.add(f)
+            held += size[f]
+    val = val or {min(size, key=size.get)}
+    return ["val" if f in val else "train" for f in family]
+
+
+def shared_share(texts, sides):
+    """The share of val's SHARED_BYTES-byte windows that occur verbatim somewhere in train."""
+    train = np.sort(np.concatenate([window_hashes(t) for t, side in zip(texts, sides) if side == "train"]
+                                     or [np.empty(0, np.uint64)]))
+    val = np.concatenate([window_hashes(t) for t, side in zip(texts, sides) if side == "val"]
+                         or [np.empty(0, np.uint64)])
+    if not len(val) or not len(train):
+        return 0.0
+    found = train[np.minimum(np.searchsorted(train, val), len(train) - 1)] == val  # train is sorted
+    return float(found.mean())
+
+
+def by_family(documents, val_fraction, seed):
+    """(the non-empty documents, held in memory, each one's side, {"val_shared_32": the share of val's
+    32-byte strings found in train}) of --split families. tokenize skips the empty ones too."""
+    documents = [(text, nbytes) for text, nbytes in documents if text]
+    texts = [text.encode("utf-8") for text, _ in documents]
+    sides = family_sides(texts, val_fraction, seed)
+    return documents, sides, dict(val_shared_32=shared_share(texts, sides))
+
+
+def write_splits(tokenized, folder, val_fraction, seed, progress, sides=None):
     """Write each tokenized document to folder/train.bin or folder/val.bin; return the counts
     per split and the input bytes covered.
 
     Of every `every` consecutive documents, the seeded generator sends one to val. The block
     is held in memory until it is complete (or the stream ends), so that even a corpus of
-    two documents gets one in each split.
+    two documents gets one in each split. sides: each document's split instead ("val", "train").
     """
-    every = round(1 / val_fraction)
+    every = 1 if sides else round(1 / val_fraction)
+    sides = iter(sides or ())
     rng = np.random.default_rng(seed)
     counts = {split: {"documents": 0, "tokens": 0} for split in ("train", "val")}
     block, documents, tokens, nbytes = [], 0, 0, 0
@@ -524,7 +635,7 @@ def write_splits(tokenized, folder, val_fraction, seed, progress):
         def flush(block):
             pick = rng.integers(len(block))
             for i, ids in enumerate(block):
-                split = "val" if i == pick else "train"
+                split = next(sides, "val" if i == pick else "train")
                 files[split].write(ids.tobytes())  # (ndarray.tofile's error on a full disk has no errno)
                 counts[split]["documents"] += 1
                 counts[split]["tokens"] += len(ids)
@@ -608,23 +719,18 @@ def _alive(pid):
 
 
 def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=None, seed=0,
-            hf=None, hf_config=None, hf_split="train", text_field="text", tokenizer=None, quiet=False):
+            hf=None, hf_config=None, hf_split="train", text_field="text", tokenizer=None, quiet=False,
+            split="blocks"):
     """Tokenize a corpus into out/name/{train.bin, val.bin, meta.json}; return out/name.
 
     inputs: files, folders, globs; hf: a Hugging Face dataset name; neither: the standard
     library's .py files. tokenizer: a model folder with tokenizer.json, "bytes" (UTF-8 bytes), or None:
-    GPT-2's BPE.
-    Raises PrepareError (and writes nothing) on bad input.
+    GPT-2's BPE. split: "blocks" or "families" (parse_args' --split). Raises PrepareError (and writes nothing) on bad input.
     """
     start = time.time()
     if isinstance(inputs, (str, Path)):
         inputs = [inputs]
-    if inputs and hf:
-        raise PrepareError("give --input or --hf, not both")
-    if not 0 < val_fraction <= 0.5:
-        raise PrepareError(f"--val_fraction must be in (0, 0.5], got {val_fraction}")
-    if max_tokens is not None and max_tokens < 2:
-        raise PrepareError(f"--max_tokens must be at least 2, got {max_tokens}")
+    check_options(inputs, hf, val_fraction, max_tokens, split)
 
     # where the documents come from; everything that can fail early fails before we write
     name, sources, documents, total_bytes, skipped = corpus(inputs, name, hf, hf_config, hf_split,
@@ -649,7 +755,10 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
                 print(f"removed {stale}: the temporary folder of a prepare.py run that was killed")
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-{socket.gethostname()}-{os.getpid()}-", dir=out))
         progress = Progress(total_bytes, max_tokens, quiet)
-        counts, nbytes = write_splits(tokenize(documents, tok, max_tokens), tmp, val_fraction, seed, progress)
+        documents, sides, overlap = by_family(documents, val_fraction, seed) if split == "families" else \
+            (documents, None, {})
+        counts, nbytes = write_splits(tokenize(documents, tok, max_tokens), tmp, val_fraction, seed, progress,
+                                      sides)
         if counts["val"]["documents"] == 0:
             raise PrepareError(f"no documents in {', '.join(sources)} (only empty ones)")
         if counts["train"]["documents"] == 0:
@@ -660,7 +769,7 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
                     documents={split: c["documents"] for split, c in counts.items()},
                     tokens={split: c["tokens"] for split, c in counts.items()},
                     input_bytes=round(nbytes), skipped_not_utf8=skipped or [], seed=seed,
-                    val_fraction=val_fraction, max_tokens=max_tokens)
+                    val_fraction=val_fraction, max_tokens=max_tokens, split=split, **overlap)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         with _uninterrupted():  # the files move in together: a signal never leaves some of them, or an empty folder
             final.mkdir(exist_ok=True)
@@ -675,8 +784,22 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
         raise
 
     if not quiet:
-        report(name, final, counts, nbytes, sources, skipped, tok, time.time() - start)
+        report(name, final, counts, nbytes, sources, skipped, tok, time.time() - start, overlap)
     return final
+
+
+def check_options(inputs, hf, val_fraction, max_tokens, split):
+    """PrepareError for options that cannot go together or are out of range."""
+    if inputs and hf:
+        raise PrepareError("give --input or --hf, not both")
+    if not 0 < val_fraction <= 0.5:
+        raise PrepareError(f"--val_fraction must be in (0, 0.5], got {val_fraction}")
+    if max_tokens is not None and max_tokens < 2:
+        raise PrepareError(f"--max_tokens must be at least 2, got {max_tokens}")
+    if split not in SPLITS:
+        raise PrepareError(f"--split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if split == "families" and (hf or max_tokens is not None):
+        raise PrepareError("--split families reads the whole corpus into memory: leave out --hf and --max_tokens")
 
 
 @contextmanager
@@ -722,7 +845,7 @@ def corpus(inputs, name, hf, hf_config, hf_split, text_field):
     return name, sources, documents, sum(p.stat().st_size for p in files), skipped
 
 
-def report(name, final, counts, nbytes, sources, skipped, tok, seconds):
+def report(name, final, counts, nbytes, sources, skipped, tok, seconds, overlap):
     """What was made, nanoGPT style."""
     tokens = sum(c["tokens"] for c in counts.values())
     documents = sum(c["documents"] for c in counts.values())
@@ -738,6 +861,9 @@ def report(name, final, counts, nbytes, sources, skipped, tok, seconds):
     print(f"{str(final / 'meta.json'):<{width}} tokenizer {tok.name} ({tok.source}), "
           f"{tok.vocab_size:,} ids as {tok.dtype}, end-of-text {tok.eot}")
     print(f"done in {seconds:.1f} s, {tokens / seconds / 1e6:.2f}M tokens/s on {_cores()} cores")
+    if overlap:
+        print(f"split by near-duplicate family: {100 * overlap['val_shared_32']:.1f}% of val's "
+              f"{SHARED_BYTES}-byte strings also occur in train")
 
 
 # -----------------------------------------------------------------------------
@@ -756,7 +882,12 @@ def parse_args(argv=None):
                                                            "bytes (257 ids); default: GPT-2's BPE")
     parser.add_argument("--name", help=f"output folder name (default: {DEFAULT_CORPUS}, the first input's name, or the dataset's)")
     parser.add_argument("--out", default="data", help="parent folder of the output (default: data)")
-    parser.add_argument("--val_fraction", type=float, default=0.005, help="fraction of documents for val (default: 0.005)")
+    parser.add_argument("--val_fraction", type=float, default=0.005, help="fraction of documents for val (with "
+                                                                          "--split families: of bytes) "
+                                                                          "(default: 0.005)")
+    parser.add_argument("--split", choices=SPLITS, default="blocks",
+                        help="blocks: one document in every 1/val_fraction to val, streamed; families: "
+                             "near-duplicate documents on one side (the corpus held in memory) (default: blocks)")
     parser.add_argument("--max_tokens", type=int, help="stop after this many tokens, train and val together")
     parser.add_argument("--seed", type=SEED, default=0, help="seed of the train/val split, in [0, 2**63 - 1] "
                                                           "(default: 0)")
@@ -776,7 +907,7 @@ def main(argv=None):
         return prepare(inputs=args.input, name=args.name, out=args.out, val_fraction=args.val_fraction,
                        max_tokens=args.max_tokens, seed=args.seed, hf=args.hf, hf_config=args.hf_config,
                        hf_split=args.hf_split, text_field=args.text_field, tokenizer=args.tokenizer,
-                       quiet=args.quiet)
+                       quiet=args.quiet, split=args.split)
     except UserError as e:
         exit_error("prepare.py", str(e))
     except MachineError as e:

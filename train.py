@@ -47,7 +47,6 @@ from pathlib import Path  # noqa: E402
 # CPU shared with another busy process, spinning threads starve their siblings (the CPU demo
 # measured 4x slower steps).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -62,8 +61,8 @@ from common import (DEFAULT_CORPUS, CheckpointError, FlagParser, MachineError,  
                     decay_rate, estimate_mfu, exit_error, fingerprint, fraction,
                     ignore_stop_signals, largest_id, load_optimizer, logged_until, memory_for,
                     one_line, os_error, padded_vocab, peak_memory, read_checkpoint, read_tokens,
-                    rng_states, sample_rows, save_checkpoint, seed as SEED, set_rng_states,
-                    unwrapped, write_text)
+                    rng_states, rows_at, sample_rows, save_checkpoint, seed as SEED, set_rng_states,
+                    unigram_entropy, unwrapped, whole_split, write_text)
 from parallel import Session, set_precision, start_session, start_sharding, wrap_model  # noqa: E402
 
 # -----------------------------------------------------------------------------
@@ -77,10 +76,9 @@ BETAS, ADAM_EPS = (0.9, 0.95), 1e-8
 PAPER_RUN = dict(max_steps=20_000, warmup_steps=1000, eval_interval=500, eval_batches=20, lr=5e-4)
 # Run sizes per preset: the micro-batch (sequences per rank) and the global batch (sequences per
 # step). The paper's global batches at 100M-1B, with micro-batches that fit 80 GB on the readable
-# path (1b: use --compile or --fused). small is the `python train.py` demo: 200 steps of 2k
-# tokens (4k tokens per micro-step are slower per token on a CPU: the 50k-vocabulary logits
-# outgrow the caches); tiny is for tests.
-BYTES_DATA = Path("data") / f"{DEFAULT_CORPUS}-bytes"  # the built-in corpus as UTF-8 bytes
+# path (1b: use --compile or --fused). small is the `python train.py` demo, 2k tokens a step (4k
+# are slower per token on a CPU: its caches cannot hold the 50k-vocabulary logits); tiny, tests'.
+BYTES_DATA = Path("data") / f"{DEFAULT_CORPUS}-bytes-families"  # as UTF-8 bytes (docs/data.md)
 RUNS = {
     "tiny": dict(batch_size=8, global_batch=8, max_steps=200, warmup_steps=20, eval_interval=50,
                  eval_batches=4, lr=3e-3),
@@ -95,8 +93,9 @@ RUNS = {
 }
 DEFAULT_PRESET = "small"
 DEFAULT_DATA = Path("data") / DEFAULT_CORPUS  # a preset's corpus, unless its row of RUNS names one
-# The built-in corpora (the standard library), made when missing: folder -> --tokenizer (None: GPT2)
-BUILT_IN_DATA = {DEFAULT_DATA: None, BYTES_DATA: prepare.BYTES}
+# Built-in corpora, made when missing: folder -> prepare.py's flags (pystdlib-bytes: the old split)
+BUILT_IN_DATA = {DEFAULT_DATA: {}, Path("data") / f"{DEFAULT_CORPUS}-bytes": dict(tokenizer=prepare.BYTES),
+                 BYTES_DATA: dict(tokenizer=prepare.BYTES, split="families", val_fraction=0.035)}
 
 
 def die(msg):
@@ -430,7 +429,7 @@ def open_data(args, rank, ddp):
         if rank == 0:
             print(f"preparing the built-in corpus into {path} (once) ...", flush=True)
             try:
-                prepare.prepare(name=path.name, out=str(path.parent), tokenizer=BUILT_IN_DATA[path])
+                prepare.prepare(name=path.name, out=str(path.parent), **BUILT_IN_DATA[path])
             except prepare.PrepareError as e:
                 die(f"preparing the built-in corpus {path} failed: {e}")
         if ddp:
@@ -471,14 +470,6 @@ def check_data(tokens, config):
                 f"{config.seq_len}")
 
 
-def unigram_entropy(tokens, limit=50_000_000):
-    """Entropy in nats of the token frequencies of (the first 50M tokens of) train.bin: the loss
-    of a model that ignores the context, an honest yardstick for a short run."""
-    counts = np.bincount(tokens[:limit])
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
-
-
 # -----------------------------------------------------------------------------
 # Schedule, batches and evaluation: pure functions of the step, so the step is all a resumed run
 # needs.
@@ -517,21 +508,25 @@ def val_batch(tokens, args, i):
 
 
 @torch.no_grad()
-def evaluate(model, val, args, rank, world, device, autocast):
-    """Mean loss over the fixed validation batches i = 0..eval_batches-1, shared out over the
-    ranks and all-reduced."""
+def evaluate(model, val, args, rank, world, device, autocast, whole=False):
+    """(mean loss per target, targets) of the fixed validation batches 0..eval_batches-1, or (whole)
+    of every token of the split once (common.whole_split); shared out over the ranks, all-reduced."""
     model.eval()
-    total = torch.zeros((), device=device)
-    for k in range(-(-args.eval_batches // world)):  # the same count on every rank: FSDP's
-        i = rank + k * world                           # forwards are collectives
+    batches = (whole_split(len(val), args.seq_len, args.batch_size) if whole else
+               [lambda i=i: val_batch(val, args, i) for i in range(args.eval_batches)])
+    total = torch.zeros(2, device=device)  # the batches' summed losses, their targets
+    for k in range(-(-len(batches) // world)):  # the same count on every rank: FSDP's
+        i = rank + k * world                      # forwards are collectives
+        batch = batches[min(i, len(batches) - 1)]
+        rows = rows_at(val, *batch, args.vocab_size) if whole else batch()
         with autocast:
-            loss = model(*to_device(val_batch(val, args, min(i, args.eval_batches - 1)), device),
-                         loss_fn=head.linear_cross_entropy)[1].float()
-        total += loss if i < args.eval_batches else 0
+            loss = model(*to_device(rows, device), loss_fn=head.linear_cross_entropy)[1].float()
+        targets = rows.numel() - len(rows) if i < len(batches) else 0
+        total += torch.stack([loss * targets, torch.tensor(targets, device=device)])
     if world > 1:
         dist.all_reduce(total)
     model.train()
-    return total.item() / args.eval_batches
+    return (total[0] / total[1]).item(), int(total[1])
 
 
 # torch.compile works for a while before the first step, in silence (docs/training.md: how long)
@@ -854,12 +849,12 @@ def evaluate_and_save(run):
     # not through DDP, whose forwards broadcast buffers (under torch.compile: the eager model)
     eval_model = run.gpt if s.replicated else run.model
     val = run.data.val if run.data else None
-    val_loss = evaluate(eval_model, val, run.args, s.rank, s.world, s.device, s.autocast)
+    val_loss = evaluate(eval_model, val, run.args, s.rank, s.world, s.device, s.autocast)[0]
     ema_loss = {}
     if run.ema:  # the same batches through the averaged weights
         with run.ema.swapped_in():
             ema_loss["ema_val_loss"] = evaluate(eval_model, val, run.args, s.rank, s.world,
-                                                s.device, s.autocast)
+                                                s.device, s.autocast)[0]
     p.evals.append(dict(step=p.step, val_loss=val_loss, **ema_loss))
     run.report.record(dict(step=p.step, val_loss=val_loss, **ema_loss, tokens=p.tokens,
                            peak_mem=peak_memory(s.device)))
@@ -1006,6 +1001,8 @@ def finish(run, timer, t_start, stop_signal):
                          f"--out_dir {run.out} --resume")
     elif not evaluated:
         evaluate_and_save(run)
+    whole = (evaluate(run.gpt, run.data.val, args, s.rank, s.world, s.device, s.autocast, True)
+             if run.data and p.step >= args.max_steps and not stop_signal else (None, 0))  # eager
     tail = [e["val_loss"] for e in p.evals[-args.tail_evals:]]
     trained_tokens = timer.trained_steps * args.global_batch * args.seq_len
     summary = dict(
@@ -1013,6 +1010,7 @@ def finish(run, timer, t_start, stop_signal):
         residual=run.config.residual, route_heads=run.config.depth_heads,
         params=run.gpt.num_params(), final_val_loss=tail[-1] if tail else None,
         tail_val_loss=sum(tail) / len(tail) if tail else None, tail_evals=len(tail),
+        full_val_loss=whole[0], full_val_tokens=whole[1],
         best_val_loss=min((e["val_loss"] for e in p.evals), default=None),
         unigram_entropy=run.entropy, tokens=p.tokens,
         tokens_per_s=trained_tokens / timer.train_time if timer.train_time else None,
@@ -1045,6 +1043,8 @@ def summary_line(s):
             f"evals {s['tail_val_loss']:.4f}"
             + (f" | EMA weights {s['final_ema_val_loss']:.4f}" if "final_ema_val_loss" in s
                else "")
+            + (f" | whole val split {s['full_val_loss']:.4f} ({fmt_count(s['full_val_tokens'])} "
+               f"tokens)" if s.get("full_val_loss") is not None else "")
             + (f" | unigram entropy {s['unigram_entropy']:.4f}" if s["unigram_entropy"] else "")
             + f" | {fmt_count(s['tokens'])} tokens"
             + (f" | {fmt_count(s['tokens_per_s'])} tok/s" if s["tokens_per_s"] else "")

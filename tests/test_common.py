@@ -235,6 +235,34 @@ def test_a_ranks_slice_of_the_drawn_rows_is_those_rows(lo, hi):
     assert synthetic.shape == rows.shape == (hi - lo, 17)
 
 
+@pytest.mark.parametrize("n_tokens", [0, 1, 2, 7, 8, 9, 10, 23, 24, 25, 26],
+                         ids=lambda n: f"{n}-tokens")
+@pytest.mark.parametrize("batch_size", [1, 2, 3, 4])
+def test_the_whole_split_is_every_target_once_in_windows_of_seq_len(n_tokens, batch_size):
+    """whole_split at seq_len 8: targets 1 .. n - 1 each exactly once, in order; every window but the last
+    predicts 8 tokens, the last the 1 .. 7 left over (none when 8 divides n - 1); at most batch_size windows a
+    batch, each full batch but the last full; nothing for a split of 0 or 1 tokens (no target)."""
+    seq_len = 8
+    batches = common.whole_split(n_tokens, seq_len, batch_size)
+    windows = [(start, length) for starts, length in batches for start in starts]
+    targets = [t for start, length in windows for t in range(start + 1, start + length + 1)]
+    assert targets == list(range(1, n_tokens))
+    assert all(length == seq_len for _, length in windows[:-1])
+    assert not windows or 1 <= windows[-1][1] <= seq_len
+    full = [starts for starts, length in batches if length == seq_len]
+    assert all(len(starts) == batch_size for starts in full[:-1]) and all(1 <= len(s) <= batch_size for s in full)
+    assert all(len(starts) == 1 for starts, length in batches if length < seq_len)
+
+
+def test_rows_at_reads_each_window_from_its_start():
+    tokens = (np.arange(40) * 3 % 50).astype(np.uint16)
+    rows = common.rows_at(tokens, [0, 5, 31], 8, 64)
+    assert rows.dtype == torch.int64 and rows.shape == (3, 9)
+    assert torch.equal(rows[1], torch.from_numpy(tokens[5:14].astype(np.int64)))
+    assert torch.equal(rows[2], torch.from_numpy(tokens[31:40].astype(np.int64)))
+    assert common.rows_at(tokens, [], 8, 64).shape == (0, 9)
+
+
 # ----------------------------------------------------------------------------------------------
 # What tests/mutate.py found unpinned in common.py: each function's behaviour at its edges, in this process
 

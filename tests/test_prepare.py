@@ -433,11 +433,118 @@ def test_prepare_bad_flag_values_exit_2(tmp_path, capsys):
     _prep_corpus(tmp_path / "c")
     for flags, fragment in ((["--val_fraction", "0.9"], "--val_fraction must be in (0, 0.5]"),
                             (["--max_tokens", "1"], "--max_tokens must be at least 2"),
-                            (["--name", "../up"], "--name must be a plain folder name")):
+                            (["--name", "../up"], "--name must be a plain folder name"),
+                            (["--split", "families", "--max_tokens", "100"],
+                             "--split families reads the whole corpus into memory: leave out --hf and --max_tokens")):
         err = error_line(capsys, prepare.main,
                          ["--input", tmp_path / "c", "--out", tmp_path / "data", *flags])
         assert fragment in err, err
     assert not (tmp_path / "data").exists()
+
+
+# -----------------------------------------------------------------------------
+# prepare.py --split families: near-duplicates on one side
+
+def _words(rng, lines):
+    """Random text that shares no 32-byte string with other such text (but by a 1-in-10^40 chance)."""
+    return "".join(" ".join("".join(rng.choice(list("abcdefghij"), 6)) for _ in range(8)) + "\n"
+                   for _ in range(lines)).encode()
+
+
+@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 40, 200], ids=lambda n: f"{n}-bytes")
+def test_window_hashes_are_equal_exactly_where_the_windows_are(n):
+    """One hash per 32-byte window (none below 32 bytes), equal where the windows' bytes are equal and only
+    there: a text of 4 distinct 50-byte blocks, each twice, against every pair of windows."""
+    rng = np.random.default_rng(n)
+    blocks = [rng.integers(0, 256, 50, dtype=np.uint8).tobytes() for _ in range(4)]
+    data = b"".join(blocks[i] for i in (0, 1, 2, 0, 3, 1, 2, 3))[:n]
+    hashes = prepare.window_hashes(data)
+    assert hashes.dtype == np.uint64 and len(hashes) == max(n - 31, 0)
+    for i in range(len(hashes)):
+        same = [data[j:j + 32] == data[i:i + 32] for j in range(len(hashes))]
+        assert (hashes == hashes[i]).tolist() == same
+
+
+def test_near_duplicates_are_one_family_and_chains_of_them_too():
+    """A document and its copy with a tenth of its lines changed are one family; so is a copy of the copy
+    (a chain); a document that shares only a 30-line header with all of them (a licence) is not; nor is a
+    short document that is wholly inside another (fewer than 4 fingerprints: it could be chance)."""
+    rng = np.random.default_rng(0)
+    base = _words(rng, 400).split(b"\n")
+    copy = [line if i % 10 else b"changed " + line for i, line in enumerate(base)]
+    copy2 = [line if i % 10 != 5 else b"again " + line for i, line in enumerate(copy)]
+    header = b"\n".join(base[:30])
+    texts = [b"\n".join(base), _words(rng, 300), b"\n".join(copy), header + _words(rng, 400),
+             b"\n".join(copy2), base[7] + b"\n"]
+    family = prepare.families(texts)
+    assert family[0] == family[2] == family[4]
+    assert len({family[0], family[1], family[3], family[5]}) == 4
+    assert prepare.families([]) == [] and prepare.families([b"x"]) == [0]
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.25, 0.5])
+def test_val_takes_whole_families_up_to_its_share_of_the_bytes(fraction):
+    """family_sides: every family on one side; val between its share of the bytes and 1.1x it whenever a
+    family fits (families of 1..3 documents of 3,000..9,000 bytes here); other seeds, other families."""
+    rng = np.random.default_rng(1)
+    texts, members = [], []
+    for f in range(30):
+        doc = _words(rng, 40 + f * 3)
+        for k in range(1 + f % 3):
+            members.append(f)
+            texts.append(doc + b"x" * k)  # the copies differ in a byte
+    sides = prepare.family_sides(texts, fraction, seed=0)
+    for f in range(30):
+        assert len({side for side, m in zip(sides, members) if m == f}) == 1
+    val = sum(len(t) for t, side in zip(texts, sides) if side == "val")
+    assert fraction <= val / sum(map(len, texts)) <= 1.1 * fraction
+    assert prepare.family_sides(texts, fraction, seed=1) != sides
+
+
+def test_val_takes_the_smallest_family_when_none_fits():
+    texts = [b"a" * 100, b"b" * 50, b"c" * 80]
+    assert prepare.family_sides(texts, 0.01, seed=0) == ["train", "val", "train"]
+
+
+def test_the_shared_share_is_the_brute_force_count():
+    """shared_share: the share of val's 32-byte windows (with repeats) that occur anywhere in train,
+    checked against Python's sets of substrings; 0 without val or without train."""
+    rng = np.random.default_rng(2)
+    a, b, c = _words(rng, 30), _words(rng, 20), _words(rng, 25)
+    texts = [a, b + a[:300], c, c[100:600] + b[:50]]
+    sides = ["train", "val", "train", "val"]
+    train = {t[i:i + 32] for t, side in zip(texts, sides) if side == "train" for i in range(len(t) - 31)}
+    windows = [t[i:i + 32] for t, side in zip(texts, sides) if side == "val" for i in range(len(t) - 31)]
+    expected = sum(w in train for w in windows) / len(windows)
+    assert 0.2 < expected < 0.8 and prepare.shared_share(texts, sides) == pytest.approx(expected, abs=1e-12)
+    assert prepare.shared_share(texts, ["train"] * 4) == prepare.shared_share(texts, ["val"] * 4) == 0.0
+
+
+def test_prepare_split_families_keeps_a_family_on_one_side(tmp_path, capsys):
+    """End to end: 12 families of 1-3 near-copies, bytes, 25 % of the bytes to val; each family's documents all
+    in val or all in train (read back from the files), meta.json records the split and the measured share."""
+    rng = np.random.default_rng(3)
+    corpus, family_of = tmp_path / "corpus", {}
+    corpus.mkdir()
+    for f in range(12):
+        lines = _words(rng, 30).split(b"\n")
+        for k in range(1 + f % 3):
+            text = b"\n".join(line if i % 10 != k else b"edit " + line for i, line in enumerate(lines))
+            (corpus / f"f{f:02d}_{k}.txt").write_bytes(text)
+            family_of[text] = f
+    folder = prepare.main(["--input", str(corpus), "--out", str(tmp_path / "data"), "--tokenizer", "bytes",
+                           "--split", "families", "--val_fraction", "0.25"])
+    assert "split by near-duplicate family: 0.0% of val's 32-byte strings also occur in train" in \
+        capsys.readouterr().out
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["split"] == "families" and meta["val_shared_32"] == 0.0
+    sides = {}
+    for split in ("train", "val"):
+        ids = np.fromfile(folder / f"{split}.bin", dtype=np.uint16)
+        for doc in np.split(ids, np.nonzero(ids == 256)[0] + 1)[:-1]:  # each ends in end-of-text
+            sides.setdefault(family_of[bytes(doc[:-1].astype(np.uint8))], set()).add(split)
+    assert len(sides) == 12 and all(len(s) == 1 for s in sides.values())
+    assert {"val"} in sides.values() and {"train"} in sides.values()
 
 
 # -----------------------------------------------------------------------------

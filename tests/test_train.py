@@ -2,8 +2,10 @@
 resume, signals, the output folder's lock, failed saves, logs, bad input, DDP (tiny preset, the
 64-token corpus of the `data` fixture, a few steps each)."""
 import builtins
+import contextlib
 import dataclasses
 import errno
+import functools
 import io
 import json
 import math
@@ -19,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+import common
 import head
 import mhar
 import train
@@ -628,6 +631,64 @@ def test_log_checkpoint_and_summary_carry_the_documented_fields(data, tmp_path):
     assert not list(tmp_path.glob("*.tmp"))  # written atomically
 
 
+def test_the_whole_val_split_is_scored_once_at_the_end(data, tmp_path):
+    """summary.json's full_val_loss: the mean cross-entropy of every val.bin token but the first, each read
+    from the tokens before it in its window of seq_len (the data's 3,999 targets: 124 windows of 32 and one
+    of 31), recomputed here in float64 from the final weights, one window at a time."""
+    summary = run(data, tmp_path)
+    val = torch.from_numpy(np.fromfile(data / "val.bin", dtype=np.uint16).astype(np.int64))
+    model, _ = load_model(tmp_path / "ckpt.pt")
+    model.double()
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, len(val) - 1, 32):
+            window = val[start:start + 33]
+            logits, _ = model(window[None, :-1])
+            total += torch.nn.functional.cross_entropy(logits[0].double(), window[1:], reduction="sum").item()
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["full_val_tokens"] == summary["full_val_tokens"] == len(val) - 1 == 3999
+    assert saved["full_val_loss"] == pytest.approx(total / (len(val) - 1), rel=1e-5)
+    assert abs(saved["full_val_loss"] - saved["final_val_loss"]) > 1e-4  # not the sampled batches' loss
+
+
+@pytest.mark.parametrize("world", [2, 3, 5], ids=lambda w: f"{w}-ranks")
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "sampled"])
+def test_evaluation_shared_over_ranks_is_one_processs(data, monkeypatch, world, whole):
+    """evaluate on each of `world` ranks (all_reduce summing what they return): every rank runs the same
+    number of forwards, a rank past the last batch repeats it and counts nothing, and the total is one
+    process's (32 whole-split batches, 7 sampled ones: uneven over 3 and 5 ranks)."""
+    args = train.parse_args(flags(data, "unused", "--eval_batches", "7"))[0]
+    args.vocab_size, args.seq_len = VOCAB, 32
+    torch.manual_seed(0)
+    model = mhar.GPT(mhar.preset("tiny", vocab_size=VOCAB, seq_len=32))
+    val = np.fromfile(data / "val.bin", dtype=np.uint16)
+    cpu, autocast = torch.device("cpu"), contextlib.nullcontext()
+    one = train.evaluate(model, val, args, 0, 1, cpu, autocast, whole)
+    forwards, parts = [], []
+    monkeypatch.setattr(train.dist, "all_reduce", lambda total: parts.append(total.clone()))
+    for rank in range(world):
+        calls = []
+        monkeypatch.setattr(model, "forward", functools.partial(counted, calls, type(model).forward, model))
+        train.evaluate(model, val, args, rank, world, cpu, autocast, whole)
+        forwards.append(len(calls))
+    total = sum(parts)
+    assert len(set(forwards)) == 1 and forwards[0] == -(-(32 if whole else 7) // world)
+    assert int(total[1]) == one[1] == (3999 if whole else 7 * 4 * 32)
+    assert (total[0] / total[1]).item() == pytest.approx(one[0], rel=1e-6)
+
+
+def counted(calls, forward, model, *args, **kwargs):
+    calls.append(1)
+    return forward(model, *args, **kwargs)
+
+
+def test_a_run_stopped_early_has_no_whole_split_score(data, tmp_path):
+    summary = run(data, tmp_path, "--stop_step", "4")
+    assert summary["full_val_loss"] is None and summary["full_val_tokens"] == 0
+    summary = run(data, tmp_path, "--resume")
+    assert summary["full_val_tokens"] == 3999 and math.isfinite(summary["full_val_loss"])
+
+
 def test_every_config_field_is_a_flag(data, tmp_path):
     """The model flags come from mhar.Config: a field added there is a flag here."""
     args, given = train.parse_args(["--n_layer", "3", "--n_embd", "48", "--n_head", "2",
@@ -642,16 +703,20 @@ def test_every_config_field_is_a_flag(data, tmp_path):
 
 
 def test_a_presets_built_in_corpus_is_its_default_data(tmp_path, monkeypatch):
-    """--preset small-bytes without --data prepares and trains on the standard library's bytes, and its model's
-    vocabulary is the bytes' 257 ids padded (a checkpoint records the folder, so a resume reads it again)."""
+    """--preset small-bytes without --data prepares and trains on the standard library's bytes, split by
+    near-duplicate family with 3.5 % of the bytes in val, and its model's vocabulary is the bytes' 257 ids padded
+    (a checkpoint records the folder, so a resume reads it again). The whole split's score reads its first
+    batch alone here (the whole: 1.1M tokens)."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train, "whole_split", lambda *args: common.whole_split(*args)[:1])
     summary = train.main(["--preset", "small-bytes", "--out_dir", "out", "--max_steps", "1", "--batch_size", "2",
                           "--seq_len", "32", "--eval_batches", "1", "--n_layer", "1"])
-    assert math.isfinite(summary["final_val_loss"])
-    meta = json.loads((tmp_path / "data" / "pystdlib-bytes" / "meta.json").read_text())
-    assert (meta["tokenizer"], meta["vocab_size"]) == ("bytes", 257)
+    assert math.isfinite(summary["final_val_loss"]) and summary["full_val_tokens"] == 2 * 32
+    meta = json.loads((tmp_path / "data" / "pystdlib-bytes-families" / "meta.json").read_text())
+    assert (meta["tokenizer"], meta["vocab_size"], meta["split"]) == ("bytes", 257, "families")
+    assert 0.03 <= meta["tokens"]["val"] / sum(meta["tokens"].values()) <= 0.035 * 1.1
     ckpt = load(tmp_path / "out")
-    assert (ckpt["args"]["data"], ckpt["config"]["vocab_size"]) == ("data/pystdlib-bytes", 320)
+    assert (ckpt["args"]["data"], ckpt["config"]["vocab_size"]) == ("data/pystdlib-bytes-families", 320)
 
 
 def test_synthetic_data_needs_no_files(tmp_path):
@@ -822,5 +887,8 @@ def test_torchrun_two_ranks_match_one_process_with_the_same_global_batch(data, t
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (k, a, b)
     a, b = load(tmp_path / "ddp"), load(tmp_path / "one")
     assert a["args"]["global_batch"] == b["args"]["global_batch"] == 8
+    whole = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("ddp", "one")]
+    assert whole[0]["full_val_tokens"] == whole[1]["full_val_tokens"] == 3999  # 32 batches over 2 ranks
+    assert whole[0]["full_val_loss"] == pytest.approx(whole[1]["full_val_loss"], rel=1e-4)
     for k in a["model"]:
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-4, atol=1e-5)
