@@ -649,6 +649,12 @@ def signed(x, se=None):
     return "—" if x is None else f"{x:+.4f}" + ("" if se is None else f" ± {se:.4f}")
 
 
+def t_of(pair):
+    """The paired t statistic (mean / standard error) with its degrees of freedom, "t(2) = -10.1"; "—" without
+    a spread (one seed, or equal differences)."""
+    return f"t({pair['n'] - 1}) = {pair['mean'] / pair['se']:+.1f}" if pair["se"] else "—"
+
+
 # The tables' columns: (header, cell of a row). A metric added to the rows (an lm-eval score, say) becomes a
 # column by appending it here, and a paired column by paired(rows, key=its name).
 PAIR_COLUMNS = [
@@ -657,6 +663,7 @@ PAIR_COLUMNS = [
     ("seeds", lambda p: ",".join(map(str, p["seeds"]))),
     ("n", lambda p: str(p["n"])),
     ("Δ tail-mean val loss (mean ± s.e.)", lambda p: signed(p["mean"], p["se"])),
+    ("t (df)", t_of),
 ]
 RUN_COLUMNS = [
     ("run", lambda r: r["name"]),
@@ -687,8 +694,9 @@ def report(rows, metrics=(), against=()):
     keys of the rows (lm-eval's task/metric) that add a paired column and a per-run column each; `against`:
     routed variants that add a paired table each (every other routed method minus that one)."""
     pairs, rows = with_metrics(paired(rows), rows, metrics), with_deltas(rows)
-    pair_columns = PAIR_COLUMNS + [(f"Δ {m} (mean ± s.e.)", lambda p, m=m: signed(p[m]["mean"], p[m]["se"]))
-                                   for m in metrics]
+    pair_columns = PAIR_COLUMNS + [column for m in metrics for column in (
+        (f"Δ {m} (mean ± s.e.)", lambda p, m=m: signed(p[m]["mean"], p[m]["se"])),
+        (f"t (df) of {m}", lambda p, m=m: t_of(p[m])))]
     run_columns = RUN_COLUMNS + [(m, lambda r, m=m: f"{r[m]:.4f}") for m in metrics]
     parts = []
     if pairs:
@@ -696,8 +704,9 @@ def report(rows, metrics=(), against=()):
                      "seed, same batches); mean ± standard error over the n seeds (n = 1: no error bar).\n\n"
                      + markdown(pair_columns, pairs))
     for variant in against:
+        against_rows = versus(rows, variant)
         parts.append(f"Paired with {variant}: each routed method minus {variant} at the same seed.\n\n"
-                     + markdown(PAIR_COLUMNS, paired(versus(rows, variant))))
+                     + markdown(pair_columns, with_metrics(paired(against_rows), against_rows, metrics)))
     parts.append(markdown(run_columns, rows))
     for variant in dict.fromkeys(r["variant"] for r in rows if r["baseline"] is None):
         losses = [r["tail_val_loss"] for r in rows if r["variant"] == variant]
@@ -766,12 +775,16 @@ def comparison(argv):
     if unfinished:  # train.py ended early but well (--stop_step), or another process broke it since
         exit_error("compare.py", f"the run {out_dir / unfinished[0]} ended before its last step (no finished "
                                  f"summary.json): run the same command to go on", status=1)
-    rows, metrics = [], {}  # metrics: lm-eval's task/metric names, in order
+    # metrics: the whole val split's loss when every run scored it (train.py since 2026-12-05), then lm-eval's
+    # task/metric names, in order
+    whole = all(summary.get("full_val_loss") is not None for summary in summaries)
+    rows, metrics = [], dict.fromkeys(["full_val_loss"] if whole else [])
     for run, summary in zip(runs, summaries):
         rows.append(dict(name=run.name, variant=run.variant, baseline=run.baseline, seed=run.seed,
                          params=summary["params"], tail_val_loss=summary["tail_val_loss"],
                          tokens_per_s=summary["tokens_per_s"] or 0.0, peak_mem=summary["peak_mem"] or 0,
-                         path=str(out_dir / run.name)))
+                         path=str(out_dir / run.name), **({"full_val_loss": summary["full_val_loss"]} if whole
+                                                           else {})))
         if manager:
             scores = evaluate_once(out_dir / run.name, summary["step"], args, device, manager)
             rows[-1].update(scores)
@@ -781,7 +794,8 @@ def comparison(argv):
     print("\n" + results)
     tables = {"results.md": results + "\n", "results.json": json.dumps(dict(
         rows=with_deltas(rows), pairs=with_metrics(paired(rows), rows, metrics),
-        versus={v: paired(versus(rows, v)) for v in args.versus}, train_flags=train_flags,
+        versus={v: with_metrics(paired(versus(rows, v)), versus(rows, v), metrics) for v in args.versus},
+        train_flags=train_flags,
         eval_tasks=args.eval_tasks), indent=2)}
     try:            # both whole or neither: a disk that fills up keeps the previous pair together
         with staged(out_dir) as tmp:

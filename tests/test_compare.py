@@ -664,7 +664,10 @@ def test_compare_trains_each_method_then_writes_the_tables_and_the_figure(compar
     summaries = {name: json.loads((out / name / "summary.json").read_text()) for name in rows}
     for name, r in rows.items():  # each row is the run's own summary.json
         assert r["tail_val_loss"] == summaries[name]["tail_val_loss"] and summaries[name]["finished"]
+        assert r["full_val_loss"] == summaries[name]["full_val_loss"] != r["tail_val_loss"]
     delta = summaries["mhar-s0"]["tail_val_loss"] - summaries["baseline-s0"]["tail_val_loss"]  # seed 0 with seed 0
+    whole = summaries["mhar-s0"]["full_val_loss"] - summaries["baseline-s0"]["full_val_loss"]
+    assert results["pairs"][0]["full_val_loss"]["deltas"] == [whole]  # the whole split's paired too
     assert rows["mhar-s0"]["delta"] == delta and rows["baseline-s1"]["delta"] is None
     (pair,) = results["pairs"]
     assert {k: pair[k] for k in ("variant", "baseline", "seeds", "deltas", "n", "mean", "se")} == dict(
@@ -727,10 +730,13 @@ def test_eval_tasks_add_eval_pys_metrics_as_columns(compared, words):
     assert {m: (pair[m]["deltas"], pair[m]["se"]) for m in METRICS} == {
         m: ([delta[m]], None) for m in METRICS}
     table = (out / "results.md").read_text()
-    assert "| Δ words_choice/acc (mean ± s.e.) | Δ words_next/exact_match (mean ± s.e.) |" in table
-    cells = " | ".join(f"{delta[m]:+.4f}" for m in METRICS)
-    assert f"| mhar | baseline | 0 | 1 | {pair['mean']:+.4f} | {cells} |" in table
-    run_cells = " | ".join(f"{rows['baseline-s1'][m]:.4f}" for m in METRICS)
+    # the whole val split's loss first (every run scored it), then the metrics; one seed: no t
+    assert ("| Δ full_val_loss (mean ± s.e.) | t (df) of full_val_loss | Δ words_choice/acc (mean ± s.e.) | "
+            "t (df) of words_choice/acc | Δ words_next/exact_match (mean ± s.e.) |") in table
+    whole = rows["mhar-s0"]["full_val_loss"] - rows["baseline-s0"]["full_val_loss"]
+    cells = " | ".join(f"{d:+.4f} | —" for d in (whole, *delta.values()))
+    assert f"| mhar | baseline | 0 | 1 | {pair['mean']:+.4f} | — | {cells} |" in table
+    run_cells = " | ".join(f"{rows['baseline-s1'][m]:.4f}" for m in ("full_val_loss", *METRICS))
     assert table.rstrip().splitlines()[-3].endswith(f" | {run_cells} |")  # before the seeds' spread
 
 
@@ -814,8 +820,9 @@ def test_paired_metric_columns_on_hand_made_scores():
     rows += [{**row(f"mhar-s{s}", "mhar", "baseline", s, 2.9), "t/acc": acc}
              for s, acc in enumerate((0.75, 0.75))]
     text = compare.report(rows, ["t/acc"])
-    # mhar - baseline: +0.25, +0.5: mean 0.375, sample std 0.25 / sqrt(2), standard error 0.125
-    assert "| mhar | baseline | 0,1 | 2 | -0.1000 ± 0.0000 | +0.3750 ± 0.1250 |" in text
+    # mhar - baseline: +0.25, +0.5: mean 0.375, sample std 0.25 / sqrt(2), standard error 0.125, t = 3 with
+    # 1 degree of freedom; the loss's differences are equal: no spread, no t
+    assert "| mhar | baseline | 0,1 | 2 | -0.1000 ± 0.0000 | — | +0.3750 ± 0.1250 | t(1) = +3.0 |" in text
     assert "| mhar-s1 | 1,000 | 2.9000 | -0.1000 | 1 | 1.00 GiB | 0.7500 |" in text
 
 
