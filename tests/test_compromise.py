@@ -1009,6 +1009,13 @@ def test_a_wait_without_a_result_is_reported_after_every_interval(monkeypatch, w
     assert [entry for entry in log if entry[0] == "timeout"] == [("timeout", 7)] * (4 * waits)
 
 
+def test_the_wait_is_a_minute_unless_told(monkeypatch):
+    """compromise.py's waiting line comes after a minute without a result (its docstring's "every minute")."""
+    log = fake_pool(monkeypatch, waits=1)
+    compromise.run_all(RUNS, 2, lambda r: None, lambda: None)
+    assert {entry for entry in log if entry[0] == "timeout"} == {("timeout", 60)}
+
+
 @pytest.mark.parametrize("runs", [RUNS, RUNS[:1], []], ids=["four-runs", "one-run", "no-runs"])
 def test_one_job_trains_in_this_process_in_order(runs, monkeypatch):
     log, finished = fake_pool(monkeypatch), []
@@ -1130,16 +1137,17 @@ def test_the_first_lines_reach_a_pipe_as_they_are_printed(tmp_path, monkeypatch)
     def flushed(*args):
         seen.append(raw.getvalue().decode().count("\n"))
     monkeypatch.setattr(compromise, "report", lambda results: flushed() or make(results))
-    given = fake_training(monkeypatch)
+    given = fake_training(monkeypatch, waits=(0, 3))
     run_all = compromise.run_all
 
     def watched(runs, jobs, done, waiting):
         flushed()
-        return run_all(runs, jobs, lambda r: (done(r), flushed()), waiting)
+        return run_all(runs, jobs, lambda r: (done(r), flushed()), lambda: (waiting(), flushed()))
     monkeypatch.setattr(compromise, "run_all", watched)
     monkeypatch.setattr(compromise, "pyplot", lambda: None)
     compromise.main(["--d", "32", "--steps", "7", "--seeds", "0", "--out_dir", str(tmp_path / "o")])
-    assert len(given[0][0]) == 6 and seen == [1, 2, 3, 4, 5, 6, 7, 7]
+    # the header, a waiting line, 3 runs' lines, a waiting line, 3 more: each on the pipe when printed
+    assert len(given[0][0]) == 6 and seen == [1, 2, 3, 4, 5, 6, 7, 8, 9, 9]
 
 
 @pytest.mark.parametrize("stop, name, status", [
