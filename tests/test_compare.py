@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -676,6 +677,48 @@ def test_compare_trains_each_method_then_writes_the_tables_and_the_figure(compar
     assert f"| mhar | baseline | 0 | 1 | {delta:+.4f} |" in table and "baseline over 2 seeds" in table
     assert (out / "loss_curves.png").read_bytes()[:8] == PNG_SIGNATURE
     assert (out / "paired_curves.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+class FinishedProcess:
+    """A train.py process that has already ended well."""
+    returncode = 0
+
+    def poll(self):
+        return 0
+
+    def wait(self):
+        return 0
+
+
+@pytest.mark.parametrize("cores, jobs, preset, threads", [
+    (8, 1, None, None), (8, 2, None, "4"), (8, 3, None, "2"), (8, 8, None, "1"), (8, 9, None, "1"),
+    (None, 2, None, "1"), (8, 2, "5", "5"),
+], ids=["one-job-inherits", "two-jobs", "three-jobs-rounded-down", "a-core-each", "more-jobs-than-cores",
+        "cores-unknown", "the-users-setting-kept"])
+def test_each_job_takes_its_share_of_the_cores(cores, jobs, preset, threads, tmp_path, monkeypatch, capsys):
+    """--jobs N: every run's OMP_NUM_THREADS is the cores / N, rounded down, at least 1; one job, or a value the
+    user set, is left as it is."""
+    envs = []
+    monkeypatch.setattr(compare.subprocess, "Popen", lambda command, env, **kwargs: envs.append(env)
+                        or FinishedProcess())
+    monkeypatch.setattr(compare.os, "cpu_count", lambda: cores)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    if preset:
+        monkeypatch.setenv("OMP_NUM_THREADS", preset)
+    compare.train_all({tmp_path / "a-s0": ["python", "train.py"], tmp_path / "b-s0": ["python", "train.py"]}, jobs)
+    assert len(envs) == 2 and all(env.get("OMP_NUM_THREADS") == threads for env in envs)
+
+
+@pytest.mark.parametrize("ends_at, beats", [(59.5, 0), (60.5, 1), (120.5, 2)], ids=["59.5-s", "60.5-s", "120.5-s"])
+def test_the_heartbeat_comes_each_minute_of_waiting(ends_at, beats, monkeypatch):
+    """wait_any's heartbeat: after every 60 s that no run ends (by default), none before."""
+    clock = [0.0]
+    monkeypatch.setattr(compare.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(compare.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    process = types.SimpleNamespace(poll=lambda: 0 if clock[0] >= ends_at else None)
+    calls = []
+    assert compare.wait_any([process], poll_s=0.5, heartbeat=lambda: calls.append(clock[0])) is process
+    assert calls == [60.0 * (k + 1) for k in range(beats)]
 
 
 def test_jobs_train_runs_side_by_side_each_with_its_output_in_a_file(data, tmp_path):
