@@ -499,6 +499,47 @@ def test_val_takes_whole_families_up_to_its_share_of_the_bytes(fraction):
     val = sum(len(t) for t, side in zip(texts, sides) if side == "val")
     assert fraction <= val / sum(map(len, texts)) <= 1.1 * fraction
     assert prepare.family_sides(texts, fraction, seed=1) != sides
+    assert prepare.family_sides(texts, fraction, seed=0) == sides  # the seed's alone
+
+
+def test_val_stops_once_it_holds_its_share_and_takes_a_family_that_ends_exactly_at_the_cap():
+    """Families of 12, 10, 78 bytes (each alone: too short to share), 20 % to val: 20 bytes, at most 22 (both
+    exact in floating point). In either order the two small ones go in, the second ending exactly at 22 (<=,
+    not <); then val is full. With 10, 10, 1, 79 bytes val stops at 20 whenever both 10s come first (the 1
+    would still fit: >=, not >)."""
+    rng = np.random.default_rng(4)
+    text = lambda n: bytes(rng.integers(97, 123, n, dtype=np.uint8))  # noqa: E731
+    three = [text(12), text(10), text(78)]
+    for seed in range(4):
+        assert prepare.family_sides(three, 0.2, seed) == ["val", "val", "train"]
+    four = [text(10), text(10), text(1), text(79)]
+    both_first = 0
+    for seed in range(8):
+        order = np.random.default_rng(seed).permutation(4).tolist()  # the families in the order val takes them
+        small = [i for i in order if i != 3]
+        expected = {0, 1} if set(small[:2]) == {0, 1} else {0, 1, 2}
+        both_first += expected == {0, 1}
+        assert {i for i, side in enumerate(prepare.family_sides(four, 0.2, seed)) if side == "val"} == expected
+    assert 0 < both_first < 8  # both cases met
+
+
+def test_the_same_seed_gives_the_same_split():
+    rng = np.random.default_rng(5)
+    documents = [(_words(rng, 5 + k).decode(), 0) for k in range(20)]
+    sides = prepare.by_family(documents, 0.3, 7)[1]
+    assert sides == prepare.by_family(documents, 0.3, 7)[1] == prepare.family_sides(
+        [text.encode() for text, _ in documents], 0.3, 7)
+    assert len(prepare.by_family(documents + [("", 0)], 0.3, 7)[0]) == 20  # the empty document left out
+
+
+def test_the_shared_share_finds_the_largest_and_the_smallest_window():
+    """Every window of a text also in train, whichever hash is the largest or smallest in train (searchsorted's
+    last and first index), and none of a text whose largest window is past all of train's."""
+    rng = np.random.default_rng(6)
+    for _ in range(5):
+        a, b = (bytes(rng.integers(0, 256, 64, dtype=np.uint8)) for _ in range(2))
+        assert prepare.shared_share([a, a], ["train", "val"]) == 1.0
+        assert prepare.shared_share([a, b], ["train", "val"]) == prepare.shared_share([b, a], ["train", "val"]) == 0.0
 
 
 def test_val_takes_the_smallest_family_when_none_fits():
