@@ -519,7 +519,6 @@ SHARED_BYTES = 32            # a shared string: 32 bytes that occur verbatim in 
 FINGERPRINT_SHIFT = 58       # a window whose hash's top 6 bits are 0 is a fingerprint: 1 in 64, by content
 FAMILY_SHARE = 0.5           # two documents are one family when they share half the fingerprints of the smaller
 FAMILY_MIN_FINGERPRINTS = 4  # ... and it has at least 4 (about 256 bytes): shorter ones share by chance
-COMMON_PRINT = 256          # a fingerprint in more documents is an idiom (indentation, a licence), not kinship
 VAL_SLACK = 1.1              # families go to val while val stays under 1.1x its share of the bytes
 
 
@@ -553,7 +552,6 @@ def families(texts):
     _, which = np.unique(np.concatenate(prints or [np.empty(0, np.uint64)]), return_inverse=True)
     order = np.argsort(which, kind="stable")
     holders, first = owner[order], np.searchsorted(which[order], np.arange(which.max(initial=-1) + 2))
-    common = np.diff(first) > COMMON_PRINT
     parent = list(range(len(texts)))
 
     def root(i):
@@ -567,8 +565,7 @@ def families(texts):
         mine = which[ends[i] - sizes[i]:ends[i]]
         if len(mine) < FAMILY_MIN_FINGERPRINTS:
             continue
-        shared = np.bincount(np.concatenate([holders[first[f]:first[f + 1]] for f in mine[~common[mine]]]
-                                            or [np.empty(0, np.int64)]),
+        shared = np.bincount(np.concatenate([holders[first[f]:first[f + 1]] for f in mine]),
                              minlength=len(texts))     # fingerprints each document shares with i
         smaller = np.minimum(sizes, len(mine))
         for j in np.nonzero((shared >= FAMILY_SHARE * smaller) & (smaller >= FAMILY_MIN_FINGERPRINTS))[0]:

@@ -482,6 +482,25 @@ def test_near_duplicates_are_one_family_and_chains_of_them_too():
     assert prepare.families([]) == [] and prepare.families([b"x"]) == [0]
 
 
+@pytest.mark.parametrize("first_short", [False, True], ids=["short-last", "short-first"])
+def test_families_at_the_share_and_the_count_of_fingerprints(first_short, monkeypatch):
+    """families() with the windows' hashes given (a hash below 2**58 is a fingerprint): exactly half of the
+    smaller one's fingerprints shared is kinship; exactly 4 fingerprints are enough, 3 are not; a document of
+    too few fingerprints, first or last, leaves the others' families as they are."""
+    big = 1 << 60  # no fingerprint
+    hashes = {b"a": [1, 2, 3, 4, big], b"b": [1, 2, 98, 99, big + 1],     # 2 of 4 shared: half
+              b"c": [5, 6, 7, 8], b"d": [5, 6, 7, 8, 9, 10, 11, 12],      # c's 4 all in d
+              b"e": [20, 21, 22], b"f": [20, 21, 22, 23, 24, 25],        # e has 3 only
+              b"g": [30, 31, 32, 33], b"h": [30, 97, 96, 95]}           # 1 of 4: strangers
+    monkeypatch.setattr(prepare, "window_hashes", lambda text: np.array(hashes[text], dtype=np.uint64))
+    texts = [b"a", b"b", b"c", b"d", b"e", b"f", b"g", b"h"]
+    if first_short:
+        texts = [b"e"] + [t for t in texts if t != b"e"]
+    family = dict(zip(texts, prepare.families(texts)))
+    assert family[b"a"] == family[b"b"] and family[b"c"] == family[b"d"]
+    assert len({family[t] for t in (b"a", b"c", b"e", b"f", b"g", b"h")}) == 6
+
+
 @pytest.mark.parametrize("fraction", [0.1, 0.25, 0.5])
 def test_val_takes_whole_families_up_to_its_share_of_the_bytes(fraction):
     """family_sides: every family on one side; val between its share of the bytes and 1.1x it whenever a
