@@ -465,6 +465,19 @@ def test_window_hashes_are_equal_exactly_where_the_windows_are(n):
         assert (hashes == hashes[i]).tolist() == same
 
 
+def test_window_hashes_look_random():
+    """Over 200,000 windows of random bytes: no two distinct windows collide, each of the 64 bits is set in half
+    of them (± 1 %), and 1 in 64 are fingerprints (top 6 bits 0, ± 10 %): a weak mix (a bit always 0, hashes of
+    fewer bits) would make shared strings of strangers."""
+    data = np.random.default_rng(7).integers(0, 256, 200_031, dtype=np.uint8).tobytes()
+    hashes = prepare.window_hashes(data)
+    assert len(np.unique(hashes)) == len(hashes) == 200_000
+    bits = (hashes[:, None] >> np.arange(64, dtype=np.uint64)) & np.uint64(1)
+    assert np.abs(bits.mean(axis=0) - 0.5).max() < 0.01
+    fingerprints = (hashes >> np.uint64(prepare.FINGERPRINT_SHIFT) == 0).mean()
+    assert abs(fingerprints * 64 - 1) < 0.1
+
+
 def test_near_duplicates_are_one_family_and_chains_of_them_too():
     """A document and its copy with a tenth of its lines changed are one family; so is a copy of the copy
     (a chain); a document that shares only a 30-line header with all of them (a licence) is not; nor is a
