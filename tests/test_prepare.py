@@ -429,6 +429,31 @@ def test_prepare_hf_offline_fails_cleanly(tmp_path, capsys, monkeypatch):
 
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(val_fraction=0.0), "--val_fraction must be in (0, 0.5], got 0.0"),
+    (dict(val_fraction=0.5), None),
+    (dict(val_fraction=0.51), "--val_fraction must be in (0, 0.5], got 0.51"),
+    (dict(max_tokens=1), "--max_tokens must be at least 2, got 1"),
+    (dict(max_tokens=2), None),
+    (dict(split="random"), "--split must be one of blocks, families, got 'random'"),
+    (dict(hf="some/dataset"), "give --input or --hf, not both"),
+    (dict(split="families", max_tokens=100), "--split families reads the whole corpus into memory: leave out --hf "
+                                              "and --max_tokens"),
+], ids=["fraction-0", "fraction-half", "fraction-past-half", "max-tokens-1", "max-tokens-2", "split-unknown",
+        "input-and-hf", "families-and-max-tokens"])
+def test_prepares_options_at_their_edges(options, message, tmp_path):
+    """prepare() from Python, where argparse's choices do not guard: each option's edge passes, one past it is one
+    message naming the option."""
+    given = {**dict(inputs=[tmp_path / "c"], hf=None, val_fraction=0.005, max_tokens=None, split="blocks"), **options}
+    if message is None:
+        assert prepare.check_options(**given) is None
+        return
+    _prep_corpus(tmp_path / "c")
+    with pytest.raises(prepare.PrepareError) as error:
+        prepare.prepare([tmp_path / "c"], out=tmp_path / "data", quiet=True, **options)
+    assert str(error.value) == message and not (tmp_path / "data").exists()
+
+
 def test_prepare_bad_flag_values_exit_2(tmp_path, capsys):
     _prep_corpus(tmp_path / "c")
     for flags, fragment in ((["--val_fraction", "0.9"], "--val_fraction must be in (0, 0.5]"),
