@@ -636,6 +636,7 @@ def test_prepare_split_families_keeps_a_family_on_one_side(tmp_path, capsys):
         capsys.readouterr().out
     meta = json.loads((folder / "meta.json").read_text())
     assert meta["split"] == "families" and meta["val_shared_32"] == 0.0
+    assert meta["input_bytes"] == sum(len(text) for text in family_of)  # every document's bytes, counted once
     sides = {}
     for split in ("train", "val"):
         ids = np.fromfile(folder / f"{split}.bin", dtype=np.uint16)
