@@ -77,7 +77,7 @@ PAPER_RUN = dict(max_steps=20_000, warmup_steps=1000, eval_interval=500, eval_ba
 # Run sizes per preset: the micro-batch (sequences per rank) and the global batch (sequences per
 # step). The paper's global batches at 100M-1B, with micro-batches that fit 80 GB on the readable
 # path (1b: use --compile or --fused). small is the `python train.py` demo, 2k tokens a step (4k
-# are slower per token on a CPU: its caches cannot hold the 50k-vocabulary logits); tiny, tests'.
+# are slower per token on a CPU: its caches cannot hold the 50k-vocabulary logits); tiny: tests.
 BYTES_DATA = Path("data") / f"{DEFAULT_CORPUS}-bytes-families"  # as UTF-8 bytes (docs/data.md)
 RUNS = {
     "tiny": dict(batch_size=8, global_batch=8, max_steps=200, warmup_steps=20, eval_interval=50,
