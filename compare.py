@@ -680,9 +680,10 @@ def markdown(columns, rows):
     return "\n".join(lines + ["| " + " | ".join(cell(row) for _, cell in columns) + " |" for row in rows])
 
 
-def with_metrics(pairs, rows, metrics):
-    """The pairs of the loss, each with the paired differences of every other per-run metric under its
-    name: {"mean", "se", ...} as paired() gives them."""
+def with_metrics(rows, metrics):
+    """paired(rows): the pairs of the loss, each with the paired differences of every other per-run metric
+    under its name: {"mean", "se", ...} as paired() gives them."""
+    pairs = paired(rows)
     for metric in metrics:
         by_variant = {p["variant"]: p for p in paired(rows, key=metric)}
         pairs = [{**p, metric: by_variant[p["variant"]]} for p in pairs]
@@ -693,7 +694,7 @@ def report(rows, metrics=(), against=()):
     """results.md: the paired table, the per-run table, and the baselines' spread over seeds. `metrics`:
     keys of the rows (lm-eval's task/metric) that add a paired column and a per-run column each; `against`:
     routed variants that add a paired table each (every other routed method minus that one)."""
-    pairs, rows = with_metrics(paired(rows), rows, metrics), with_deltas(rows)
+    pairs, rows = with_metrics(rows, metrics), with_deltas(rows)
     pair_columns = PAIR_COLUMNS + [column for m in metrics for column in (
         (f"Δ {m} (mean ± s.e.)", lambda p, m=m: signed(p[m]["mean"], p[m]["se"])),
         (f"t (df) of {m}", lambda p, m=m: t_of(p[m])))]
@@ -704,9 +705,8 @@ def report(rows, metrics=(), against=()):
                      "seed, same batches); mean ± standard error over the n seeds (n = 1: no error bar).\n\n"
                      + markdown(pair_columns, pairs))
     for variant in against:
-        against_rows = versus(rows, variant)
         parts.append(f"Paired with {variant}: each routed method minus {variant} at the same seed.\n\n"
-                     + markdown(pair_columns, with_metrics(paired(against_rows), against_rows, metrics)))
+                     + markdown(pair_columns, with_metrics(versus(rows, variant), metrics)))
     parts.append(markdown(run_columns, rows))
     for variant in dict.fromkeys(r["variant"] for r in rows if r["baseline"] is None):
         losses = [r["tail_val_loss"] for r in rows if r["variant"] == variant]
@@ -793,8 +793,8 @@ def comparison(argv):
     results = report(rows, metrics, args.versus)
     print("\n" + results)
     tables = {"results.md": results + "\n", "results.json": json.dumps(dict(
-        rows=with_deltas(rows), pairs=with_metrics(paired(rows), rows, metrics),
-        versus={v: with_metrics(paired(versus(rows, v)), versus(rows, v), metrics) for v in args.versus},
+        rows=with_deltas(rows), pairs=with_metrics(rows, metrics),
+        versus={v: with_metrics(versus(rows, v), metrics) for v in args.versus},
         train_flags=train_flags,
         eval_tasks=args.eval_tasks), indent=2)}
     try:            # both whole or neither: a disk that fills up keeps the previous pair together
