@@ -512,13 +512,13 @@ def evaluate(model, val, args, rank, world, device, autocast, whole=False):
     """(mean loss per target, targets) of the fixed validation batches 0..eval_batches-1, or (whole)
     of every token of the split once (common.whole_split); shared out over the ranks, all-reduced."""
     model.eval()
-    batches = (whole_split(len(val), args.seq_len, args.batch_size) if whole else
+    batches = ([lambda b=b: rows_at(val, *b, args.vocab_size)  # each batch's rows, when called
+                for b in whole_split(len(val), args.seq_len, args.batch_size)] if whole else
                [lambda i=i: val_batch(val, args, i) for i in range(args.eval_batches)])
     total = torch.zeros(2, device=device)  # the batches' summed losses, their targets
     for k in range(-(-len(batches) // world)):  # the same count on every rank: FSDP's
         i = rank + k * world                      # forwards are collectives
-        batch = batches[min(i, len(batches) - 1)]
-        rows = rows_at(val, *batch, args.vocab_size) if whole else batch()
+        rows = batches[min(i, len(batches) - 1)]()
         with autocast:
             loss = model(*to_device(rows, device), loss_fn=head.linear_cross_entropy)[1].float()
         targets = rows.numel() - len(rows) if i < len(batches) else 0
