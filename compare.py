@@ -690,6 +690,14 @@ def with_metrics(rows, metrics):
     return pairs
 
 
+def results_of(rows, metrics=(), against=(), train_flags=(), eval_tasks=()):
+    """results.json: the runs with their differences, the pairs with the metrics', each --versus method's
+    pairs, and the flags and tasks of the comparison."""
+    return dict(rows=with_deltas(rows), pairs=with_metrics(rows, metrics),
+                versus={v: with_metrics(versus(rows, v), metrics) for v in against},
+                train_flags=list(train_flags), eval_tasks=list(eval_tasks))
+
+
 def report(rows, metrics=(), against=()):
     """results.md: the paired table, the per-run table, and the baselines' spread over seeds. `metrics`:
     keys of the rows (lm-eval's task/metric) that add a paired column and a per-run column each; `against`:
@@ -792,11 +800,9 @@ def comparison(argv):
     metrics = list(metrics)
     results = report(rows, metrics, args.versus)
     print("\n" + results)
-    tables = {"results.md": results + "\n", "results.json": json.dumps(dict(
-        rows=with_deltas(rows), pairs=with_metrics(rows, metrics),
-        versus={v: with_metrics(versus(rows, v), metrics) for v in args.versus},
-        train_flags=train_flags,
-        eval_tasks=args.eval_tasks), indent=2)}
+    tables = {"results.md": results + "\n",
+              "results.json": json.dumps(results_of(rows, metrics, args.versus, train_flags, args.eval_tasks),
+                                         indent=2)}
     try:            # both whole or neither: a disk that fills up keeps the previous pair together
         with staged(out_dir) as tmp:
             for name, text in tables.items():

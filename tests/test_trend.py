@@ -1,0 +1,210 @@
+"""trend.py: compare.py's folders read back along one flag; differences, their change and the probe's
+disagreement against hand computations."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import compare
+import trend
+from helpers import files_in, one_error_line, run_script
+
+VARIANTS = ("baseline", "attnres", "attnres-T4", "mhar-H4")
+
+
+def comparison(folder, width, full, tail_shift=0.1, versus=("attnres", "attnres-T4"), seeds=(0, 1, 2),
+               extra_args=None):
+    """A compare.py folder as comparison() writes it (results.json from compare.results_of), each run with a
+    config.json: full = {variant: [whole-split loss per seed]} (None: a run without one), tail = full + shift."""
+    folder = Path(folder)
+    rows = []
+    for variant, losses in full.items():
+        for s, loss in zip(seeds, losses):
+            rows.append(dict(name=f"{variant}-s{s}", variant=variant, seed=s,
+                             baseline=None if variant == "baseline" else "baseline", params=1000,
+                             tail_val_loss=(loss or 2.0) + tail_shift, tokens_per_s=1.0, peak_mem=1,
+                             path=str(folder / f"{variant}-s{s}"), **({} if loss is None else {"full_val_loss": loss})))
+            args = {**dict(preset="small-bytes", seed=s, out_dir=rows[-1]["path"], n_layer=4, n_embd=width,
+                           n_head=width // 32, ffn_hidden=3 * width, residual=variant.split("-")[0],
+                           route_heads=4 * variant.startswith("mhar")), **(extra_args or {})}
+            (folder / rows[-1]["name"]).mkdir(parents=True)
+            (folder / rows[-1]["name"] / "config.json").write_text(json.dumps(dict(args=args)))
+    whole = all("full_val_loss" in r for r in rows)
+    results = compare.results_of(rows, ["full_val_loss"] if whole else [], versus)
+    (folder / "results.json").write_text(json.dumps(results))
+    return folder
+
+
+def losses(base, gaps):
+    """{variant: per-seed losses}: the baseline's, and each variant's as the baseline's plus its gaps."""
+    return {"baseline": base, **{v: [b + g for b, g in zip(base, gaps[v])] for v in gaps}}
+
+
+GAPS = {64: {"attnres": [0.01, 0.02, 0.03], "attnres-T4": [-0.01, -0.02, 0.0], "mhar-H4": [-0.02, -0.03, -0.01]},
+        128: {"attnres": [0.02, 0.02, 0.05], "attnres-T4": [-0.01, 0.0, -0.02], "mhar-H4": [-0.04, -0.03, -0.05]},
+        256: {"attnres": [0.04, 0.03, 0.05], "attnres-T4": [0.0, -0.01, -0.02], "mhar-H4": [-0.06, -0.05, -0.07]}}
+
+
+@pytest.fixture
+def widths(tmp_path):
+    return [comparison(tmp_path / f"d{w}", w, losses([1.5, 1.6, 1.55], GAPS[w])) for w in (128, 256, 64)]
+
+
+def mean_se(deltas):
+    mean = sum(deltas) / len(deltas)
+    return mean, math.sqrt(sum((d - mean) ** 2 for d in deltas) / (len(deltas) - 1) / len(deltas))
+
+
+def test_the_differences_at_each_width_are_the_paired_ones_in_the_flags_order(widths):
+    gathered = trend.gather(widths)
+    assert gathered["flag"] == "n_embd"  # n_head and ffn_hidden differ too: n_embd comes first
+    assert gathered["metric"] == "full_val_loss"
+    assert [p["value"] for p in gathered["points"]] == [64, 128, 256]
+    for point in gathered["points"]:
+        gaps = GAPS[point["value"]]
+        expected = {"attnres - baseline": gaps["attnres"], "attnres-T4 - baseline": gaps["attnres-T4"],
+                    "mhar-H4 - baseline": gaps["mhar-H4"],
+                    "attnres-T4 - attnres": [t - a for t, a in zip(gaps["attnres-T4"], gaps["attnres"])],
+                    "mhar-H4 - attnres": [m - a for m, a in zip(gaps["mhar-H4"], gaps["attnres"])],
+                    "mhar-H4 - attnres-T4": [m - t for m, t in zip(gaps["mhar-H4"], gaps["attnres-T4"])]}
+        assert list(point["differences"]) == list(expected)  # attnres - attnres-T4: the reverse, left out
+        for label, deltas in expected.items():
+            found = point["differences"][label]
+            assert found["deltas"] == pytest.approx(deltas, abs=1e-12)
+            assert (found["mean"], found["se"]) == pytest.approx(mean_se(deltas), abs=1e-12)
+            assert found["n"] == 3 and found["seeds"] == [0, 1, 2]
+            # the tail mean is the whole-split loss + 0.1 in every run: the same differences
+            assert found["tail_val_loss"]["mean"] == pytest.approx(mean_se(deltas)[0], abs=1e-12)
+
+
+def test_the_change_from_the_first_width_to_the_last_is_welchs(widths):
+    gathered = trend.gather(widths)
+    first, last = mean_se(GAPS[64]["mhar-H4"]), mean_se(GAPS[256]["mhar-H4"])
+    c = gathered["trend"]["mhar-H4 - baseline"]
+    se = math.sqrt(first[1] ** 2 + last[1] ** 2)
+    df = se ** 4 / (first[1] ** 4 / 2 + last[1] ** 4 / 2)
+    assert (c["mean"], c["se"], c["df"], c["t"]) == pytest.approx((last[0] - first[0], se, df,
+                                                                   (last[0] - first[0]) / se))
+
+
+@pytest.mark.parametrize("first, last, expected", [
+    (dict(n=3, mean=0.0, se=0.003), dict(n=3, mean=-0.01, se=0.004), (-0.01, 0.005, 0.005 ** 4 / (
+        0.003 ** 4 / 2 + 0.004 ** 4 / 2), -2.0)),
+    (dict(n=2, mean=0.5, se=0.0), dict(n=5, mean=0.2, se=0.1), (-0.3, 0.1, 4.0, -3.0)),  # df: the other's n - 1
+    (dict(n=1, mean=0.0, se=None), dict(n=3, mean=0.1, se=0.01), (0.1, None, None, None)),  # one seed: no s.e.
+    (dict(n=3, mean=0.0, se=0.02), dict(n=1, mean=0.1, se=None), (0.1, None, None, None)),
+    (dict(n=3, mean=0.1, se=0.0), dict(n=3, mean=0.1, se=0.0), (0.0, None, None, None)),   # no spread at all
+], ids=["both", "first-without-spread", "first-one-seed", "last-one-seed", "neither-spread"])
+def test_change_at_its_edges(first, last, expected):
+    c = trend.change(first, last)
+    assert c["mean"] == pytest.approx(expected[0])
+    for key, value in zip(("se", "df", "t"), expected[1:]):
+        assert c[key] == (None if value is None else pytest.approx(value)), key
+
+
+def test_a_run_without_a_whole_split_score_falls_back_to_the_tail_mean(widths, tmp_path):
+    old = comparison(tmp_path / "d512", 512, {**losses([1.5, 1.6, 1.55], GAPS[256]), "baseline": [1.5, None, 1.55]})
+    gathered = trend.gather(widths + [old])
+    assert gathered["metric"] == "tail_val_loss" and gathered["points"][-1]["value"] == 512
+    assert gathered["points"][0]["differences"]["mhar-H4 - baseline"]["mean"] == pytest.approx(-0.02)
+    with pytest.raises(trend.UserError, match="some runs have no whole-split score"):
+        trend.gather(widths + [old], metric="full_val_loss")
+
+
+def test_a_difference_some_folders_lack_has_a_dash_there_and_a_trend_over_the_others(widths, tmp_path):
+    two = comparison(tmp_path / "d32", 32, {"baseline": [1.0, 1.1], "mhar-H4": [0.9, 1.05]}, versus=(),
+                     seeds=(0, 1))
+    gathered = trend.gather(widths + [two])
+    assert list(gathered["points"][0]["differences"]) == ["mhar-H4 - baseline"]
+    text = trend.report(gathered)
+    assert "| attnres - baseline | — | +0.0200 ± 0.0058 |" in text
+    c = gathered["trend"]["attnres - baseline"]
+    assert c["mean"] == pytest.approx(mean_se(GAPS[256]["attnres"])[0] - mean_se(GAPS[64]["attnres"])[0])
+    assert gathered["trend"]["mhar-H4 - baseline"]["mean"] == pytest.approx(-0.06 - (-0.075))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("one", "at least two comparison folders"),
+    ("same", "the same flags: nothing to set side by side"),
+    ("flag-same", "--flag n_layer has the same value in every folder: choose from n_embd, n_head, ffn_hidden"),
+    ("flag-text", "preset is not a number in every folder"),
+    ("twice", "two folders have n_embd = 64"),
+    ("no-results", "holds no results.json of compare.py"),
+    ("no-config", "has no readable config.json"),
+], ids=["one", "same", "flag-same", "flag-text", "twice", "no-results", "no-config"])
+def test_folders_that_cannot_make_a_trend_are_one_line(case, message, tmp_path):
+    a = comparison(tmp_path / "a", 64, losses([1.5, 1.6, 1.55], GAPS[64]))
+    b = comparison(tmp_path / "b", 64 if case == "same" else 128, losses([1.5, 1.6, 1.55], GAPS[128]),
+                   extra_args={"preset": "small"} if case == "flag-text" else None)
+    folders, flag = [a, b], {"flag-same": "n_layer", "flag-text": "preset"}.get(case)
+    if case == "one":
+        folders = [a]
+    if case == "twice":  # 64, 128, 64
+        folders.append(comparison(tmp_path / "c", 64, losses([1.5, 1.6, 1.55], GAPS[64])))
+    if case == "no-results":
+        (b / "results.json").unlink()
+    if case == "no-config":
+        (b / "mhar-H4-s1" / "config.json").write_text("{")
+    with pytest.raises(trend.UserError, match=message):
+        trend.gather(folders, flag)
+
+
+def probe_json(run, heads, value, null, z):
+    (run / "probe").mkdir()
+    key = "head_deviation" if heads > 1 else "width_disagreement"
+    stats = dict(mean_abs=value, null_mean=null, z=z) if heads > 1 else dict(kl_mean=value, null_mean=null, z=z)
+    (run / "probe" / "probe.json").write_text(json.dumps({key: {"overall": stats} if heads > 1 else stats}))
+
+
+def test_the_probes_disagreement_is_the_mean_over_the_seeds_probed(widths):
+    d64 = widths[2]
+    probe_json(d64 / "mhar-H4-s0", 4, 0.02, 0.01, 3.0)
+    probe_json(d64 / "mhar-H4-s1", 4, 0.04, 0.02, None)  # a null without spread: no z
+    probe_json(d64 / "attnres-s2", 1, 0.3, 0.1, 2.0)
+    (d64 / "baseline-s0" / "probe").mkdir()              # baseline: probe.json has neither
+    (d64 / "baseline-s0" / "probe" / "probe.json").write_text(json.dumps({"notes": ["no routing"]}))
+    gathered = trend.gather(widths)
+    found = gathered["points"][0]["disagreement"]
+    assert found["mhar-H4"] == dict(statistic="head deviation", n=2, value=pytest.approx(0.03),
+                                    null=pytest.approx(0.015), z=3.0)
+    assert found["attnres"] == dict(statistic="width disagreement (KL)", n=1, value=0.3, null=0.1, z=2.0)
+    assert set(found) == {"mhar-H4", "attnres"} and gathered["points"][1]["disagreement"] == {}
+    text = trend.report(gathered)
+    assert "| mhar-H4 | head deviation | 0.0300 (null 0.0150, z 3.0; n 2) | — | — |" in text
+
+
+def test_trend_writes_its_tables_and_figure(widths, tmp_path):
+    out = tmp_path / "out"
+    done = run_script("trend.py", *widths, "--out_dir", out)
+    assert done.returncode == 0, done.stderr
+    assert "n_embd = 64 (" in done.stdout and "| mhar-H4 - attnres-T4 | 0,1,2 | 3 |" in done.stdout
+    assert json.loads((out / "trend.json").read_text())["flag"] == "n_embd"
+    assert (out / "trend.md").read_text().strip() in done.stdout
+    pytest.importorskip("matplotlib")
+    assert (out / "paired_differences_by_n_embd.png").stat().st_size > 10_000
+    assert files_in(out) == ["paired_differences_by_n_embd.png", "trend.json", "trend.md"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--metric", "loss"], "argument --metric: invalid choice: 'loss'"),
+    (["--flag", "n_layer"], "--flag n_layer has the same value in every folder"),
+    (["--out_dir", "{file}"], "is a file, not a folder"),
+], ids=["bad-metric", "flag-same", "out-dir-a-file"])
+def test_bad_input_is_one_line(argv, message, widths, tmp_path):
+    (tmp_path / "file").write_text("mine")
+    done = run_script("trend.py", *widths, *[a.format(file=tmp_path / "file") for a in argv])
+    assert message in one_error_line(done, "trend.py", status=2) and done.stdout == ""
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+@pytest.mark.parametrize("fault, reason", [("full", "No space left on device"), ("read-only", "Read-only file system")],
+                         ids=["full_disk", "read_only_folder"])
+def test_trend_onto_a_full_disk_or_into_a_read_only_folder(widths, tmp_path, fault, reason):
+    """One line, status 1; no half-written table or figure, no folder left behind."""
+    (tmp_path / "disk").mkdir()
+    done = run_script("trend.py", *widths, "--out_dir", tmp_path / "disk" / "trend", fault=fault,
+                      under=tmp_path / "disk")
+    err = one_error_line(done, "trend.py", status=1)
+    assert f"cannot write into {tmp_path / 'disk' / 'trend'} ({reason}): nothing written" in err, err
+    assert files_in(tmp_path / "disk") == []
