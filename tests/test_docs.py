@@ -100,7 +100,7 @@ def parse_compare(argv, monkeypatch):
 
 PARSERS = {"train.py": parse_train, "compare.py": parse_compare,
            **{f"{m}.py": parse_script(m) for m in ("eval", "export", "probe", "sample", "prepare", "bench_head", "hf",
-                                                    "bench_kernel", "compromise", "gpu_check")},
+                                                    "bench_kernel", "compromise", "gpu_check", "trend")},
            "tests/mutate.py": parse_script("mutate")}
 SEPARATORS = {";", "&&", "||", "|", "&", "(", ")", "\n"}
 
