@@ -21,6 +21,14 @@ import pytest  # noqa: E402
 from helpers import VOCAB  # noqa: E402
 
 
+def pytest_collection_modifyitems(items):
+    """Under tests/mutate.py (MUTATE_SLOW_LAST set): the tests marked slow last, so that a mutant's first
+    failing test (mutmut runs pytest -x) comes after seconds, not after a training run; the order of the
+    rest, and of the suite's own runs, as written."""
+    if os.environ.get("MUTATE_SLOW_LAST"):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def bf16_rounded_to_nearest():
     """Interpreted kernels round fp32 to bf16 as compiled ones do (bench_kernel.rounded_to_nearest)."""

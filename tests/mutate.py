@@ -25,6 +25,7 @@ which its trampolines would break, and the few @torch.no_grad() functions are no
 """
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -110,7 +111,8 @@ def main(argv=None):
         p.error(str(e))
     folder = workspace(args.file, tests)
     jobs = ["--max-children", str(args.jobs)] if args.jobs else []
-    run = subprocess.run(["mutmut", "run", *jobs, *patterns], cwd=folder)
+    run = subprocess.run(["mutmut", "run", *jobs, *patterns], cwd=folder,
+                         env={**os.environ, "MUTATE_SLOW_LAST": "1"})  # conftest.py: slow tests last
     if run.returncode != 0:
         sys.exit(f"mutate.py: error: mutmut stopped with status {run.returncode} (its output is above)")
     results = subprocess.run(["mutmut", "results", "--all", "true"], cwd=folder, capture_output=True,

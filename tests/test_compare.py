@@ -656,6 +656,7 @@ def compared(words, tmp_path_factory):
     return out, argv, rows
 
 
+@pytest.mark.slow
 def test_compare_trains_each_method_then_writes_the_tables_and_the_figure(compared):
     out, _, rows = compared
     results = json.loads((out / "results.json").read_text())
@@ -721,6 +722,7 @@ def test_the_heartbeat_comes_each_minute_of_waiting(ends_at, beats, monkeypatch)
     assert calls == [60.0 * (k + 1) for k in range(beats)]
 
 
+@pytest.mark.slow
 def test_jobs_train_runs_side_by_side_each_with_its_output_in_a_file(data, tmp_path):
     """--jobs 2: both runs train at once, each writing <run>.out; the temperature reaches the run's model."""
     out = tmp_path / "runs"
@@ -736,6 +738,7 @@ def test_jobs_train_runs_side_by_side_each_with_its_output_in_a_file(data, tmp_p
     assert config["config"]["route_temperature"] == 4.0
 
 
+@pytest.mark.slow
 def test_a_run_stopped_before_its_end_goes_on_from_its_checkpoint(data, tmp_path, capsys):
     """A comparison interrupted mid-run (train.py stopped at step 2 of 4, as Ctrl-C stops it) continues that run
     with --resume: its first steps are not trained again, and it ends as the uninterrupted run does."""
@@ -756,6 +759,7 @@ def test_a_run_stopped_before_its_end_goes_on_from_its_checkpoint(data, tmp_path
     assert ended[0]["final_val_loss"] == ended[1]["final_val_loss"]
 
 
+@pytest.mark.slow
 def test_eval_tasks_add_eval_pys_metrics_as_columns(compared, words):
     import eval
     out, _, rows = compared
@@ -783,6 +787,7 @@ def test_eval_tasks_add_eval_pys_metrics_as_columns(compared, words):
     assert table.rstrip().splitlines()[-3].endswith(f" | {run_cells} |")  # before the seeds' spread
 
 
+@pytest.mark.slow
 def test_a_rerun_reuses_runs_and_evaluations(compared, monkeypatch):
     import eval
     out, argv, _ = compared
@@ -807,6 +812,7 @@ def test_a_rerun_reuses_runs_and_evaluations(compared, monkeypatch):
     assert asked == [("mhar-s0", None)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("room", [0, 1], ids=["full-before-the-first", "full-after-the-first"])
 def test_tables_that_cannot_be_written_keep_the_previous_ones(compared, monkeypatch, capsys, room):
     """The disk fills up before the tables are written, or between them: one line, exit status 1,
@@ -834,6 +840,7 @@ def test_tables_that_cannot_be_written_keep_the_previous_ones(compared, monkeypa
     assert not list(out.glob(".tmp*")) and not list(out.glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_figures_that_cannot_be_written_keep_the_previous_ones(compared, monkeypatch, capsys):
     """The disk fills up while the loss curves are drawn, after the tables (half a PNG written): one line,
     exit status 1, not matplotlib's OSError traceback; both figures as they were, no staging folder."""
@@ -900,6 +907,7 @@ def running(pid):
         return False
 
 
+@pytest.mark.slow
 def test_a_signal_to_compare_alone_stops_its_run_at_a_checkpoint(data, tmp_path):
     """`kill PID` (or `timeout`) reaches compare.py alone: it passes the signal on to the run under way,
     which saves a checkpoint and stops; compare.py waits for it, then exits with 128 + the signal's number

@@ -1,12 +1,17 @@
 """tests/mutate.py's own arithmetic: the mutant names it selects, its tally of mutmut's results and its score
 (running mutmut itself takes minutes: the README's "Testing" section says how)."""
 import json
+import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 import mutate
 from mutate import mutant_pattern, score, tally
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("function, pattern", [
@@ -63,3 +68,26 @@ def test_each_run_starts_from_a_fresh_copy_of_the_tree(tmp_path, monkeypatch):
     assert (folder / "a.py").read_text() == "def f():\n    return 1\n"
     config = (folder / "pyproject.toml").read_text()
     assert 'source_paths = ["a.py"]' in config and json.dumps(["tests/test_a.py"]) in config
+
+
+@pytest.mark.parametrize("slow_last", [False, True], ids=["the-suite", "under-mutate"])
+def test_under_mutate_the_slow_tests_run_last(slow_last, tmp_path):
+    """conftest.py, with MUTATE_SLOW_LAST set (tests/mutate.py sets it for mutmut): the tests marked slow after
+    the others, each group in its written order; without it, the order as written."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (tests / "helpers.py").write_text((ROOT / "tests" / "helpers.py").read_text())
+    (tests / "test_order.py").write_text(
+        "import pytest\n\n@pytest.mark.slow\ndef test_a():\n    pass\n\ndef test_b():\n    pass\n\n"
+        "@pytest.mark.slow\n@pytest.mark.parametrize('x', [1, 2])\ndef test_c(x):\n    pass\n\n"
+        "def test_d():\n    pass\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("MUTATE_SLOW_LAST", None)
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-c", str(ROOT / "pytest.ini"), "--rootdir", str(tmp_path), str(tests / "test_order.py")],
+                          cwd=tmp_path, capture_output=True, text=True,
+                          env={**env, "MUTATE_SLOW_LAST": "1"} if slow_last else env)
+    order = [line.split("::")[1] for line in done.stdout.splitlines() if "::" in line]
+    assert order == (["test_b", "test_d", "test_a", "test_c[1]", "test_c[2]"] if slow_last else
+                     ["test_a", "test_b", "test_c[1]", "test_c[2]", "test_d"]), done.stdout + done.stderr
