@@ -597,6 +597,74 @@ def test_the_tables_take_extra_columns(monkeypatch):
     assert compare.paired(rows, key="hellaswag")[0]["deltas"] == [0.125]
 
 
+def test_results_json_holds_the_rows_pairs_versus_tables_flags_and_tasks():
+    rows = [{**row(f"{v}-s{s}", v, None if v == "baseline" else "baseline", s, loss), "full_val_loss": loss - 0.5}
+            for v, losses in (("baseline", (3.0, 3.5)), ("attnres", (3.25, 3.25)), ("mhar", (2.75, 3.0)))
+            for s, loss in enumerate(losses)]
+    results = compare.results_of(rows, ["full_val_loss"], ["attnres"], ("--preset", "tiny"), ("hellaswag",))
+    assert list(results) == ["rows", "pairs", "versus", "train_flags", "eval_tasks"]
+    assert [r["delta"] for r in results["rows"]] == [None, None, 0.25, -0.25, -0.25, -0.5]
+    assert [(p["variant"], p["mean"], p["full_val_loss"]["mean"]) for p in results["pairs"]] == [
+        ("attnres", 0.0, 0.0), ("mhar", -0.375, -0.375)]
+    assert [(p["variant"], p["baseline"], p["deltas"]) for p in results["versus"]["attnres"]] == [
+        ("mhar", "attnres", [-0.5, -0.25])]
+    assert (results["train_flags"], results["eval_tasks"]) == (["--preset", "tiny"], ["hellaswag"])
+    assert json.loads(json.dumps(results)) == results  # as results.json holds it
+
+
+def test_results_md_is_its_parts_each_after_a_blank_line():
+    """The paired table, each --versus table, the per-run table and the baselines' spread: blocks separated by one
+    blank line, each table's header its block's first line after its sentence."""
+    rows = [row(f"{v}-s{s}", v, None if v == "baseline" else "baseline", s, loss)
+            for v, losses in (("baseline", (3.0, 3.5)), ("attnres", (3.25, 3.25)), ("mhar", (2.75, 3.0)))
+            for s, loss in enumerate(losses)]
+    blocks = compare.report(rows, against=["attnres"]).split("\n\n")
+    assert [b.split("\n")[0][:12] for b in blocks] == [
+        "Paired: each", "| method | p", "Paired with ", "| method | p", "| run | para", "baseline ove"]
+    assert blocks[0] == ("Paired: each method minus the baseline of the same shape and seed (same initialization "
+                         "seed, same batches); mean ± standard error over the n seeds (n = 1: no error bar).")
+    assert blocks[2] == "Paired with attnres: each routed method minus attnres at the same seed."
+    assert blocks[-1] == "baseline over 2 seeds: 3.2500 ± 0.3536 (sample standard deviation): the noise between seeds."
+
+
+def test_only_baselines_draw_the_loss_curves_alone(tmp_path):
+    """No run is paired (--methods baseline): loss_curves.png, and no paired_curves.png (it would be empty)."""
+    pytest.importorskip("matplotlib")
+    rows = []
+    for s in (0, 1):
+        (tmp_path / f"baseline-s{s}").mkdir()
+        (tmp_path / f"baseline-s{s}" / "log.jsonl").write_text(
+            "".join(json.dumps(dict(step=k, loss=3.0 - k / 10, val_loss=3.1 - k / 10)) + "\n" for k in (1, 2)))
+        rows.append({**row(f"baseline-s{s}", "baseline", None, s, 3.0), "path": str(tmp_path / f"baseline-s{s}")})
+    assert compare.write_figures(rows, tmp_path) == [tmp_path / "loss_curves.png"]
+    assert not (tmp_path / "paired_curves.png").exists()
+    rows.append({**row("mhar-s0", "mhar", "baseline", 0, 2.9), "path": str(tmp_path / "baseline-s1")})
+    assert compare.write_figures(rows, tmp_path) == [tmp_path / "loss_curves.png", tmp_path / "paired_curves.png"]
+
+
+@pytest.mark.parametrize("signum", [None, signal.SIGTERM], ids=["runs-ended", "a-signal-stopped-them"])
+def test_compare_as_the_script_takes_signals_again_once_its_runs_end(signum, tmp_path, stand_ins, monkeypatch):
+    """compare.py as the script (its __main__): once every run has ended, SIGINT and SIGTERM have their handlers
+    of before (a Ctrl-C while the runs are evaluated or the tables written stops it: one line, 130); once a
+    signal stopped the runs, compare.py is exiting and ignores any other (no traceback in its teardown)."""
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(ROOT / "compare.py"))
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        commands = {tmp_path / "a-s0": ["python", "train.py", "--out_dir", str(tmp_path / "a-s0")]}
+        if signum is None:
+            compare.train_all(commands, jobs=1)
+            assert {s: signal.getsignal(s) for s in before} == before
+        else:
+            started, plan = stand_ins
+            plan["a-s0"] = dict(on_start=lambda: os.kill(os.getpid(), signum))
+            with pytest.raises(SystemExit):
+                compare.train_all(commands, jobs=1)
+            assert {s: signal.getsignal(s) for s in before} == {s: signal.SIG_IGN for s in before}
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
 # ----------------------------------------------------------------------------------------------
 # Tiny real runs, evaluated with eval.py on lm-eval tasks over local files (offline).
 
