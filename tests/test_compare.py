@@ -1,5 +1,6 @@
 """compare.py: the runs of a comparison or a grid, their pairing with the baseline, the tables; then tiny real runs."""
 import errno
+import io
 import json
 import math
 import os
@@ -271,6 +272,20 @@ def test_a_run_trained_as_asked_is_reused(change, data, tmp_path):
                                     if isinstance(v, str) else v for k, v in change.items()}}
     record_run(out / "mhar-s0", flags, data_print=data_print)
     assert compare.prior_run(out / "mhar-s0", asked["mhar-s0"], data_print) == "finished"
+
+
+def test_a_reused_run_is_said_and_flushed_before_any_run_starts(data, tmp_path, monkeypatch):
+    """Through a pipe stdout is block-buffered: the line of each reused run is on it when printed, before the
+    runs to train start writing to the same terminal; the runs to train are the others, in order."""
+    out = tmp_path / "cmp"
+    runs, asked, data_print = resolved(["--methods", "baseline,mhar", "--seeds", "0,1", "--out_dir", out,
+                                        "--data", data, *TINY], out)
+    record_run(out / "mhar-s0", asked["mhar-s0"], data_print=data_print)
+    raw = io.BytesIO()
+    monkeypatch.setattr("sys.stdout", io.TextIOWrapper(raw, encoding="utf-8"))
+    commands = compare.planned(runs, TINY, asked, data_print, out, ["python"])
+    assert raw.getvalue().decode() == "=== mhar-s0: trained before with these flags, reused\n"
+    assert list(commands) == [out / "baseline-s0", out / "baseline-s1", out / "mhar-s1"]
 
 
 @pytest.mark.parametrize("missing, asked_value, difference", [
