@@ -8,7 +8,7 @@ import pytest
 
 import compare
 import trend
-from helpers import files_in, one_error_line, run_script
+from helpers import PNG_SIGNATURE, error_line, files_in, one_error_line, run_script
 
 VARIANTS = ("baseline", "attnres", "attnres-T4", "mhar-H4")
 
@@ -191,11 +191,60 @@ def test_trend_writes_its_tables_and_figure(widths, tmp_path):
     (["--flag", "n_layer"], "--flag n_layer has the same value in every folder"),
     (["--out_dir", "{file}"], "is a file, not a folder"),
 ], ids=["bad-metric", "flag-same", "out-dir-a-file"])
-def test_bad_input_is_one_line(argv, message, widths, tmp_path):
+def test_bad_input_is_one_line(argv, message, widths, tmp_path, capsys):
     (tmp_path / "file").write_text("mine")
-    done = run_script("trend.py", *widths, *[a.format(file=tmp_path / "file") for a in argv])
-    assert message in one_error_line(done, "trend.py", status=2) and done.stdout == ""
-    assert (tmp_path / "file").read_text() == "mine"
+    err = error_line(capsys, trend.main, [*widths, *[a.format(file=tmp_path / "file") for a in argv]])
+    assert message in err
+    assert (tmp_path / "file").read_text() == "mine" and files_in(tmp_path / "out") == []
+
+
+def test_main_prints_the_tables_and_says_what_it_wrote(widths, tmp_path, capsys):
+    """In this process (the test above runs the script): trend.md as printed, trend.json as gather() returns it,
+    the figure; the last line names the three files."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    trend.main([str(w) for w in widths] + ["--out_dir", str(out)])
+    printed = capsys.readouterr().out
+    assert printed == (out / "trend.md").read_text() + f"\nwrote {out / 'trend.md'}, {out / 'trend.json'}, " \
+                                                        f"{out / 'paired_differences_by_n_embd.png'}\n"
+    assert json.loads((out / "trend.json").read_text()) == json.loads(json.dumps(trend.gather(widths)))
+    assert (out / "paired_differences_by_n_embd.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_without_matplotlib_the_tables_are_written_and_the_figure_named(widths, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(trend.probe, "pyplot", lambda: None)
+    out = tmp_path / "out"
+    trend.main([str(w) for w in widths] + ["--out_dir", str(out)])
+    assert capsys.readouterr().out.endswith(f"\nwrote {out / 'trend.md'}, {out / 'trend.json'} (the figure: pip "
+                                            f"install matplotlib, then run again)\n")
+    assert files_in(out) == ["trend.json", "trend.md"]
+
+
+def test_the_figure_has_a_panel_for_the_baseline_and_one_between_methods(widths, tmp_path, monkeypatch):
+    """Each difference a line of error bars (mean ± s.e.) at the widths it was measured at, in its panel; one
+    panel when no difference is between routed methods."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    close, figures = plt.close, []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep each figure to read it
+    trend.plot(plt, trend.gather(widths), tmp_path / "a.png")
+    alone = comparison(tmp_path / "b64", 64, {"baseline": [1.0, 1.1], "mhar-H4": [0.9, 1.05]}, versus=(), seeds=(0, 1))
+    other = comparison(tmp_path / "b128", 128, {"baseline": [1.0, 1.1], "mhar-H4": [0.8, 1.0]}, versus=(), seeds=(0, 1))
+    trend.plot(plt, trend.gather([alone, other]), tmp_path / "b.png")
+    left, right = figures[0].axes
+    assert [t.get_text() for t in left.get_legend().get_texts()] == [
+        "attnres - baseline", "attnres-T4 - baseline", "mhar-H4 - baseline"]
+    assert [t.get_text() for t in right.get_legend().get_texts()] == [
+        "attnres-T4 - attnres", "mhar-H4 - attnres", "mhar-H4 - attnres-T4"]
+    assert [tick.get_text() for tick in left.get_xticklabels()] == ["64", "128", "256"]
+    points, _, (bars,) = left.containers[2].lines  # mhar-H4 - baseline, shifted right of the middle
+    means, ses = zip(*(mean_se(GAPS[w]["mhar-H4"]) for w in (64, 128, 256)))
+    assert list(points.get_ydata()) == pytest.approx(means)
+    assert list(points.get_xdata()) == pytest.approx([64 * 1.03, 128 * 1.03, 256 * 1.03])
+    assert [segment[:, 1].tolist() for segment in bars.get_segments()] == [
+        pytest.approx([m - e, m + e]) for m, e in zip(means, ses)]
+    assert len(figures[1].axes) == 1 and (tmp_path / "a.png").is_file() and (tmp_path / "b.png").is_file()
+    for figure in figures:
+        close(figure)
 
 
 @pytest.mark.parametrize("fault, reason", [("full", "No space left on device"), ("read-only", "Read-only file system")],
