@@ -108,7 +108,8 @@ def test_a_bad_value_for_train_py_stops_before_training_with_train_pys_line(tmp_
 def test_an_out_dir_inside_a_file_stops_before_training_with_one_line(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("mine")
     err = error_line(capsys, compare.main, ["--methods", "baseline", "--out_dir", tmp_path / "notes.txt"])
-    assert "notes.txt is a file, not a folder" in err and files_in(tmp_path) == ["notes.txt"]
+    assert f"--out_dir {tmp_path / 'notes.txt'}: {tmp_path / 'notes.txt'} is a file, not a folder" in err
+    assert files_in(tmp_path) == ["notes.txt"]
 
 
 @pytest.mark.parametrize("flag, text, seeds", [
@@ -286,6 +287,39 @@ def test_a_reused_run_is_said_and_flushed_before_any_run_starts(data, tmp_path, 
     commands = compare.planned(runs, TINY, asked, data_print, out, ["python"])
     assert raw.getvalue().decode() == "=== mhar-s0: trained before with these flags, reused\n"
     assert list(commands) == [out / "baseline-s0", out / "baseline-s1", out / "mhar-s1"]
+
+
+@pytest.mark.parametrize("nproc, launcher", [
+    (1, [sys.executable]),
+    (2, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]),
+], ids=["one-process", "torchrun"])
+def test_each_run_is_launched_by_python_or_by_torchrun(nproc, launcher, data, tmp_path, monkeypatch):
+    """--nproc_per_node 1: python train.py; more: python -m torch.distributed.run --standalone with that many."""
+    given = []
+    monkeypatch.setattr(compare, "train_all", lambda commands, jobs: given.append(commands) or sys.exit(0))
+    with pytest.raises(SystemExit):
+        compare.main(["--methods", "baseline", "--out_dir", str(tmp_path / "cmp"), "--nproc_per_node", str(nproc),
+                      "--data", str(data), *TINY])
+    (command,) = given[0].values()
+    assert command[:len(launcher) + 1] == launcher + [str(ROOT / "train.py")]
+
+
+@pytest.mark.parametrize("flags, device", [([], "auto"), (["--device", "cpu"], "cpu")], ids=["default", "given"])
+def test_the_runs_are_evaluated_on_their_own_device(flags, device, data, tmp_path, monkeypatch):
+    """--eval_tasks: each finished run evaluated on the device the runs trained on (train.py's --device, "auto"
+    when the flags leave it out)."""
+    out = tmp_path / "cmp"
+    argv = ["--methods", "baseline", "--out_dir", out, "--data", data, *[f for f in TINY if f not in
+                                                                       ("--device", "cpu")], *flags]
+    _, asked, data_print = resolved(argv, out)
+    record_run(out / "baseline-s0", asked["baseline-s0"], data_print=data_print)
+    seen = []
+    monkeypatch.setattr(compare, "check_eval", lambda args, train_flags: "a manager")
+    monkeypatch.setattr(compare, "evaluate_once", lambda folder, step, args, device, manager:
+                        seen.append((folder.name, device, manager)) or {"task/acc": 0.5})
+    monkeypatch.setattr(compare, "write_figures", lambda rows, out_dir: None)
+    compare.main([str(a) for a in argv] + ["--eval_tasks", "task"])
+    assert seen == [("baseline-s0", device, "a manager")]
 
 
 @pytest.mark.parametrize("missing, asked_value, difference", [
