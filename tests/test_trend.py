@@ -189,12 +189,12 @@ def test_trend_writes_its_tables_and_figure(widths, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--metric", "loss"], "argument --metric: invalid choice: 'loss'"),
     (["--flag", "n_layer"], "--flag n_layer has the same value in every folder"),
-    (["--out_dir", "{file}"], "is a file, not a folder"),
+    (["--out_dir", "{file}"], "--out_dir {file}: {file} is a file, not a folder"),
 ], ids=["bad-metric", "flag-same", "out-dir-a-file"])
 def test_bad_input_is_one_line(argv, message, widths, tmp_path, capsys):
     (tmp_path / "file").write_text("mine")
     err = error_line(capsys, trend.main, [*widths, *[a.format(file=tmp_path / "file") for a in argv]])
-    assert message in err
+    assert message.format(file=tmp_path / "file") in err
     assert (tmp_path / "file").read_text() == "mine" and files_in(tmp_path / "out") == []
 
 
@@ -257,3 +257,28 @@ def test_trend_onto_a_full_disk_or_into_a_read_only_folder(widths, tmp_path, fau
     err = one_error_line(done, "trend.py", status=1)
     assert f"cannot write into {tmp_path / 'disk' / 'trend'} ({reason}): nothing written" in err, err
     assert files_in(tmp_path / "disk") == []
+
+
+@pytest.mark.parametrize("values, expected", [([], None), ([None], None), ([None, None], None), ([2.0], 2.0),
+                                              ([1.0, None, 4.0], 2.5), ([-1.0, 1.0], 0.0)],
+                         ids=["empty", "one-none", "all-none", "one", "a-none-among-them", "opposite"])
+def test_mean_of_leaves_out_what_was_not_measured(values, expected):
+    assert trend.mean_of(values) == expected
+
+
+def test_the_flags_reach_gather_and_their_defaults_hold(widths, tmp_path, capsys, monkeypatch):
+    """--metric and --flag as given reach the tables; --out_dir's default is runs/trend; --help is the
+    docstring's first paragraph and the flags."""
+    monkeypatch.setattr(trend.probe, "pyplot", lambda: None)
+    out = tmp_path / "out"
+    trend.main([str(w) for w in widths] + ["--metric", "tail_val_loss", "--flag", "ffn_hidden", "--out_dir", str(out)])
+    written = json.loads((out / "trend.json").read_text())
+    assert (written["metric"], written["flag"]) == ("tail_val_loss", "ffn_hidden")
+    assert [p["value"] for p in written["points"]] == [192, 384, 768]
+    assert trend.parse_args(["a", "b"]).out_dir == "runs/trend"
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        trend.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    first, second = (" ".join(p.split()) for p in trend.__doc__.split("\n\n")[:2])
+    assert first in text and second not in text and "--metric {full_val_loss,tail_val_loss}" in text
