@@ -8,6 +8,7 @@ import pytest
 
 import compare
 import trend
+from common import MachineError
 from helpers import PNG_SIGNATURE, error_line, files_in, one_error_line, run_script
 
 VARIANTS = ("baseline", "attnres", "attnres-T4", "mhar-H4")
@@ -282,3 +283,35 @@ def test_the_flags_reach_gather_and_their_defaults_hold(widths, tmp_path, capsys
     text = " ".join(capsys.readouterr().out.split())
     first, second = (" ".join(p.split()) for p in trend.__doc__.split("\n\n")[:2])
     assert first in text and second not in text and "--metric {full_val_loss,tail_val_loss}" in text
+
+
+@pytest.mark.parametrize("c, cell", [(dict(mean=-0.01, se=None, df=None, t=None), "—"),
+                                     (dict(mean=-0.01, se=0.005, df=3.7093, t=-2.0), "t(3.7) = -2.0"),
+                                     (dict(mean=0.3, se=0.1, df=4.0, t=3.04), "t(4.0) = +3.0")],
+                         ids=["no-spread", "negative", "positive"])
+def test_welchs_cell(c, cell):
+    assert trend.welch(c) == cell
+
+
+def test_the_trend_table_gives_each_change_with_welchs_t(widths):
+    text = trend.report(trend.gather(widths))
+    c = trend.change(*(dict(zip(("mean", "se"), mean_se(GAPS[w]["mhar-H4"])), n=3) for w in (64, 256)))
+    assert (f"| mhar-H4 - baseline | {trend.mean_se(dict(zip(('mean', 'se'), mean_se(GAPS[64]['mhar-H4']))))} |"
+            in text)
+    assert text.count(f"| {trend.mean_se(c)} | t({c['df']:.1f}) = {c['t']:+.1f} |") == 1
+
+
+@pytest.mark.parametrize("fault, line, status", [
+    (MachineError("cannot write into out (No space left on device): nothing written; free some space"),
+     "trend.py: error: cannot write into out (No space left on device): nothing written; free some space", 1),
+    (KeyboardInterrupt(), "trend.py: error: interrupted (Ctrl-C); nothing written", 130),
+], ids=["full-disk", "ctrl-c"])
+def test_a_failed_write_or_a_ctrl_c_is_one_line(fault, line, status, widths, tmp_path, capsys, monkeypatch):
+    """In this process (the fault tests above run the script): the line and the status of each."""
+    pytest.importorskip("matplotlib")  # the fault comes from the figure
+
+    def failing(*args):
+        raise fault
+    monkeypatch.setattr(trend, "plot", failing)
+    assert error_line(capsys, trend.main, [*widths, "--out_dir", tmp_path / "out"], status=status) == line
+    assert files_in(tmp_path / "out") == []
