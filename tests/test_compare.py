@@ -322,6 +322,43 @@ def test_the_runs_are_evaluated_on_their_own_device(flags, device, data, tmp_pat
     assert seen == [("baseline-s0", device, "a manager")]
 
 
+@pytest.mark.parametrize("scored", [(), ("baseline-s0",), ("baseline-s0", "mhar-s0")], ids=["none", "one", "both"])
+def test_the_whole_split_is_a_column_only_when_every_run_scored_it(scored, data, tmp_path, monkeypatch):
+    """Runs of a train.py from before the whole-split score (no full_val_loss in summary.json) beside newer ones:
+    the tables pair the tail-mean alone, not a column with holes."""
+    out = tmp_path / "cmp"
+    argv = ["--methods", "baseline,mhar", "--out_dir", out, "--data", data, *TINY]
+    _, asked, data_print = resolved(argv, out)
+    for name in asked:
+        record_run(out / name, asked[name], data_print=data_print)
+        if name in scored:
+            summary = json.loads((out / name / "summary.json").read_text())
+            (out / name / "summary.json").write_text(json.dumps({**summary, "full_val_loss": 2.5}))
+    monkeypatch.setattr(compare, "write_figures", lambda rows, out_dir: None)
+    compare.main([str(a) for a in argv])
+    results = json.loads((out / "results.json").read_text())
+    whole = len(scored) == 2
+    assert ("full_val_loss" in results["pairs"][0]) == whole
+    assert all(("full_val_loss" in r) == whole for r in results["rows"])
+    assert ("Δ full_val_loss" in (out / "results.md").read_text()) == whole
+
+
+@pytest.mark.parametrize("unfinished", [("mhar-s0",), ("baseline-s0", "mhar-s0")], ids=["the-last", "both"])
+def test_runs_that_ended_before_their_last_step_are_one_line(unfinished, data, tmp_path, monkeypatch, capsys):
+    """train.py ended well but early (--stop_step), or another process broke a run since: no tables, one line
+    naming the first such run, status 1; the same command goes on."""
+    out = tmp_path / "cmp"
+    argv = ["--methods", "baseline,mhar", "--out_dir", out, "--data", data, *TINY]
+    _, asked, data_print = resolved(argv, out)
+    for name in asked:
+        record_run(out / name, asked[name], finished=name not in unfinished, data_print=data_print)
+    monkeypatch.setattr(compare, "train_all", lambda commands, jobs: None)  # the runs end, unfinished
+    err = error_line(capsys, compare.main, argv, status=1)
+    assert err == (f"compare.py: error: the run {out / unfinished[0]} ended before its last step (no finished "
+                   f"summary.json): run the same command to go on")
+    assert not (out / "results.md").exists()
+
+
 @pytest.mark.parametrize("missing, asked_value, difference", [
     ("ema", 0.0, None), ("ema", 0.5, "--ema 0.0, not 0.5"), ("global_batch", 8, None),
     ("n_layer", 2, "--n_layer 12, not 2"),
