@@ -343,6 +343,24 @@ def test_the_whole_split_is_a_column_only_when_every_run_scored_it(scored, data,
     assert ("Δ full_val_loss" in (out / "results.md").read_text()) == whole
 
 
+def test_each_runs_speed_and_memory_come_from_its_summary(data, tmp_path, monkeypatch):
+    """tokens/s and peak memory as train.py recorded them; a run that could not measure one (None: no step
+    timed, no memory counter on its device) shows 0."""
+    out = tmp_path / "cmp"
+    argv = ["--methods", "baseline,mhar", "--out_dir", out, "--data", data, *TINY]
+    _, asked, data_print = resolved(argv, out)
+    measured = {"baseline-s0": (1234.5, 3 * 2**30), "mhar-s0": (None, None)}
+    for name, (speed, memory) in measured.items():
+        record_run(out / name, asked[name], data_print=data_print)
+        summary = json.loads((out / name / "summary.json").read_text())
+        (out / name / "summary.json").write_text(json.dumps({**summary, "tokens_per_s": speed, "peak_mem": memory}))
+    monkeypatch.setattr(compare, "write_figures", lambda rows, out_dir: None)
+    compare.main([str(a) for a in argv])
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["name"], r["tokens_per_s"], r["peak_mem"]) for r in rows] == [
+        ("baseline-s0", 1234.5, 3 * 2**30), ("mhar-s0", 0.0, 0)]
+
+
 @pytest.mark.parametrize("unfinished", [("mhar-s0",), ("baseline-s0", "mhar-s0")], ids=["the-last", "both"])
 def test_runs_that_ended_before_their_last_step_are_one_line(unfinished, data, tmp_path, monkeypatch, capsys):
     """train.py ended well but early (--stop_step), or another process broke a run since: no tables, one line
