@@ -361,6 +361,20 @@ def test_each_runs_speed_and_memory_come_from_its_summary(data, tmp_path, monkey
         ("baseline-s0", 1234.5, 3 * 2**30), ("mhar-s0", 0.0, 0)]
 
 
+def test_the_tables_printed_are_results_md_with_the_versus_tables(data, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "cmp"
+    argv = ["--methods", "baseline,attnres,mhar", "--versus", "attnres", "--out_dir", out, "--data", data, *TINY]
+    _, asked, data_print = resolved(argv, out)
+    for name in asked:
+        record_run(out / name, asked[name], data_print=data_print)
+    monkeypatch.setattr(compare, "write_figures", lambda rows, out_dir: None)
+    compare.main([str(a) for a in argv])
+    printed, text = capsys.readouterr().out, (out / "results.md").read_text()
+    assert "\n\n" + text + "loss curves: pip install matplotlib" in printed and text.endswith(" |\n")
+    assert "Paired with attnres: each routed method minus attnres at the same seed.\n\n| method |" in text
+    assert list(json.loads((out / "results.json").read_text())["versus"]) == ["attnres"]
+
+
 @pytest.mark.parametrize("unfinished", [("mhar-s0",), ("baseline-s0", "mhar-s0")], ids=["the-last", "both"])
 def test_runs_that_ended_before_their_last_step_are_one_line(unfinished, data, tmp_path, monkeypatch, capsys):
     """train.py ended well but early (--stop_step), or another process broke a run since: no tables, one line
