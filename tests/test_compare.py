@@ -320,6 +320,8 @@ def test_the_runs_are_evaluated_on_their_own_device(flags, device, data, tmp_pat
     monkeypatch.setattr(compare, "write_figures", lambda rows, out_dir: None)
     compare.main([str(a) for a in argv] + ["--eval_tasks", "task"])
     assert seen == [("baseline-s0", device, "a manager")]
+    results = json.loads((out / "results.json").read_text())
+    assert (results["train_flags"], results["eval_tasks"]) == ([str(a) for a in argv[4:]], ["task"])
 
 
 @pytest.mark.parametrize("scored", [(), ("baseline-s0",), ("baseline-s0", "mhar-s0")], ids=["none", "one", "both"])
