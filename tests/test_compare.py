@@ -377,6 +377,19 @@ def test_the_tables_printed_are_results_md_with_the_versus_tables(data, tmp_path
     assert list(json.loads((out / "results.json").read_text())["versus"]) == ["attnres"]
 
 
+@pytest.mark.parametrize("figures", [["loss_curves.png"], ["loss_curves.png", "paired_curves.png"]],
+                         ids=["one", "two"])
+def test_the_last_line_names_the_tables_and_the_figures(figures, data, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "cmp"
+    argv = ["--methods", "baseline", "--out_dir", out, "--data", data, *TINY]
+    _, asked, data_print = resolved(argv, out)
+    record_run(out / "baseline-s0", asked["baseline-s0"], data_print=data_print)
+    monkeypatch.setattr(compare, "write_figures", lambda rows, out_dir: [out_dir / f for f in figures])
+    compare.main([str(a) for a in argv])
+    assert capsys.readouterr().out.splitlines()[-1] == (f"wrote {out / 'results.md'}, "
+                                                        + " and ".join(str(out / f) for f in figures))
+
+
 @pytest.mark.parametrize("unfinished", [("mhar-s0",), ("baseline-s0", "mhar-s0")], ids=["the-last", "both"])
 def test_runs_that_ended_before_their_last_step_are_one_line(unfinished, data, tmp_path, monkeypatch, capsys):
     """train.py ended well but early (--stop_step), or another process broke a run since: no tables, one line
