@@ -406,6 +406,16 @@ def test_runs_that_ended_before_their_last_step_are_one_line(unfinished, data, t
     assert not (out / "results.md").exists()
 
 
+@pytest.mark.parametrize("recorded_value, asked_value, difference", [
+    (True, False, "--delta, not without it"), (False, True, "no --delta, not with it"),
+    (0.5, True, "--delta 0.5, not True"),
+], ids=["recorded-with", "recorded-without", "not-both-switches"])
+def test_a_switch_that_differs_is_said_in_words(recorded_value, asked_value, difference, data, tmp_path):
+    _, asked, _ = resolved(["--methods", "mhar", "--out_dir", tmp_path, "--data", data, *TINY], tmp_path)
+    asked = {**asked["mhar-s0"], "delta": asked_value}
+    assert compare.first_difference({**asked, "delta": recorded_value}, asked) == difference
+
+
 @pytest.mark.parametrize("missing, asked_value, difference", [
     ("ema", 0.0, None), ("ema", 0.5, "--ema 0.0, not 0.5"), ("global_batch", 8, None),
     ("n_layer", 2, "--n_layer 12, not 2"),
