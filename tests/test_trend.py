@@ -175,6 +175,7 @@ def test_the_probes_disagreement_is_the_mean_over_the_seeds_probed(widths):
     assert "| mhar-H4 | head deviation | 0.0300 (null 0.0150, z 3.0; n 2) | — | — |" in text
 
 
+@pytest.mark.slow
 def test_trend_writes_its_tables_and_figure(widths, tmp_path):
     out = tmp_path / "out"
     done = run_script("trend.py", *widths, "--out_dir", out)
@@ -199,6 +200,7 @@ def test_bad_input_is_one_line(argv, message, widths, tmp_path, capsys):
     assert (tmp_path / "file").read_text() == "mine" and files_in(tmp_path / "out") == []
 
 
+@pytest.mark.slow
 def test_main_prints_the_tables_and_says_what_it_wrote(widths, tmp_path, capsys):
     """In this process (the test above runs the script): trend.md as printed, trend.json as gather() returns it,
     the figure; the last line names the three files."""
@@ -221,6 +223,7 @@ def test_without_matplotlib_the_tables_are_written_and_the_figure_named(widths, 
     assert files_in(out) == ["trend.json", "trend.md"]
 
 
+@pytest.mark.slow
 def test_the_figure_has_a_panel_for_the_baseline_and_one_between_methods(widths, tmp_path, monkeypatch):
     """Each difference a line of error bars (mean ± s.e.) at the widths it was measured at, in its panel; one
     panel when no difference is between routed methods."""
@@ -248,6 +251,7 @@ def test_the_figure_has_a_panel_for_the_baseline_and_one_between_methods(widths,
         close(figure)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault, reason", [("full", "No space left on device"), ("read-only", "Read-only file system")],
                          ids=["full_disk", "read_only_folder"])
 def test_trend_onto_a_full_disk_or_into_a_read_only_folder(widths, tmp_path, fault, reason):
