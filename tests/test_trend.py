@@ -319,3 +319,49 @@ def test_a_failed_write_or_a_ctrl_c_is_one_line(fault, line, status, widths, tmp
     monkeypatch.setattr(trend, "plot", failing)
     assert error_line(capsys, trend.main, [*widths, "--out_dir", tmp_path / "out"], status=status) == line
     assert files_in(tmp_path / "out") == []
+
+
+def test_a_flag_the_runs_of_one_folder_differ_in_is_not_the_folders(tmp_path):
+    folder = comparison(tmp_path / "d64", 64, losses([1.5, 1.6, 1.55], GAPS[64]))
+    for run, n_layer in (("mhar-H4-s1", 3), ("mhar-H4-s2", 5)):  # the middle run, and the last
+        record = json.loads((folder / run / "config.json").read_text())
+        (folder / run / "config.json").write_text(json.dumps({"args": {**record["args"], "n_layer": n_layer}}))
+    shared = trend.settings(folder, json.loads((folder / "results.json").read_text()))
+    assert "n_layer" not in shared and shared["n_embd"] == 64 and "seed" not in shared and "residual" not in shared
+
+
+def test_a_flag_that_differs_nowhere_names_no_choice(tmp_path):
+    a = comparison(tmp_path / "a", 64, losses([1.5, 1.6, 1.55], GAPS[64]))
+    b = comparison(tmp_path / "b", 64, losses([1.5, 1.6, 1.55], GAPS[128]))
+    with pytest.raises(trend.UserError) as e:
+        trend.gather([a, b], "n_layer")
+    assert str(e.value) == "--flag n_layer has the same value in every folder"
+
+
+def test_whole_split_and_tail_mean_differences_are_each_their_own(tmp_path):
+    """Runs whose tail-mean and whole-split losses move differently: each metric's pairs are its own."""
+    full = losses([1.5, 1.6, 1.55], GAPS[64])
+    folders = []
+    for width, shift in ((64, 0.1), (128, 0.3)):
+        folders.append(comparison(tmp_path / f"d{width}", width, full, tail_shift=shift))
+        results = json.loads((folders[-1] / "results.json").read_text())
+        for r in results["rows"]:  # mhar's tail-mean 0.05 higher than its whole-split loss suggests
+            r["tail_val_loss"] += 0.05 * r["variant"].startswith("mhar")
+        rows = results["rows"]
+        (folders[-1] / "results.json").write_text(json.dumps(compare.results_of(rows, ["full_val_loss"],
+                                                                                ["attnres", "attnres-T4"])))
+    whole, tail = trend.gather(folders), trend.gather(folders, metric="tail_val_loss")
+    gap = mean_se(GAPS[64]["mhar-H4"])[0]
+    assert whole["points"][0]["differences"]["mhar-H4 - baseline"]["mean"] == pytest.approx(gap)
+    assert tail["points"][0]["differences"]["mhar-H4 - baseline"]["mean"] == pytest.approx(gap + 0.05)
+    assert whole["points"][0]["differences"]["mhar-H4 - baseline"]["tail_val_loss"]["mean"] == pytest.approx(gap + 0.05)
+    assert [p["folder"] for p in whole["points"]] == [str(f) for f in folders]
+
+
+def test_a_difference_measured_at_one_value_has_no_trend(tmp_path):
+    a = comparison(tmp_path / "a", 64, {"baseline": [1.0, 1.1], "mhar-H4": [0.9, 1.05], "mhar-H8": [0.95, 1.0]},
+                   versus=(), seeds=(0, 1))
+    b = comparison(tmp_path / "b", 128, {"baseline": [1.0, 1.1], "mhar-H4": [0.8, 1.0]}, versus=(), seeds=(0, 1))
+    assert list(trend.gather([a, b])["trend"]) == ["mhar-H4 - baseline"]
+    old = comparison(tmp_path / "c", 256, {"baseline": [1.0, None], "mhar-H4": [0.8, 1.0]}, versus=(), seeds=(0, 1))
+    assert trend.gather([a, b, old], metric="tail_val_loss")["metric"] == "tail_val_loss"
