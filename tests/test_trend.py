@@ -365,3 +365,22 @@ def test_a_difference_measured_at_one_value_has_no_trend(tmp_path):
     assert list(trend.gather([a, b])["trend"]) == ["mhar-H4 - baseline"]
     old = comparison(tmp_path / "c", 256, {"baseline": [1.0, None], "mhar-H4": [0.8, 1.0]}, versus=(), seeds=(0, 1))
     assert trend.gather([a, b, old], metric="tail_val_loss")["metric"] == "tail_val_loss"
+
+
+@pytest.mark.parametrize("metric", ["full_val_loss", "tail_val_loss"])
+def test_each_widths_table_row_by_row(metric, widths):
+    """A header naming the metric, and per difference: its seeds, n, mean ± s.e., the paired t; with the
+    whole split, the tail-mean's beside it. The trend's header spans the first width to the last."""
+    text = trend.report(trend.gather(widths, metric=metric))
+    name = trend.metric_name(metric)
+    mean, se = mean_se(GAPS[64]["mhar-H4"])
+    cells = f"| mhar-H4 - baseline | 0,1,2 | 3 | {mean:+.4f} ± {se:.4f} | t(2) = {mean / se:+.1f} |"
+    table = text.split("n_embd = 64 (")[1].split("\n\n", 2)[1]
+    if metric == "full_val_loss":
+        assert table.startswith(f"| difference | seeds | n | Δ {name} (mean ± s.e.) | t (df) | Δ tail-mean val loss "
+                                f"(mean ± s.e.) |\n")
+        assert cells + f" {mean:+.4f} ± {se:.4f} |" in table.split("\n")
+    else:
+        assert table.startswith(f"| difference | seeds | n | Δ {name} (mean ± s.e.) | t (df) |\n")
+        assert cells in table.split("\n")
+    assert "| difference | n_embd 64 | n_embd 128 | n_embd 256 | change 64 → 256 | Welch t (df) |" in text
