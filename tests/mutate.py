@@ -20,10 +20,16 @@ or untested). The end is a table: killed (a test failed: good), survived (no tes
 noticed: add one, or say why the mutant is equivalent), no tests (no selected test calls the function),
 timeout (counted as killed: the bug made a test hang), and the score = killed / (killed + survived), with
 the diff of every survivor. `mutmut show NAME` inside the folder shows any mutant.
+With --skip_help the mutants that change only what `--help` prints (an argparse help=, description= or epilog=,
+changed or dropped) are left out and counted: wording no test should pin, each of which would otherwise survive
+at the cost of every test that reaches its function (for a parse_args, the whole file).
 mutmut leaves decorated functions alone (but @staticmethod and @classmethod): the Triton kernels (@triton.jit),
 which its trampolines would break, and the few @torch.no_grad() functions are not mutated.
 """
 import argparse
+import ast
+import copy
+import fnmatch
 import json
 import os
 import re
@@ -33,6 +39,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+WORDING = ("help", "description", "epilog")  # what argparse prints for --help, and nothing else
 COUNTED = ("killed", "timeout", "survived", "no tests", "suspicious", "skipped", "segfault")
 
 
@@ -50,7 +57,6 @@ def mutant_pattern(module, function=None):
 def tally(lines, patterns):
     """{status: [mutant names]} of `mutmut results --all true` lines ("    name: status"), for the mutants
     matching one of the patterns."""
-    import fnmatch
     found = {}
     for line in lines:
         name, _, status = line.strip().rpartition(": ")
@@ -64,6 +70,42 @@ def score(found):
     killed = len(found.get("killed", [])) + len(found.get("timeout", []))
     checked = killed + len(found.get("survived", []))
     return killed / checked if checked else None
+
+
+def wording_only(original, mutant):
+    """Whether two versions of a function (ast.FunctionDef) differ only in argparse's texts for --help: the
+    WORDING keywords of any call, changed or dropped."""
+    def without_wording(function):
+        function = copy.deepcopy(function)
+        function.name = ""
+        for node in ast.walk(function):
+            if isinstance(node, ast.Call):
+                node.keywords = [k for k in node.keywords if k.arg not in WORDING]
+        return ast.dump(function)
+    return without_wording(original) == without_wording(mutant)
+
+
+def split_wording(mutated_source, module, patterns):
+    """(kept, wording) mutant names of the patterns' functions in mutmut's mutated module: each mutant
+    (x_f__mutmut_3) against its function's original (x_f__mutmut_orig); wording: those wording_only."""
+    functions = {node.name: node for node in ast.walk(ast.parse(mutated_source))
+                 if isinstance(node, ast.FunctionDef) and "__mutmut_" in node.name}
+    kept, wording = [], []
+    for name, function in functions.items():
+        stem, _, number = name.rpartition("__mutmut_")
+        mutant = f"{module}.{name}"
+        if number.isdigit() and any(fnmatch.fnmatchcase(mutant, p) for p in patterns):
+            (wording if wording_only(functions[f"{stem}__mutmut_orig"], function) else kept).append(mutant)
+    return kept, wording
+
+
+def generate_mutants(folder, jobs):
+    """mutmut's mutated copy of the file under `folder`/mutants/, as its `run` makes it first (the folder is
+    then emptied again, so that `run` starts as it would have)."""
+    code = ("from mutmut.__main__ import create_mutants\n"
+            "from mutmut.mutation.trampoline import set_mutant_under_test\n"
+            f"set_mutant_under_test('mutant_generation')\ncreate_mutants({jobs or 1})\n")
+    subprocess.run([sys.executable, "-c", code], cwd=folder, check=True, capture_output=True)
 
 
 def workspace(file, tests):
@@ -95,6 +137,8 @@ def main(argv=None):
     p.add_argument("functions", nargs="*", help="its functions (Class.method for a method); none: all of them")
     p.add_argument("--tests", nargs="+", help="test files to run (default tests/test_<stem>.py)")
     p.add_argument("--jobs", type=int, help="mutants tested at a time (default: one per core)")
+    p.add_argument("--skip_help", action="store_true",
+                   help="leave out (and count) the mutants that change only what --help prints")
     args = p.parse_args(argv)
     if not re.fullmatch(r"[\w]+\.py", args.file) or not (ROOT / args.file).is_file():
         p.error(f"{args.file} is not a Python file at the repository's top level")
@@ -110,6 +154,13 @@ def main(argv=None):
     except ValueError as e:
         p.error(str(e))
     folder = workspace(args.file, tests)
+    wording = []
+    if args.skip_help:
+        generate_mutants(folder, args.jobs)
+        patterns, wording = split_wording((folder / "mutants" / args.file).read_text(), module, patterns)
+        shutil.rmtree(folder / "mutants")
+        if not patterns:
+            sys.exit(f"mutate.py: error: every mutant of {' '.join(args.functions) or args.file} changes --help alone")
     jobs = ["--max-children", str(args.jobs)] if args.jobs else []
     run = subprocess.run(["mutmut", "run", *jobs, *patterns], cwd=folder,
                          env={**os.environ, "MUTATE_SLOW_LAST": "1"})  # conftest.py: slow tests last
@@ -121,7 +172,8 @@ def main(argv=None):
     if not found:
         sys.exit(f"mutate.py: error: no mutant matches {' '.join(args.functions)} in {args.file}")
     print(f"\n{args.file} {' '.join(args.functions)} against {' '.join(tests)}:")
-    print("  " + ", ".join(f"{len(found[s])} {s}" for s in COUNTED if s in found))
+    print("  " + ", ".join(f"{len(found[s])} {s}" for s in COUNTED if s in found)
+          + (f"; {len(wording)} left out (they change only what --help prints)" if wording else ""))
     s = score(found)
     print(f"  score {'—' if s is None else f'{s:.0%}'} (killed / (killed + survived), timeouts as killed)")
     for name in sorted(found.get("survived", [])):

@@ -1,5 +1,7 @@
 """tests/mutate.py's own arithmetic: the mutant names it selects, its tally of mutmut's results and its score
 (running mutmut itself takes minutes: the README's "Testing" section says how)."""
+import ast
+import importlib.util
 import json
 import os
 import subprocess
@@ -91,3 +93,129 @@ def test_under_mutate_the_slow_tests_run_last(slow_last, tmp_path):
     order = [line.split("::")[1] for line in done.stdout.splitlines() if "::" in line]
     assert order == (["test_b", "test_d", "test_a", "test_c[1]", "test_c[2]"] if slow_last else
                      ["test_a", "test_b", "test_c[1]", "test_c[2]", "test_d"]), done.stdout + done.stderr
+
+
+ORIGINAL = '''
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="x", description="Compare runs.", epilog="See the README.")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds")
+    args = p.parse_args(argv)
+    if not args.seeds:
+        p.error("--seeds needs a seed")
+    return args
+'''
+
+
+def function_of(source):
+    return ast.parse(source).body[0]
+
+
+@pytest.mark.parametrize("old, new, wording", [
+    ('help="comma-separated seeds"', 'help="XXcomma-separated seedsXX"', True),
+    ('help="comma-separated seeds"', 'help="COMMA-SEPARATED SEEDS"', True),
+    (', help="comma-separated seeds"', '', True),
+    ('description="Compare runs."', 'description=None', True),
+    (', epilog="See the README."', '', True),
+    ('default="0"', 'default="XX0XX"', False),
+    ('default="0", help="comma-separated seeds"', 'help="comma-separated seeds"', False),
+    ('"--seeds needs a seed"', '"XX--seeds needs a seedXX"', False),
+    ('help="comma-separated seeds")', 'help="comma-separated seeds", metavar="S")', False),
+    ('prog="x"', 'prog="XXxXX"', False),
+    ('if not args.seeds', 'if args.seeds', False),
+    ('help="comma-separated seeds"', 'help="XX"', True),
+], ids=["help-changed", "help-case", "help-dropped", "description", "epilog-dropped", "default", "default-dropped",
+        "error-message", "keyword-added", "prog", "logic", "help-emptied"])
+def test_wording_only_is_what_help_prints_and_nothing_else(old, new, wording):
+    assert old in ORIGINAL
+    mutant = function_of(ORIGINAL.replace(old, new).replace("def parse_args", "def parse_args__mutmut_1"))
+    assert mutate.wording_only(function_of(ORIGINAL), mutant) is wording
+
+
+def test_wording_only_catches_a_second_change_beside_the_help():
+    both = ORIGINAL.replace('help="comma-separated seeds"', 'help="X"').replace('default="0"', 'default="1"')
+    assert mutate.wording_only(function_of(ORIGINAL), function_of(both)) is False
+
+
+MUTATED = '''
+def x_f__mutmut_orig(p):
+    p.add_argument("--a", help="the a")
+def x_f__mutmut_1(p):
+    p.add_argument("--a", help="XXthe aXX")
+def x_f__mutmut_2(p):
+    p.add_argument("--b", help="the a")
+def x_g__mutmut_orig(p):
+    p.add_argument("--c", help="the c")
+def x_g__mutmut_1(p):
+    p.add_argument("--c")
+class C:
+    def xǁCǁm__mutmut_orig(self, p):
+        p.add_argument("--d", help="the d")
+    def xǁCǁm__mutmut_1(self, p):
+        p.add_argument("--d", help="THE D")
+    def xǁCǁm__mutmut_2(self, p):
+        p.add_argument("--D", help="the d")
+'''
+
+
+@pytest.mark.parametrize("functions, kept, wording", [
+    (["f"], ["m.x_f__mutmut_2"], ["m.x_f__mutmut_1"]),
+    (["g"], [], ["m.x_g__mutmut_1"]),
+    (["C.m"], ["m.xǁCǁm__mutmut_2"], ["m.xǁCǁm__mutmut_1"]),
+    (["f", "C.m"], ["m.x_f__mutmut_2", "m.xǁCǁm__mutmut_2"], ["m.x_f__mutmut_1", "m.xǁCǁm__mutmut_1"]),
+    ([None], ["m.x_f__mutmut_2", "m.xǁCǁm__mutmut_2"],
+     ["m.x_f__mutmut_1", "m.x_g__mutmut_1", "m.xǁCǁm__mutmut_1"]),
+    (["h"], [], []),
+], ids=["function", "all-wording", "method", "two", "whole-file", "no-such-function"])
+def test_split_wording_sorts_the_selected_mutants(functions, kept, wording):
+    """Each mutant is judged against its own function's original; the originals themselves are not mutants."""
+    patterns = [mutant_pattern("m", f) for f in functions]
+    assert mutate.split_wording(MUTATED, "m", patterns) == (kept, wording)
+
+
+def test_skip_help_runs_only_the_mutants_that_change_more_than_wording(tmp_path, monkeypatch, capsys):
+    """main --skip_help: mutmut's mutated file is read, the wording mutants are left out of `mutmut run` and
+    counted in the last lines; when every mutant is wording, one line and nothing runs."""
+    monkeypatch.setattr(mutate, "ROOT", tmp_path)
+    (tmp_path / "m.py").write_text("")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_m.py").write_text("")
+    monkeypatch.setattr(mutate.shutil, "which", lambda name: "/bin/" + name)
+    folder = tmp_path / ".mutmut" / "m"
+
+    def workspace(file, tests):
+        (folder / "mutants").mkdir(parents=True, exist_ok=True)
+        return folder
+    monkeypatch.setattr(mutate, "workspace", workspace)
+    monkeypatch.setattr(mutate, "generate_mutants",
+                        lambda folder, jobs: (folder / "mutants" / "m.py").write_text(MUTATED))
+    calls = []
+
+    def run(command, **kwargs):
+        calls.append(command)
+        out = "".join(f"    {name}: survived\n" if name.endswith("2") else f"    {name}: killed\n"
+                      for name in calls[0][2:]) if command[1] == "results" else ""
+        return subprocess.CompletedProcess(command, 0, stdout=out)
+    monkeypatch.setattr(mutate.subprocess, "run", run)
+    mutate.main(["m.py", "f", "C.m", "--skip_help"])
+    assert calls[0] == ["mutmut", "run", "m.x_f__mutmut_2", "m.xǁCǁm__mutmut_2"]
+    assert not (folder / "mutants").exists()  # mutmut's run starts from no mutants, as it would have
+    assert "2 survived; 2 left out (they change only what --help prints)" in capsys.readouterr().out
+    calls.clear()
+    with pytest.raises(SystemExit, match="every mutant of g changes --help alone"):
+        mutate.main(["m.py", "g", "--skip_help"])
+    assert calls == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mutmut") is None, reason="mutmut is not installed (pip install "
+                    "mutmut==3.8.1): its mutant generation is what this test checks")
+def test_generate_mutants_writes_mutmuts_mutated_file(tmp_path, monkeypatch):
+    """The mutated file as mutmut's run makes it: each function's original and its numbered mutants."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "a.py").write_text('def f(p):\n    p.add_argument("--a", default=1, help="the a")\n')
+    (tmp_path / "tests" / "test_a.py").write_text("")
+    monkeypatch.setattr(mutate, "ROOT", tmp_path)
+    folder = mutate.workspace("a.py", ["tests/test_a.py"])
+    mutate.generate_mutants(folder, 1)
+    kept, wording = mutate.split_wording((folder / "mutants" / "a.py").read_text(), "a", [mutant_pattern("a", "f")])
+    assert kept and wording and len(kept) + len(wording) == len(set(kept + wording))
