@@ -6,21 +6,29 @@ store), their time on a GPU and the host's (Python's) time per routing site.
     python bench_kernel.py              # with CUDA: parity check, then the routing and whole-step benchmarks
     python bench_kernel.py              # without: the parity check in the Triton interpreter (CPU, slow)
     python bench_kernel.py --traffic    # the bytes both algorithms move at the paper's kernel-table shapes
-    python bench_kernel.py --host       # Python's time per routing site, launches stubbed (CPU)
+    python bench_kernel.py --host       # the host's time per routing site, through Triton's launcher (CPU)
 
 docs/kernels.md reports what they print.
 """
+import ctypes
+import hashlib
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
+import warnings
 from contextlib import contextmanager
+from pathlib import Path
 
 try:  # torch and triton take seconds to import: Ctrl-C meanwhile ends as it does later
     import torch
 
-    if __name__ == "__main__" and (not torch.cuda.is_available() or "--host" in sys.argv):
-        # without a GPU (and for --host anywhere) the kernels run in Triton's interpreter, which
-        # triton.jit consults when it decorates them: switch it on before kernel.py imports triton
+    if __name__ == "__main__" and "--host" not in sys.argv and not torch.cuda.is_available():
+        # without a GPU the kernels run in Triton's interpreter, which triton.jit consults when it
+        # decorates them: switch it on before kernel.py imports triton. (--host compiles them for
+        # sm_90 and launches them through a stand-in driver instead: torch.cuda left untouched.)
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
     try:
@@ -369,23 +377,137 @@ def _step_benchmark(routing, device="cuda", steps=None, timer=None, vocab_size=5
               f"{peak.get('fused G', float('nan')):.1f}")
 
 
-def host_cost(shapes=KERNEL_TABLE, positions=4, repeats=3, heads=HEADS):
-    """Python's share of the fused path: every interpreted launch a no-op, a chain of 2L+1 sites
-    (each source the previous site's output times 1.0) forward then backward, against the same
-    chain with each site one plain op h * q_j; best of `repeats` × 3 runs of each, alternating,
-    one thread, its CPU time. Prints µs per site and the ratio; returns {(preset, group): ratio}.
-    Needs the interpreter (CPU)."""
-    from triton.runtime import interpreter
+# A stand-in for the CUDA driver, libcuda.so.1: every call succeeds and answers as an H100 or H200 would
+# (sm_90, 132 SMs, 227 KB of shared memory a block), a module and a function are placeholders, and a
+# launch only counts itself. Triton's launcher runs against it to its last call: the host's whole
+# share of a launch, with nothing run and no pointer dereferenced. (Its calls are the ones triton's
+# backends/nvidia/driver.c makes; one it does not know fails to link, loudly.)
+STAND_IN_DRIVER = r"""
+#include <string.h>
+#include "cuda.h"
+static int context, module, function;
+unsigned long long launches = 0;
+CUresult cuInit(unsigned int flags) { return CUDA_SUCCESS; }
+CUresult cuDriverGetVersion(int *version) { *version = 12080; return CUDA_SUCCESS; }
+CUresult cuDeviceGetCount(int *count) { *count = 1; return CUDA_SUCCESS; }
+CUresult cuDeviceGet(CUdevice *device, int ordinal) { *device = ordinal; return CUDA_SUCCESS; }
+CUresult cuDeviceGetAttribute(int *value, CUdevice_attribute attribute, CUdevice device) {
+  switch (attribute) {
+  case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *value = 9; break;
+  case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *value = 0; break;
+  case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *value = 132; break;
+  case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: *value = 232448; break;
+  case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: *value = 233472; break;
+  case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK: *value = 65536; break;
+  case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *value = 1024; break;
+  case CU_DEVICE_ATTRIBUTE_WARP_SIZE: *value = 32; break;
+  default: *value = 0;
+  }
+  return CUDA_SUCCESS;
+}
+CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d) { *c = (CUcontext)&context; return CUDA_SUCCESS; }
+CUresult cuCtxGetCurrent(CUcontext *c) { *c = (CUcontext)&context; return CUDA_SUCCESS; }  /* as after torch's init */
+CUresult cuCtxSetCurrent(CUcontext c) { return CUDA_SUCCESS; }
+CUresult cuCtxGetDevice(CUdevice *device) { *device = 0; return CUDA_SUCCESS; }
+CUresult cuCtxGetLimit(size_t *value, CUlimit limit) { *value = 1 << 20; return CUDA_SUCCESS; }
+CUresult cuCtxSetLimit(CUlimit limit, size_t value) { return CUDA_SUCCESS; }
+CUresult cuGetErrorString(CUresult error, const char **text) { *text = "stand-in driver"; return CUDA_SUCCESS; }
+CUresult cuModuleLoadData(CUmodule *m, const void *image) { *m = (CUmodule)&module; return CUDA_SUCCESS; }
+CUresult cuModuleUnload(CUmodule m) { return CUDA_SUCCESS; }
+CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name) { *f = (CUfunction)&function; return CUDA_SUCCESS; }
+CUresult cuFuncGetAttribute(int *value, CUfunction_attribute attribute, CUfunction f) {
+  *value = attribute == CU_FUNC_ATTRIBUTE_NUM_REGS ? 64 : attribute == CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK ? 1024 : 0;
+  return CUDA_SUCCESS;
+}
+CUresult cuFuncSetAttribute(CUfunction f, CUfunction_attribute attribute, int value) { return CUDA_SUCCESS; }
+CUresult cuFuncSetCacheConfig(CUfunction f, CUfunc_cache config) { return CUDA_SUCCESS; }
+CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr pointer) {
+  if (attribute == CU_POINTER_ATTRIBUTE_DEVICE_POINTER) *(CUdeviceptr *)data = pointer;  /* valid as it is */
+  return CUDA_SUCCESS;
+}
+CUresult cuPointerGetAttributes(unsigned int n, CUpointer_attribute *a, void **data, CUdeviceptr p) { return CUDA_SUCCESS; }
+CUresult cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus *status) { *status = CU_STREAM_CAPTURE_STATUS_NONE; return CUDA_SUCCESS; }
+CUresult cuOccupancyMaxActiveClusters(int *n, CUfunction f, const CUlaunchConfig *c) { *n = 132; return CUDA_SUCCESS; }
+CUresult cuTensorMapEncodeTiled(CUtensorMap *m, CUtensorMapDataType t, cuuint32_t r, void *g, const cuuint64_t *d,
+    const cuuint64_t *s, const cuuint32_t *b, const cuuint32_t *e, CUtensorMapInterleave i, CUtensorMapSwizzle w,
+    CUtensorMapL2promotion l, CUtensorMapFloatOOBfill f) { memset(m, 0, sizeof *m); return CUDA_SUCCESS; }
+CUresult cuTensorMapEncodeIm2col(CUtensorMap *m, CUtensorMapDataType t, cuuint32_t r, void *g, const cuuint64_t *d,
+    const cuuint64_t *s, const int *lo, const int *hi, cuuint32_t c, cuuint32_t p, const cuuint32_t *e,
+    CUtensorMapInterleave i, CUtensorMapSwizzle w, CUtensorMapL2promotion l, CUtensorMapFloatOOBfill f) {
+  memset(m, 0, sizeof *m); return CUDA_SUCCESS; }
+CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **parameters, void **extra) {
+  launches++; return CUDA_SUCCESS; }
+CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+    unsigned shared, CUstream s, void **parameters, void **extra) { launches++; return CUDA_SUCCESS; }
+CUresult cuGetProcAddress(const char *symbol, void **function, int version, cuuint64_t flags,
+    CUdriverProcAddressQueryResult *status) {
+  *function = 0; if (status) *status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND; return CUDA_ERROR_NOT_FOUND; }
+"""
+STAND_IN_SMS = 132  # the stand-in driver's, an H100's and an H200's
 
-    if not kernel.INTERPRETED:
-        raise RuntimeError("host_cost stubs the Triton interpreter's launches: set TRITON_INTERPRET=1 "
-                           "before triton is imported (python bench_kernel.py --host does)")
+
+@contextmanager
+def stand_in_gpu():
+    """Triton's CUDA launch path on a machine without a GPU, down to its last driver call: the kernels
+    compile for sm_90, JITFunction.run binds and looks up every launch as on a GPU, and Triton's C
+    launcher hands it to STAND_IN_DRIVER (compiled with gcc on first use, loaded before the launcher
+    links libcuda.so.1). The tensors stay on the CPU and are never read. Yields a function that
+    returns how many launches reached the driver. Needs the kernels compiled, not interpreted."""
+    import triton
+    from triton.backends.nvidia.driver import CudaDriver
+
+    if kernel.INTERPRETED:
+        raise RuntimeError("the host's time goes through Triton's launcher, which the interpreter "
+                           "replaces: unset TRITON_INTERPRET")
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError("the stand-in driver needs a C compiler (gcc), as Triton's launcher does")
+    digest = hashlib.sha256(STAND_IN_DRIVER.encode()).hexdigest()[:12]
+    folder = Path(tempfile.gettempdir()) / f"mhar-stand-in-driver-{digest}"
+    library = folder / "libcuda.so.1"
+    if not library.exists():
+        folder.mkdir(exist_ok=True)
+        source, partial = folder / "driver.c", folder / f"libcuda.so.1.{os.getpid()}"
+        source.write_text(STAND_IN_DRIVER)
+        include = Path(triton.__file__).parent / "backends" / "nvidia" / "include"  # triton's cuda.h
+        subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", f"-I{include}",
+                        str(source), "-o", str(partial)], check=True, capture_output=True)
+        partial.replace(library)  # whole or absent, whoever else builds it meanwhile
+    driver_library = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)  # libcuda.so.1 from now on
+    saved = (os.environ.get("TRITON_LIBCUDA_PATH"), kernel.check_available, kernel._device_programs,
+             triton.runtime.driver._active)  # None until a launch asks for one (reset_active would ask)
+    os.environ["TRITON_LIBCUDA_PATH"] = str(folder)  # where Triton's launcher links libcuda.so.1
+    driver = CudaDriver()
+    # its own device, stream and capability queries (C, through the driver), not torch.cuda's
+    driver.get_current_device = driver._get_current_device
+    driver.get_current_stream = driver._get_current_stream
+    driver.get_device_capability = driver._get_device_capability
+    triton.runtime.driver.set_active(driver)
+    kernel.check_available = lambda device=None: None
+    kernel._device_programs = lambda: kernel.RESIDENT_WARPS // 8 * STAND_IN_SMS
+    try:
+        yield lambda: ctypes.c_ulonglong.in_dll(driver_library, "launches").value
+    finally:
+        if saved[0] is None:
+            del os.environ["TRITON_LIBCUDA_PATH"]
+        else:
+            os.environ["TRITON_LIBCUDA_PATH"] = saved[0]
+        kernel.check_available, kernel._device_programs = saved[1:3]
+        triton.runtime.driver.set_active(saved[3])
+
+
+def host_cost(shapes=KERNEL_TABLE, positions=4, repeats=3, heads=HEADS):
+    """The host's share of the fused path: a chain of 2L+1 sites (each source the previous site's output
+    times 1.0) forward then backward, every launch through Triton's launcher to the stand-in driver
+    (stand_in_gpu), against the same chain with each site one plain op h * q_j; best of `repeats` × 3
+    runs of each, alternating, one thread, its CPU time. Prints µs per site, launches per site and the
+    ratio; returns {(preset, group): ratio}."""
 
     def best(*runs):
         """The best of `repeats` × 3 runs of each, alternating, in this thread's CPU time: other
         processes on the machine weigh on both alike, and hardly at all."""
         for run in runs:
-            run()                                                   # warm: caches, schedules
+            run()                                                   # warm: compiles, caches
         times = [[] for _ in runs]
         for _ in range(repeats):
             for run, kept in zip(runs, times):
@@ -411,27 +533,33 @@ def host_cost(shapes=KERNEL_TABLE, positions=4, repeats=3, heads=HEADS):
             h = (h * 1.0 if site else h) * q.to(h.dtype)
         h.float().sum().backward()
 
-    threads, run = torch.get_num_threads(), interpreter.InterpretedFunction.run
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    interpreter.InterpretedFunction.run = lambda *args, **kwargs: None    # launches cost nothing
     ratios = {}
     try:
-        print(f"host time per routing site, forward + backward, launches stubbed, {positions} bf16 "
-              f"positions, H = {heads}, one thread; plain: one op h * q_j per site")
-        print(f"{'shape':6} {'d':>5} {'sites':>5} {'G':>3} {'fused µs':>9} {'plain µs':>9} {'ratio':>6}")
-        for preset, d, L, *_ in shapes:
-            sites = 2 * L + 1
-            s0 = torch.randn(1, positions, d).bfloat16().requires_grad_()
-            qs = [torch.zeros(d, requires_grad=True) for _ in range(sites)]
-            gs = [torch.ones(d, requires_grad=True) for _ in range(sites)]
-            for group in (1, auto_group(sites, d, heads)):
-                plain, fused = (t / sites for t in best(lambda: plain_chain(s0, qs),
-                                                        lambda: fused_chain(s0, qs, gs, group)))
-                ratios[preset, group] = fused / plain
-                print(f"{preset:6} {d:5} {sites:5} {group:3} {fused * 1e6:9.0f} {plain * 1e6:9.0f} "
-                      f"{fused / plain:5.1f}x")
+        with stand_in_gpu() as launched, warnings.catch_warnings():
+            # triton 3.9 warns at the first compile that its FMA default will change: not this table's
+            warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+            print(f"host time per routing site, forward + backward, through Triton's launcher to a "
+                  f"stand-in driver (sm_90), {positions} bf16 positions, H = {heads}, one thread; "
+                  f"plain: one op h * q_j per site")
+            print(f"{'shape':6} {'d':>5} {'sites':>5} {'G':>3} {'launches':>8} {'fused µs':>9} "
+                  f"{'plain µs':>9} {'ratio':>6}")
+            for preset, d, L, *_ in shapes:
+                sites = 2 * L + 1
+                s0 = torch.randn(1, positions, d).bfloat16().requires_grad_()
+                qs = [torch.zeros(d, requires_grad=True) for _ in range(sites)]
+                gs = [torch.ones(d, requires_grad=True) for _ in range(sites)]
+                for group in (1, auto_group(sites, d, heads)):
+                    plain, fused = (t / sites for t in best(lambda: plain_chain(s0, qs),
+                                                            lambda: fused_chain(s0, qs, gs, group)))
+                    before = launched()
+                    fused_chain(s0, qs, gs, group)
+                    launches = (launched() - before) / sites
+                    ratios[preset, group] = fused / plain
+                    print(f"{preset:6} {d:5} {sites:5} {group:3} {launches:8.1f} {fused * 1e6:9.0f} "
+                          f"{plain * 1e6:9.0f} {fused / plain:5.1f}x", flush=True)
     finally:
-        interpreter.InterpretedFunction.run = run
         torch.set_num_threads(threads)
     return ratios
 
@@ -466,7 +594,8 @@ def main(argv=None):
                         "mhar.route; with a GPU, benchmark it; --traffic prints the modeled bytes.")
     parser.add_argument("--traffic", action="store_true", help="the traffic model at the kernel-table shapes")
     parser.add_argument("--host", action="store_true",
-                        help="the host (Python) time per site with the launches stubbed (CPU, interpreter)")
+                        help="the host's time per routing site, through Triton's launcher to a stand-in "
+                             "driver (no GPU needed)")
     args = parser.parse_args(argv)
     try:
         return run(args)
@@ -481,7 +610,14 @@ def run(args):
         print_traffic()
         return 0
     if args.host:
-        host_cost()
+        from common import exit_error, one_line
+        if kernel.INTERPRETED:
+            exit_error("bench_kernel.py", "--host measures Triton's launcher, which the interpreter replaces: "
+                                          "unset TRITON_INTERPRET")
+        try:
+            host_cost()
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as error:  # the machine's
+            exit_error("bench_kernel.py", f"--host: {one_line(error)}", status=1)
         return 0
     torch.manual_seed(0)
     if torch.cuda.is_available() and not kernel.INTERPRETED:
