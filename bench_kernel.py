@@ -616,7 +616,7 @@ def run(args):
                                           "unset TRITON_INTERPRET")
         try:
             host_cost()
-        except (RuntimeError, OSError, subprocess.CalledProcessError) as error:  # the machine's
+        except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as error:  # the machine's
             exit_error("bench_kernel.py", f"--host: {one_line(error)}", status=1)
         return 0
     torch.manual_seed(0)

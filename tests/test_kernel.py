@@ -579,6 +579,20 @@ def test_host_cost_goes_through_tritons_launcher_to_the_stand_in_driver():
     assert "ratios True True True" in done.stdout and "restored True True True True" in done.stdout
 
 
+def test_host_cost_without_a_c_compiler_is_one_line(monkeypatch, capsys):
+    """The stand-in driver is compiled with gcc (as Triton's launcher is): without one, the machine's line,
+    status 1, before anything is built or replaced."""
+    monkeypatch.setattr(kernel, "INTERPRETED", False)
+    monkeypatch.setattr(bench_kernel.shutil, "which", lambda name: None)
+    check = kernel.check_available
+    with pytest.raises(SystemExit) as stop:
+        bench_kernel.main(["--host"])
+    assert stop.value.code == 1
+    assert capsys.readouterr().err == ("bench_kernel.py: error: --host: the stand-in driver needs a C compiler "
+                                       "(gcc), as Triton's launcher does\n")
+    assert kernel.check_available is check
+
+
 def test_host_cost_refuses_the_interpreter(monkeypatch, capsys):
     """The interpreter replaces Triton's launcher: measuring through it would count nothing of it (--host: one
     line, status 2)."""
