@@ -269,7 +269,7 @@ def resolve_runs(runs, train_flags, world, out_dir):
             train.check_data(tokens, config)  # the vocabulary and --seq_len: the same for every run
         if config.fused:
             check_fused()
-        resolved[run.name] = json.loads(json.dumps(vars(args), default=str))
+        resolved[run.name] = json.loads(json.dumps(vars(args)))  # as train.py writes config.json
     return resolved, fingerprint(tokens)
 
 

@@ -502,6 +502,125 @@ def test_a_mistake_a_run_meets_in_its_first_second_stops_before_the_first_run(ar
     assert not (tmp_path / "cmp").exists()
 
 
+@pytest.mark.parametrize("method, fused", [("baseline", False), ("attnres", True), ("mhar", True),
+                                           ("attnres-T4", True)])
+def test_fused_goes_to_the_routed_runs_alone(method, fused):
+    """--fused is passed to the runs that route (attnres and mhar, at any temperature); a baseline has no
+    routing to fuse. The run's folder is under out_dir, or the working folder's by default."""
+    run = runs("--methods", method)[0][0]
+    argv = compare.train_argv(run, ["--compile", "--fused"], "cmp")
+    assert argv == ["--compile", *(["--fused"] if fused else []), *run.flags, "--out_dir", str(Path("cmp") / run.name)]
+    assert compare.train_argv(run, [])[-2:] == ["--out_dir", run.name]
+
+
+def test_resolved_flags_are_what_train_py_records(data, tmp_path):
+    """Each run's resolved flags are what its config.json's "args" will say: its own folder under --out_dir,
+    its seed, its method; the data's vocabulary taken in."""
+    out = tmp_path / "cmp"
+    listed, asked, data_print = resolved(["--methods", "baseline,mhar", "--seeds", "0,1", "--out_dir", out,
+                                          "--data", data, *TINY], out)
+    for run in listed:
+        assert asked[run.name]["out_dir"] == str(out / run.name)
+        assert (asked[run.name]["seed"], asked[run.name]["residual"]) == (run.seed, run.method)
+        assert asked[run.name]["vocab_size"] == VOCAB  # the data's meta.json (a multiple of 64 already)
+
+
+def test_synthetic_data_resolves_without_a_corpus(tmp_path):
+    out = tmp_path / "cmp"
+    _, asked, data_print = resolved(["--methods", "baseline", "--out_dir", out, "--data", "synthetic", *TINY], out)
+    assert data_print == "synthetic" and asked["baseline-s0"]["data"] == "synthetic"
+
+
+def test_a_missing_built_in_corpus_is_prepared_once_before_the_runs(data, tmp_path, monkeypatch, capsys):
+    """A built-in corpus not yet prepared is prepared by compare.py itself (as rank 0 of a run would), once for
+    all runs, in this process (no process group to wait on)."""
+    import shutil
+    import train
+    corpus = tmp_path / "data" / "corpus"
+    monkeypatch.setattr(train, "BUILT_IN_DATA", {corpus: dict(tokenizer="t")})
+    calls = []
+
+    def prepare_(name, out, **options):
+        calls.append((name, out, options))
+        shutil.copytree(data, Path(out) / name)
+    monkeypatch.setattr(train.prepare, "prepare", prepare_)
+    out = tmp_path / "cmp"
+    listed, asked, data_print = resolved(["--methods", "baseline,mhar", "--out_dir", out, "--data", corpus, *TINY],
+                                         out)
+    assert calls == [("corpus", str(corpus.parent), dict(tokenizer="t"))]
+    assert f"preparing the built-in corpus into {corpus} (once)" in capsys.readouterr().out
+    assert len(asked) == 2 and data_print != "synthetic"
+
+
+def test_init_from_a_baseline_checkpoint_resolves_as_train_py_converts_it(data, tmp_path):
+    """--init_from (a conversion comparison): each run takes the checkpoint's shape unless given, and is delta
+    routing, as train.py would run it."""
+    import train
+    out = tmp_path / "cmp"
+    _, asked, _ = resolved(["--methods", "baseline", "--out_dir", out, "--data", data, *TINY], out)
+    flags = {**asked["baseline-s0"], "n_layer": 3}
+    ckpt = tmp_path / "base.pt"
+    torch.save(dict(model={}, optimizer={}, step=4, evals=[], rng={}, args=flags,
+                    config={k: flags[k] for k in train.CONFIG_FIELDS}), ckpt)
+    _, asked, _ = resolved(["--methods", "mhar", "--out_dir", out, "--data", data, *TINY, "--init_from", ckpt], out)
+    assert asked["mhar-s0"]["n_layer"] == 3 and asked["mhar-s0"]["delta"] is True
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data", "{tmp}/missing"], "no train.bin in"),
+    (["--device", "cuda"], "--device cuda: this machine has no CUDA GPU"),
+], ids=["no_data", "no_gpu"])
+def test_a_comparison_of_one_run_checks_it_before_it_starts(argv, message, data, tmp_path, capsys, no_run_starts):
+    """The device and the data are checked at the first run, which may be the only one."""
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    flags = [*TINY, "--data", str(data), *(a.format(tmp=tmp_path) for a in argv)]
+    err = error_line(capsys, compare.main, ["--methods", "baseline", "--out_dir", tmp_path / "cmp", *flags])
+    assert message in err, err
+
+
+def test_a_stopped_runs_checkpoint_without_its_flags_is_one_line(data, tmp_path, capsys, no_run_starts):
+    """A checkpoint to resume must say how its run was trained: without its config, one line, status 2."""
+    out, argv = tmp_path / "cmp", ["--methods", "baseline", "--out_dir", tmp_path / "cmp", "--data", data, *TINY]
+    _, asked, data_print = resolved(argv, out)
+    (out / "baseline-s0").mkdir(parents=True)
+    torch.save(dict(model={}, optimizer={}, step=2, evals=[], rng={}, args=asked["baseline-s0"],
+                    data_fingerprint=data_print), out / "baseline-s0" / "ckpt.pt")
+    err = error_line(capsys, compare.main, argv)
+    assert "is not a train.py checkpoint (missing config)" in err, err
+
+
+def test_a_finished_runs_checkpoint_is_read_for_its_datas_fingerprint_alone(data, tmp_path):
+    """A finished run is judged by its config.json; of its checkpoint only the data's fingerprint is read
+    (a checkpoint slimmed to it still names the data)."""
+    out = tmp_path / "cmp"
+    _, asked, data_print = resolved(["--methods", "baseline", "--out_dir", out, "--data", data, *TINY], out)
+    record_run(out / "baseline-s0", asked["baseline-s0"])
+    torch.save(dict(data_fingerprint=data_print), out / "baseline-s0" / "ckpt.pt")
+    assert compare.prior_run(out / "baseline-s0", asked["baseline-s0"], data_print) == "finished"
+    torch.save(dict(data_fingerprint="other"), out / "baseline-s0" / "ckpt.pt")
+    with pytest.raises(compare.UserError, match="other data than"):
+        compare.prior_run(out / "baseline-s0", asked["baseline-s0"], data_print)
+
+
+@pytest.mark.parametrize("recorded_layers, outcome", [(2, "finished"), (3, "--n_layer 3, not 2")],
+                         ids=["same", "other"])
+def test_a_record_whose_args_lack_a_model_field_is_judged_by_its_config(recorded_layers, outcome, data, tmp_path):
+    """The model's fields are in config.json's "config" (an older train.py left them out of "args", or left
+    them unset there): the record is judged by them."""
+    out = tmp_path / "cmp"
+    _, asked, data_print = resolved(["--methods", "baseline", "--out_dir", out, "--data", data, *TINY], out)
+    record_run(out / "baseline-s0", {**asked["baseline-s0"], "n_layer": recorded_layers})
+    record = json.loads((out / "baseline-s0" / "config.json").read_text())
+    del record["args"]["n_layer"]
+    (out / "baseline-s0" / "config.json").write_text(json.dumps(record))
+    if outcome == "finished":
+        assert compare.prior_run(out / "baseline-s0", asked["baseline-s0"], data_print) == "finished"
+    else:
+        with pytest.raises(compare.UserError, match=outcome):
+            compare.prior_run(out / "baseline-s0", asked["baseline-s0"], data_print)
+
+
 @pytest.fixture
 def read_only(tmp_path, monkeypatch):
     """A folder that cannot be written: chmod 0o500, and where that does not stop this user (root), its
