@@ -53,7 +53,9 @@ measures the host's time per site. Without a CUDA GPU the kernels run in the Tri
 on CPU tensors, when TRITON_INTERPRET=1 is set before this file is imported (slow; for tests).
 """
 import functools
+import math
 import sys
+import types
 from collections import namedtuple
 from typing import Optional
 
@@ -65,6 +67,8 @@ UNAVAILABLE = ("fused routing needs a CUDA GPU, or TRITON_INTERPRET=1 set before
 try:
     import triton
     import triton.language as tl
+    from triton import knobs
+    from triton.runtime import driver
 except ImportError as error:
     if __name__ == "__main__":  # python kernel.py: one line, as every script's
         print("kernel.py: error: triton is not installed (pip install triton)", file=sys.stderr)
@@ -350,6 +354,120 @@ def _table_kernel(
 INTERPRETED = not isinstance(_route_forward_kernel, triton.runtime.JITFunction)
 
 
+# %% Bound launches
+# kernel[grid](...) costs the host ~10 µs a launch in Triton's JITFunction.run (triton/runtime/
+# jit.py: binding and specializing every argument, the cache key, the knobs, launch metadata)
+# before ~2 µs in its C launcher. Each launch site has a key, a guard on its runtime arguments
+# that fixes how Triton specializes every one of them (native_specialize_impl): pointers 16-byte
+# aligned ('D'); do_not_specialize ints in [0, 2^31) and not bools (i32; a bool is u1); eps a float
+# (fp32); _table_kernel's entries, specialized one by one, multiples of 16 in [2^31, 2^63) (i64
+# 'D'). The key holds what the guard leaves free: the tensors' dtypes, the grid, the constexprs,
+# TRITON_DEBUG; _bound adds the driver and the device. The first launch with a key goes through
+# kernel[grid] and binds the kernel Triton returns (_bind); later ones call its C launcher
+# directly. A launch the guard refuses goes through kernel[grid], as every launch does with hooks
+# set, interpreted, or with BOUND_LAUNCHES off. The bound calls follow the launchers' private
+# layouts in triton 3.6 and 3.9 (triton/backends/nvidia/driver.py CudaLauncher); the tests check
+# that they pass the driver the bytes Triton's own launches do.
+BOUND_LAUNCHES = not INTERPRETED
+_I32, _I64 = 1 << 31, 1 << 63
+_bound = {}             # (driver, device, kernel, key) -> launch(stream, args)
+
+
+def _launch(jit, grid, key, args, constexprs):
+    """jit[grid](*args, **constexprs), bound once a launch with `key` (None: launch unbound) has
+    compiled. The driver is in the entry, held (no later driver can take its id): another one
+    (the stand-in, then a GPU's) never calls what was bound under the first."""
+    if key is None:
+        jit[grid](*args, **constexprs)
+        return
+    active = driver.active
+    device = active.get_current_device()
+    entry = active, device, jit, key
+    bound = _bound.get(entry)
+    if bound is not None:
+        bound(active.get_current_stream(device), args)
+        return
+    compiled = jit[grid](*args, **constexprs)
+    if compiled is not None:            # (None: knobs.runtime.jit_cache_hook skipped it)
+        _bound[entry] = _bind(jit, compiled, grid, args, constexprs, device)
+
+
+def _bind(jit, compiled, grid, args, constexprs, device):
+    """A launch(stream, args) of `compiled` that passes its launcher what JITFunction.run passes:
+    the runtime args, then the constexprs in the kernel's parameter order (its binder's), which the
+    launcher drops by the signature; no launch metadata and no hooks (_unhooked)."""
+    values = tuple(jit.device_caches[device][4](*args, **constexprs)[0].values())
+    tail = values[len(args):]
+    launcher = compiled.run                         # loads the module: a CudaLauncher
+    function, metadata = compiled.function, compiled.packed_metadata
+    gx, gy, gz = (*grid, 1, 1)[:3]
+    # CudaLauncher.__call__ allocates scratch, adds gsan's arguments; wrap_handle_tensordesc wraps
+    # the C launch for tensor descriptors: with none of them, the C launch is all it does
+    direct = (launcher.global_scratch_size == 0 and launcher.profile_scratch_size == 0
+              and not getattr(launcher, "gsan_enabled", False)
+              and isinstance(launcher.launch, types.BuiltinFunctionType))
+    launch, coop, pdl = launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl
+    if direct and hasattr(launcher, "arg_annotations"):    # triton 3.9: one C launch, args a tuple
+        annotations, signature = launcher.arg_annotations, launcher.kernel_signature
+
+        def bound(stream, args):
+            launch(gx, gy, gz, stream, function, coop, pdl, metadata, None, None, None, None,
+                   None, annotations, signature, args + tail)
+    elif direct:                                # triton 3.6: a C launch per kernel, args spread
+        def bound(stream, args):
+            launch(gx, gy, gz, stream, function, coop, pdl, None, None, metadata, None, None, None,
+                   *args, *tail)
+    else:
+        def bound(stream, args):
+            launcher(gx, gy, gz, stream, function, metadata, None, None, None, *args, *tail)
+    bound.constexprs = constexprs       # held: their id, in the key, stays theirs
+    return bound
+
+
+def _unhooked(jit):
+    """No pre-run, launch or pipeline hook: a launch would pass the launcher nothing a bound one
+    does not (JITFunction.run calls empty HookChains, with metadata no hook reads)."""
+    runtime = knobs.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return not (jit.pre_run_hooks or getattr(enter, "calls", enter)
+                or getattr(leave, "calls", leave) or runtime.add_stages_inspection_hook)
+
+
+def _forward_key(programs, constexprs, args):
+    """_route_forward_kernel's key (None: launch unbound)."""
+    table, qg, N, M, per_program, eps = args
+    if (BOUND_LAUNCHES and type(eps) is float
+            and type(N) is type(M) is type(per_program) is int
+            and 0 <= N | M | per_program < _I32
+            and not (table.data_ptr() | qg.data_ptr()) & 15 and _unhooked(_route_forward_kernel)):
+        return programs, id(constexprs), table.dtype, qg.dtype, knobs.runtime.debug
+    return None
+
+
+def _backward_key(programs, constexprs, args):
+    """_route_backward_kernel's key (None: launch unbound)."""
+    table, qg, grads, owned, qg_grads, N, M, per_program, row0, own_lo, fresh_lo, given, eps = args
+    if (BOUND_LAUNCHES and type(eps) is float
+            and type(N) is type(M) is type(per_program) is type(row0) is type(own_lo)
+            is type(fresh_lo) is type(given) is int
+            and 0 <= N | M | per_program | row0 | own_lo | fresh_lo | given < _I32
+            and not (table.data_ptr() | qg.data_ptr() | grads.data_ptr() | owned.data_ptr()
+                     | qg_grads.data_ptr()) & 15 and _unhooked(_route_backward_kernel)):
+        return (programs, id(constexprs), table.dtype, qg.dtype, grads.dtype, owned.dtype,
+                qg_grads.dtype, knobs.runtime.debug)
+    return None
+
+
+def _table_key(table, entries):
+    """_table_kernel's key for every chunk of a table (None: launch unbound): all its entries i64
+    'D', each chunk's offset, below len(entries), i32; every chunk TABLE_CHUNK long."""
+    if (BOUND_LAUNCHES and not table.data_ptr() & 15 and len(entries) < _I32
+            and min(entries) >= _I32 and sum(entries) < _I64 and not math.gcd(*entries) & 15
+            and _unhooked(_table_kernel)):
+        return table.dtype, knobs.runtime.debug
+    return None
+
+
 # %% Launchers
 
 def memoized(fn):
@@ -450,6 +568,9 @@ def _backward_programs(M, width, heads, sites):
     return _programs(M, warps=_num_warps(layout(width, heads, sites), True))[1]
 
 
+_TABLE_OPTIONS = dict(num_warps=1)
+
+
 def _address_table(addresses, like, table=None):
     """The kernels read their tensors through a table of addresses (no copy into one buffer),
     written on the device by _table_kernel, TABLE_CHUNK entries a launch: nothing goes up from the
@@ -461,8 +582,10 @@ def _address_table(addresses, like, table=None):
     elif table.numel() < len(entries):      # the kernel would write past it, into other tables
         raise RuntimeError(f"an address table of {table.numel()} entries for "
                            f"{len(addresses)} addresses")
+    key = _table_key(table, entries)
     for offset in range(0, len(entries), TABLE_CHUNK):
-        _table_kernel[(1,)](table, offset, tuple(entries[offset:offset + TABLE_CHUNK]), num_warps=1)
+        chunk = tuple(entries[offset:offset + TABLE_CHUNK])
+        _launch(_table_kernel, (1,), key, (table, offset, chunk), _TABLE_OPTIONS)
     return table
 
 
@@ -527,7 +650,9 @@ def _route_forward(*, sources, qg, init, heads, eps, addresses=None, lses=None, 
                            table)
     per_program, programs, constexprs = _launch_constants(width, heads, G, source.dtype, bool(init),
                                                           False, M)
-    _route_forward_kernel[(programs,)](table, qg, len(addresses), M, per_program, eps, **constexprs)
+    args = (table, qg, len(addresses), M, per_program, eps)
+    _launch(_route_forward_kernel, (programs,), _forward_key(programs, constexprs, args), args,
+            constexprs)
     return outs, rests, lses
 
 
@@ -553,9 +678,10 @@ def _route_backward(grads, owned, qg_grads, init_grads, *, sources, qg, outs, re
                                         for t in per_site], source, table)
     per_program, programs, constexprs = _launch_constants(width, heads, G, source.dtype,
                                                           bool(init_lse), True, M)
-    _route_backward_kernel[(programs,)](table, qg, grads, owned, qg_grads, len(addresses), M,
-                                        per_program, row0, own_lo, fresh_lo, continued, eps,
-                                        **constexprs)
+    args = (table, qg, grads, owned, qg_grads, len(addresses), M, per_program, row0, own_lo,
+            fresh_lo, continued, eps)
+    _launch(_route_backward_kernel, (programs,), _backward_key(programs, constexprs, args), args,
+            constexprs)
 
 
 # %% Autograd: one launch, two ways in

@@ -607,6 +607,273 @@ def test_host_cost_refuses_the_interpreter(monkeypatch, capsys):
 
 
 # ----------------------------------------------------------------------------------------------
+# Bound launches: the keys against Triton's specialization, and the bytes a bound launch passes.
+
+def _specialize(value, specialized):
+    """Triton's (type, attribute) of an argument of a kernel compiled for sm_90, as JITFunction's
+    binder asks for it (triton/runtime/jit.py create_function_from_signature)."""
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this triton ships no CUDA backend")
+    backend = triton.backends.backends["nvidia"].compiler(GPUTarget("cuda", 90, 32))
+    return native_specialize_impl(backend, value, False, specialized, True)
+
+
+# (value, specialized, Triton's type and attribute): the rules the keys rely on. Runtime ints (the
+# kernels' do_not_specialize N, M, offset ...) are i32 below 2^31, never a constexpr; specialized
+# ints (each entry of _table_kernel's tuple) are i64 'D' from 2^31 on, a multiple of 16 below 2^63;
+# a bool is u1 and a float fp32, however specialized.
+SPECIALIZATIONS = [
+    *[(v, False, ("i32", None)) for v in (-1, 0, 1, 15, 16, 17, 2**31 - 1)],
+    (2**31, False, ("i64", None)), (2**63 - 1, False, ("i64", None)),
+    (2**63, False, ("u64", None)), (2**64 - 1, False, ("u64", None)),
+    (-1, True, ("i32", "")), (0, True, ("i32", "D")), (1, True, ("constexpr", 1)),
+    (15, True, ("i32", "")), (16, True, ("i32", "D")), (17, True, ("i32", "")),
+    (2**31 - 1, True, ("i32", "")), (2**31, True, ("i64", "D")), (2**31 + 8, True, ("i64", "")),
+    (2**63 - 16, True, ("i64", "D")), (2**63 - 1, True, ("i64", "")), (2**63, True, ("u64", "D")),
+    (2**64 - 1, True, ("u64", "")),
+    (True, False, ("u1", None)), (False, True, ("u1", None)),
+    (1e-6, False, ("fp32", None)), (0.0, True, ("fp32", None)),
+    ((2**31, 2**40 + 16), False, (("i64", "i64"), ("D", "D"))),   # a tuple's are specialized
+]
+
+
+@pytest.mark.parametrize("value,specialized,expected", SPECIALIZATIONS,
+                         ids=[f"{'specialized' if s else 'runtime'} {v!r}" for v, s, _ in SPECIALIZATIONS])
+def test_triton_specializes_scalars_as_the_bound_keys_assume(value, specialized, expected):
+    assert _specialize(value, specialized) == expected
+
+
+# (dtype, offset in elements, attribute): 'D' exactly when the data pointer is 16-byte aligned
+TENSORS = [(torch.float32, 0, "D"), (torch.float32, 1, ""), (torch.float32, 4, "D"),
+           (torch.bfloat16, 1, ""), (torch.bfloat16, 8, "D"), (torch.int64, 1, ""), (torch.int64, 2, "D")]
+
+
+@pytest.mark.parametrize("dtype,offset,attribute", TENSORS,
+                         ids=[f"{str(d)[6:]} at {o}" for d, o, _ in TENSORS])
+def test_triton_specializes_tensors_by_their_alignment(dtype, offset, attribute):
+    tensor = torch.empty(64, dtype=dtype)[offset:]      # (torch's CPU allocations: 64-byte aligned)
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int64: "i64"}[dtype]
+    assert _specialize(tensor, True) == ("*" + name, attribute)
+
+
+def _guarded_args():
+    """Arguments each key accepts: (forward's, backward's, a table and its entries)."""
+    table, qg = torch.empty(64, dtype=torch.int64), torch.empty(64)
+    grads, owned, qg_grads = torch.empty(64), torch.empty(64, dtype=torch.bfloat16), torch.empty(64)
+    forward = (table, qg, 3, 4, 2, 1e-6)
+    backward = (table, qg, grads, owned, qg_grads, 5, 4, 2, 0, 1, 2, 3, 1e-6)
+    return forward, backward, (table, [2**40 + 16 * i for i in range(64)])
+
+
+def _key(name, args):
+    if name == "table":
+        return kernel._table_key(*args)
+    return (kernel._forward_key if name == "forward" else kernel._backward_key)(7, {}, args)
+
+
+def _replaced(args, i, value):
+    return args[:i] + (value,) + args[i + 1:]
+
+
+def _unaligned(tensor):
+    return tensor.view(-1)[1:]
+
+
+# (kernel, what is changed, the arguments after): each makes Triton specialize differently (or,
+# hooks, launch differently), so each key must send the launch through kernel[grid]
+REFUSALS = [
+    *[("forward", f"{name} {label}", lambda i=i, v=v: _replaced(_guarded_args()[0], i, v))
+      for i, name in ((2, "N"), (3, "M"), (4, "per_program"))
+      for label, v in (("a bool", True), ("-1", -1), ("2**31", 2**31), ("2**63", 2**63))],
+    ("forward", "eps an int", lambda: _replaced(_guarded_args()[0], 5, 0)),
+    *[("forward", f"{name} unaligned", lambda i=i: _replaced(_guarded_args()[0], i,
+                                                             _unaligned(_guarded_args()[0][i])))
+      for i, name in ((0, "table"), (1, "qg"))],
+    *[("backward", f"{name} {label}", lambda i=i, v=v: _replaced(_guarded_args()[1], i, v))
+      for i, name in ((5, "N"), (6, "M"), (7, "per_program"), (8, "row0"), (9, "own_lo"),
+                      (10, "fresh_lo"), (11, "given_sites"))
+      for label, v in (("a bool", False), ("-1", -1), ("2**31", 2**31))],
+    ("backward", "eps an int", lambda: _replaced(_guarded_args()[1], 12, 1)),
+    *[("backward", f"{name} unaligned", lambda i=i: _replaced(_guarded_args()[1], i,
+                                                              _unaligned(_guarded_args()[1][i])))
+      for i, name in ((0, "table"), (1, "qg"), (2, "grads"), (3, "owned"), (4, "qg_grads"))],
+    ("table", "table unaligned", lambda: (_unaligned(_guarded_args()[2][0]), _guarded_args()[2][1])),
+    ("table", "an entry not a multiple of 16", lambda: (_guarded_args()[2][0],
+                                                        _guarded_args()[2][1][:-1] + [2**40 + 8])),
+    ("table", "an entry below 2**31 (i32)", lambda: (_guarded_args()[2][0],
+                                                     [2**31 - 16] + _guarded_args()[2][1][1:])),
+    ("table", "an entry of 2**63 (u64)", lambda: (_guarded_args()[2][0],
+                                                  [2**63] + _guarded_args()[2][1][1:])),
+    ("table", "entries summing to 2**63", lambda: (_guarded_args()[2][0], [2**62, 2**62])),
+]
+
+
+@pytest.mark.parametrize("name,change,args", REFUSALS, ids=[f"{n}: {c}" for n, c, _ in REFUSALS])
+def test_bound_launch_keys_refuse_what_triton_specializes_otherwise(monkeypatch, name, change, args):
+    monkeypatch.setattr(kernel, "BOUND_LAUNCHES", True)
+    accepted = dict(zip(("forward", "backward", "table"), _guarded_args()))[name]
+    assert _key(name, accepted) is not None
+    assert _key(name, args()) is None
+
+
+JITS = {"forward": "_route_forward_kernel", "backward": "_route_backward_kernel", "table": "_table_kernel"}
+HOOKS = ["launch_enter_hook", "launch_exit_hook", "add_stages_inspection_hook", "pre_run_hooks"]
+
+
+@pytest.mark.parametrize("name", JITS)
+@pytest.mark.parametrize("hook", HOOKS)
+def test_bound_launch_keys_refuse_hooks_and_the_switch_off(monkeypatch, name, hook):
+    """A hook gets what JITFunction.run passes it (launch metadata, the arguments), which a bound
+    launch does not make: with one set, and with BOUND_LAUNCHES off, every launch is unbound."""
+    from triton import knobs
+    accepted = dict(zip(("forward", "backward", "table"), _guarded_args()))[name]
+    monkeypatch.setattr(kernel, "BOUND_LAUNCHES", True)
+    assert _key(name, accepted) is not None
+    with monkeypatch.context() as patched:
+        if hook == "pre_run_hooks":
+            patched.setattr(getattr(kernel, JITS[name]), "pre_run_hooks", [print])
+        else:
+            patched.setattr(knobs.runtime, hook, print)
+        assert _key(name, accepted) is None
+    monkeypatch.setattr(kernel, "BOUND_LAUNCHES", False)
+    assert _key(name, accepted) is None
+
+
+def test_bound_launch_keys_tell_apart_what_their_guards_leave_free(monkeypatch):
+    """The grid, the constexprs and the tensors' dtypes are in the key; the values the guards
+    bound (ints, addresses) are not: one key serves every launch of a site."""
+    monkeypatch.setattr(kernel, "BOUND_LAUNCHES", True)
+    (table, qg, *ints), constexprs = _guarded_args()[0], {}
+    key = kernel._forward_key(7, constexprs, (table, qg, *ints))
+    assert kernel._forward_key(7, constexprs, (table.clone(), qg.clone(), 300, 4000, 2**31 - 1,
+                                               0.5)) == key
+    assert kernel._forward_key(8, constexprs, (table, qg, *ints)) != key
+    assert kernel._forward_key(7, {}, (table, qg, *ints)) != key
+    assert kernel._forward_key(7, constexprs, (table, qg.bfloat16(), *ints)) != key
+    with monkeypatch.context() as patched:
+        from triton import knobs
+        patched.setattr(knobs.runtime, "debug", not knobs.runtime.debug)
+        assert kernel._forward_key(7, constexprs, (table, qg, *ints)) != key
+
+
+BOUND_BYTES = """
+import collections, ctypes, os
+import torch, triton
+from triton.backends.nvidia.driver import CudaLauncher
+import bench_kernel, kernel, mhar
+
+# the stand-in driver, its launch recording what it is handed (the kernel parameters' sizes are
+# set from Python before each launch) and a function handle of its own for each kernel loaded
+RECORDING = '''
+unsigned char record[16384]; unsigned long long record_len = 0; int param_sizes[1024]; int n_params;
+static void put(const void *p, size_t n) { if (record_len + n <= sizeof record) memcpy(record + record_len, p, n); record_len += n; }
+CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **parameters, void **extra) {
+  launches++; record_len = 0;
+  put(&c->gridDimX, 4); put(&c->gridDimY, 4); put(&c->gridDimZ, 4); put(&c->blockDimX, 4);
+  put(&c->blockDimY, 4); put(&c->blockDimZ, 4); put(&c->sharedMemBytes, 4); put(&c->hStream, sizeof c->hStream);
+  put(&f, sizeof f); put(&c->numAttrs, 4);
+  for (unsigned i = 0; i < c->numAttrs; i++) { put(&c->attrs[i].id, 4); put(&c->attrs[i].value, 4); }
+  for (int i = 0; i < n_params; i++) put(parameters[i], param_sizes[i]);
+  put(&extra, sizeof extra);
+  return CUDA_SUCCESS;
+}
+'''
+FUNCTIONS = '''
+static char functions[4096]; static unsigned loaded;
+CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name) { *f = (CUfunction)&functions[loaded++ % 4096]; return CUDA_SUCCESS; }
+'''
+driver = bench_kernel.STAND_IN_DRIVER
+launch_at, plain_at = driver.index("CUresult cuLaunchKernelEx("), driver.index("CUresult cuLaunchKernel(")
+driver = driver[:launch_at] + RECORDING + driver[plain_at:]
+get_at = driver.index("CUresult cuModuleGetFunction(")
+bench_kernel.STAND_IN_DRIVER = driver[:get_at] + FUNCTIONS + driver[driver.index("\\n", get_at) + 1:]
+SIZES = {"i1": 1, "u1": 1, "i32": 4, "fp32": 4, "i64": 8, "u64": 8}
+launcher_calls = 0
+triton_call = CudaLauncher.__call__
+def counted_call(*args):
+    global launcher_calls
+    launcher_calls += 1
+    triton_call(*args)
+CudaLauncher.__call__ = counted_call
+
+with bench_kernel.stand_in_gpu() as launched:
+    library = ctypes.CDLL(os.path.join(os.environ["TRITON_LIBCUDA_PATH"], "libcuda.so.1"))
+    record = (ctypes.c_ubyte * 16384).in_dll(library, "record")
+    record_len = ctypes.c_ulonglong.in_dll(library, "record_len")
+    param_sizes = (ctypes.c_int * 1024).in_dll(library, "param_sizes")
+    n_params = ctypes.c_int.in_dll(library, "n_params")
+    counts, launch = collections.Counter(), kernel._launch
+
+    def recorded(run):
+        before = launched()
+        run()
+        assert launched() == before + 1
+        return bytes(record[:record_len.value])
+
+    def checked(jit, grid, key, args, constexprs):
+        active = triton.runtime.driver.active
+        device = active.get_current_device()
+        if key is None or (active, device, jit, key) not in kernel._bound:
+            counts["unbound", jit.__name__, key is None] += 1
+            return launch(jit, grid, key, args, constexprs)
+        # the parameters' sizes, as the launcher packs them: no constexpr, then its two scratch pointers
+        specialization = jit.device_caches[device][4](*args, **constexprs)[1]
+        types = [t for ty, _ in specialization for t in (ty if isinstance(ty, tuple) else (ty,))]
+        sizes = [8 if t.startswith("*") else SIZES[t] for t in types if t != "constexpr"] + [8, 8]
+        n_params.value = len(sizes)
+        for i, size in enumerate(sizes):
+            param_sizes[i] = size
+        tritons = recorded(lambda: jit[grid](*args, **constexprs))
+        calls = launcher_calls
+        bound = recorded(lambda: launch(jit, grid, key, args, constexprs))
+        n_params.value = 0
+        counts["bound", jit.__name__, "identical" if bound == tritons else "differ",
+               "direct" if launcher_calls == calls else "through CudaLauncher"] += 1
+    kernel._launch = checked
+
+    heads, d, sites = 8, 32, 5
+    for dtype in (torch.bfloat16, torch.float32):
+        for group in (1, 3):
+            s0 = torch.randn(1, 4, d).to(dtype).requires_grad_()
+            qs = [torch.zeros(d, requires_grad=True) for _ in range(sites)]
+            gs = [torch.ones(d, requires_grad=True) for _ in range(sites)]
+            for chain in range(2):          # the first binds, the second is bound throughout
+                history = kernel.FusedHistory(mhar.depth_history(qs, gs, heads, 1e-6),
+                                              mhar.site_reads(sites), group=group)
+                history.append(s0)
+                out = history.read(0)
+                for site in range(1, sites):
+                    history.append(out * 1.0)
+                    out = history.read(site)
+                out.float().sum().backward()
+for count in sorted(counts.items(), key=str):
+    print(*count[0], count[1])
+"""
+
+
+@pytest.mark.slow
+def test_bound_launches_pass_the_driver_the_bytes_of_tritons_own(tmp_path):
+    """In a process without the interpreter, a fused chain (d = 32, 5 sites, G = 1 and 3, bf16 and
+    fp32) forward and backward through a stand-in driver that records each launch: grid, block,
+    shared memory, stream, function (one handle per kernel loaded), attributes and every kernel
+    parameter's bytes. Every launch after the first of its key is made twice, by kernel[grid] and
+    bound: the driver must be handed the same, and bound launches call the C launch directly."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TMPDIR"] = str(tmp_path)            # the recording driver is compiled there
+    done = subprocess.run([sys.executable, "-c", BOUND_BYTES], env=env, capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(kernel.__file__)), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = {tuple(line.split()[:-1]): int(line.split()[-1]) for line in done.stdout.splitlines()}
+    bound = {key[1]: n for key, n in counts.items() if key[0] == "bound"}
+    assert set(counts) - {("unbound", name, "False") for name in JITS.values()} == {
+        ("bound", name, "identical", "direct") for name in JITS.values()}, done.stdout
+    assert min(bound.values()) >= 8, done.stdout       # each kernel, bound in all four chains
+
+
+# ----------------------------------------------------------------------------------------------
 # Errors, imports, and the compiled kernels.
 
 def test_check_available_without_gpu_or_interpreter(monkeypatch):
