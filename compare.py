@@ -106,7 +106,9 @@ def seed_list(text):
 
 
 def parse_args(argv=None):
-    p = FlagParser(prog="compare.py", description=__doc__.split("\n\n")[0].strip())
+    # no abbreviations: a flag compare.py does not take goes to train.py as typed (train.py's --seed is not
+    # compare.py's --seeds)
+    p = FlagParser(prog="compare.py", description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False)
     p.add_argument("--methods", help=f"comma-separated residual modes (default {','.join(METHODS)}; with "
                                      "--route_heads: baseline,mhar)")
     p.add_argument("--route_heads", help="comma-separated head counts: train mhar once per H")
@@ -128,7 +130,7 @@ def parse_args(argv=None):
     p.add_argument("--eval_limit", type=float, help="at most this many documents per task (< 1: a fraction)")
     p.add_argument("--eval_batch_size", type=int, default=8, help="sequences per forward (default 8)")
     args, train_flags = p.parse_known_args(argv)
-    for flag in ("--residual", "--out_dir", "--seed", "--resume"):
+    for flag in ("--residual", "--seed", "--resume"):  # (--out_dir is compare.py's own)
         if any(f == flag or f.startswith(flag + "=") for f in train_flags):
             exit_error("compare.py", f"{flag} is set per run by compare.py; leave it out")
     try:

@@ -20,8 +20,8 @@ or untested). The end is a table: killed (a test failed: good), survived (no tes
 noticed: add one, or say why the mutant is equivalent), no tests (no selected test calls the function),
 timeout (counted as killed: the bug made a test hang), and the score = killed / (killed + survived), with
 the diff of every survivor. `mutmut show NAME` inside the folder shows any mutant.
-With --skip_help the mutants that change only what `--help` prints (an argparse help=, description= or epilog=,
-changed or dropped) are left out and counted: wording no test should pin, each of which would otherwise survive
+With --skip_help the mutants that change only what `--help` prints (an argparse help=, description=, epilog= or
+metavar=, changed or dropped) are left out and counted: wording no test should pin, each of which would otherwise survive
 at the cost of every test that reaches its function (for a parse_args, the whole file).
 mutmut leaves decorated functions alone (but @staticmethod and @classmethod): the Triton kernels (@triton.jit),
 which its trampolines would break, and the few @torch.no_grad() functions are not mutated.
@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WORDING = ("help", "description", "epilog")  # what argparse prints for --help, and nothing else
+WORDING = ("help", "description", "epilog", "metavar")  # what argparse prints for --help alone
 COUNTED = ("killed", "timeout", "survived", "no tests", "suspicious", "skipped", "segfault")
 
 

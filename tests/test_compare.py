@@ -92,7 +92,7 @@ def test_a_temperature_method_is_attnres_at_its_route_temperature():
 ], ids=["kv_not_dividing_heads", "heads_not_dividing_width", "per_run_flag", "unknown_method", "heads_without_mhar",
         "not_integers", "temperature_zero", "baseline_temperature", "method_twice", "no_methods", "no_jobs", "versus_not_run",
         "versus_baseline"])
-def test_bad_comparisons_stop_before_training_with_one_line(argv, message, tmp_path, capsys):
+def test_bad_comparisons_stop_before_training_with_one_line(argv, message, tmp_path, capsys, no_run_starts):
     err = error_line(capsys, compare.main, [*argv, "--out_dir", tmp_path])
     assert err.startswith(f"compare.py: error: {message}"), err
     assert not any(tmp_path.iterdir())
@@ -110,6 +110,22 @@ def test_an_out_dir_inside_a_file_stops_before_training_with_one_line(tmp_path, 
     err = error_line(capsys, compare.main, ["--methods", "baseline", "--out_dir", tmp_path / "notes.txt"])
     assert f"--out_dir {tmp_path / 'notes.txt'}: {tmp_path / 'notes.txt'} is a file, not a folder" in err
     assert files_in(tmp_path) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("flag", ["--residual", "--seed", "--resume"])
+def test_the_flags_compare_sets_per_run_are_refused_in_every_spelling(flag, tmp_path, capsys, no_run_starts):
+    """train.py's --seed is not taken for compare.py's --seeds (no abbreviations): it is refused as the others."""
+    for given in ([flag, "1"], [f"{flag}=1"]):
+        err = error_line(capsys, compare.main, ["--preset", "tiny", *given, "--out_dir", tmp_path])
+        assert err == f"compare.py: error: {flag} is set per run by compare.py; leave it out"
+
+
+def test_the_defaults_and_the_types_of_compares_own_flags():
+    args, train_flags = compare.parse_args([])
+    assert (args.out_dir, args.jobs, args.eval_batch_size, args.nproc_per_node) == ("runs/compare", 1, 8, 1)
+    assert (args.seeds, args.baseline_seeds, args.versus, args.eval_tasks) == ([0], [], [], [])
+    args, _ = compare.parse_args(["--eval_tasks", "t", "--eval_batch_size", "4", "--jobs", "3"])
+    assert (args.eval_batch_size, args.jobs) == (4, 3)
 
 
 @pytest.mark.parametrize("flag, text, seeds", [

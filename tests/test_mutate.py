@@ -98,7 +98,7 @@ def test_under_mutate_the_slow_tests_run_last(slow_last, tmp_path):
 ORIGINAL = '''
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="x", description="Compare runs.", epilog="See the README.")
-    p.add_argument("--seeds", default="0", help="comma-separated seeds")
+    p.add_argument("--seeds", default="0", metavar="LIST", help="comma-separated seeds")
     args = p.parse_args(argv)
     if not args.seeds:
         p.error("--seeds needs a seed")
@@ -117,14 +117,16 @@ def function_of(source):
     ('description="Compare runs."', 'description=None', True),
     (', epilog="See the README."', '', True),
     ('default="0"', 'default="XX0XX"', False),
-    ('default="0", help="comma-separated seeds"', 'help="comma-separated seeds"', False),
+    ('default="0", ', '', False),
     ('"--seeds needs a seed"', '"XX--seeds needs a seedXX"', False),
-    ('help="comma-separated seeds")', 'help="comma-separated seeds", metavar="S")', False),
+    ('help="comma-separated seeds")', 'help="comma-separated seeds", type=int)', False),
     ('prog="x"', 'prog="XXxXX"', False),
+    ('metavar="LIST"', 'metavar="list"', True),
+    ('metavar="LIST", ', '', True),
     ('if not args.seeds', 'if args.seeds', False),
     ('help="comma-separated seeds"', 'help="XX"', True),
 ], ids=["help-changed", "help-case", "help-dropped", "description", "epilog-dropped", "default", "default-dropped",
-        "error-message", "keyword-added", "prog", "logic", "help-emptied"])
+        "error-message", "keyword-added", "prog", "metavar", "metavar-dropped", "logic", "help-emptied"])
 def test_wording_only_is_what_help_prints_and_nothing_else(old, new, wording):
     assert old in ORIGINAL
     mutant = function_of(ORIGINAL.replace(old, new).replace("def parse_args", "def parse_args__mutmut_1"))
