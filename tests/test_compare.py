@@ -80,7 +80,9 @@ def test_a_temperature_method_is_attnres_at_its_route_temperature():
     (["--residual", "mhar"], "--residual is set per run by compare.py; leave it out"),
     (["--methods", "baseline,transformer"], "unknown method 'transformer'"),
     (["--methods", "baseline", "--route_heads", "2"], "--route_heads sweeps mhar's heads: add mhar to --methods"),
-    (["--n_kv_head", "1,x"], "--route_heads and the shape flags take comma-separated integers"),
+    (["--n_kv_head", "1,x"], "--route_heads and the shape flags take comma-separated integers, e.g. "
+                             "--route_heads 1,2,4"),
+    (["--seeds", ""], "--seeds needs at least one seed, e.g. --seeds 0"),
     (["--methods", "baseline,attnres-T0", "--preset", "tiny"],
      "run attnres-T0-s0 cannot be built at preset tiny: Config.route_temperature: must be a positive number"),
     (["--methods", "baseline-T2"], "unknown method 'baseline-T2'"),
@@ -90,7 +92,7 @@ def test_a_temperature_method_is_attnres_at_its_route_temperature():
     (["--methods", "baseline,mhar", "--versus", "attnres"], "--versus attnres is not a routed method of this"),
     (["--methods", "baseline,mhar", "--versus", "baseline"], "--versus baseline is not a routed method of this"),
 ], ids=["kv_not_dividing_heads", "heads_not_dividing_width", "per_run_flag", "unknown_method", "heads_without_mhar",
-        "not_integers", "temperature_zero", "baseline_temperature", "method_twice", "no_methods", "no_jobs", "versus_not_run",
+        "not_integers", "no_seeds", "temperature_zero", "baseline_temperature", "method_twice", "no_methods", "no_jobs", "versus_not_run",
         "versus_baseline"])
 def test_bad_comparisons_stop_before_training_with_one_line(argv, message, tmp_path, capsys, no_run_starts):
     err = error_line(capsys, compare.main, [*argv, "--out_dir", tmp_path])
