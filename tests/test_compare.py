@@ -78,7 +78,8 @@ def test_a_temperature_method_is_attnres_at_its_route_temperature():
      "run baseline-s0 cannot be built at preset tiny: Config.n_kv_head: 3 does not divide n_head=4"),
     (["--route_heads", "3", "--preset=tiny"], "run mhar-H3-s0 cannot be built at preset tiny: Config.route_heads"),
     (["--residual", "mhar"], "--residual is set per run by compare.py; leave it out"),
-    (["--methods", "baseline,transformer"], "unknown method 'transformer'"),
+    (["--methods", "baseline,transformer"], "unknown method 'transformer': choose from baseline, hyper, attnres, "
+                                            "mhar, or attnres-T<tau> / mhar-T<tau> (at --route_temperature tau)"),
     (["--methods", "baseline", "--route_heads", "2"], "--route_heads sweeps mhar's heads: add mhar to --methods"),
     (["--n_kv_head", "1,x"], "--route_heads and the shape flags take comma-separated integers, e.g. "
                              "--route_heads 1,2,4"),
@@ -86,13 +87,14 @@ def test_a_temperature_method_is_attnres_at_its_route_temperature():
     (["--methods", "baseline,attnres-T0", "--preset", "tiny"],
      "run attnres-T0-s0 cannot be built at preset tiny: Config.route_temperature: must be a positive number"),
     (["--methods", "baseline-T2"], "unknown method 'baseline-T2'"),
-    (["--methods", "baseline,mhar,baseline"], "--methods names a method twice"),
+    (["--methods", "baseline,mhar,baseline"], "--methods names a method twice: baseline,mhar,baseline"),
+    (["--nproc_per_node", "0"], "--nproc_per_node must be at least 1, got 0"),
     (["--methods", ""], "unknown method ''"),
     (["--jobs", "0"], "--jobs must be at least 1"),
     (["--methods", "baseline,mhar", "--versus", "attnres"], "--versus attnres is not a routed method of this"),
     (["--methods", "baseline,mhar", "--versus", "baseline"], "--versus baseline is not a routed method of this"),
 ], ids=["kv_not_dividing_heads", "heads_not_dividing_width", "per_run_flag", "unknown_method", "heads_without_mhar",
-        "not_integers", "no_seeds", "temperature_zero", "baseline_temperature", "method_twice", "no_methods", "no_jobs", "versus_not_run",
+        "not_integers", "no_seeds", "temperature_zero", "baseline_temperature", "method_twice", "no_processes", "no_methods", "no_jobs", "versus_not_run",
         "versus_baseline"])
 def test_bad_comparisons_stop_before_training_with_one_line(argv, message, tmp_path, capsys, no_run_starts):
     err = error_line(capsys, compare.main, [*argv, "--out_dir", tmp_path])
