@@ -91,7 +91,8 @@ def test_a_temperature_method_is_attnres_at_its_route_temperature():
     (["--nproc_per_node", "0"], "--nproc_per_node must be at least 1, got 0"),
     (["--methods", ""], "unknown method ''"),
     (["--jobs", "0"], "--jobs must be at least 1"),
-    (["--methods", "baseline,mhar", "--versus", "attnres"], "--versus attnres is not a routed method of this"),
+    (["--methods", "baseline,mhar,attnres-T4", "--versus", "attnres"],
+     "--versus attnres is not a routed method of this comparison: choose from attnres-T4, mhar"),
     (["--methods", "baseline,mhar", "--versus", "baseline"], "--versus baseline is not a routed method of this"),
 ], ids=["kv_not_dividing_heads", "heads_not_dividing_width", "per_run_flag", "unknown_method", "heads_without_mhar",
         "not_integers", "no_seeds", "temperature_zero", "baseline_temperature", "method_twice", "no_processes", "no_methods", "no_jobs", "versus_not_run",
@@ -130,6 +131,8 @@ def test_the_defaults_and_the_types_of_compares_own_flags():
     assert (args.seeds, args.baseline_seeds, args.versus, args.eval_tasks) == ([0], [], [], [])
     args, _ = compare.parse_args(["--eval_tasks", "t", "--eval_batch_size", "4", "--jobs", "3"])
     assert (args.eval_batch_size, args.jobs) == (4, 3)
+    args, _ = compare.parse_args(["--methods", "baseline,attnres,attnres-T4,mhar", "--versus", "attnres,attnres-T4,"])
+    assert args.versus == ["attnres", "attnres-T4"]
 
 
 @pytest.mark.parametrize("flag, text, seeds", [
