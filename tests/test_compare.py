@@ -135,6 +135,14 @@ def test_the_defaults_and_the_types_of_compares_own_flags():
     assert args.versus == ["attnres", "attnres-T4"]
 
 
+@pytest.mark.parametrize("given, limit", [("0.5", 0.5), ("0.999", 0.999), ("1", 1), ("1.0", 1), ("2", 2), ("2.5", 2)],
+                         ids=["fraction", "just-below-one", "one", "one-as-float", "count", "count-rounded-down"])
+def test_eval_limit_below_one_is_a_fraction_and_from_one_a_count(given, limit):
+    """lm-eval's convention: a float below 1 is a share of each task's documents, from 1 on a whole count."""
+    args, _ = compare.parse_args(["--eval_tasks", "t", "--eval_limit", given])
+    assert args.eval_limit == limit and type(args.eval_limit) is type(limit)
+
+
 @pytest.mark.parametrize("flag, text, seeds", [
     ("--seeds", "0", [0]), ("--seeds", "3,1,2", [3, 1, 2]), ("--seeds", "9223372036854775807", [2**63 - 1]),
     ("--baseline_seeds", "", []), ("--baseline_seeds", " 5 , 6 ", [5, 6]),
