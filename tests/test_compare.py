@@ -135,6 +135,12 @@ def test_the_defaults_and_the_types_of_compares_own_flags():
     assert args.versus == ["attnres", "attnres-T4"]
 
 
+def test_eval_batch_size_takes_one_and_refuses_zero(capsys):
+    assert compare.parse_args(["--eval_tasks", "t", "--eval_batch_size", "1"])[0].eval_batch_size == 1
+    err = error_line(capsys, compare.parse_args, ["--eval_tasks", "t", "--eval_batch_size", "0"])
+    assert err == "compare.py: error: --eval_batch_size must be at least 1, got 0"
+
+
 @pytest.mark.parametrize("given, limit", [("0.5", 0.5), ("0.999", 0.999), ("1", 1), ("1.0", 1), ("2", 2), ("2.5", 2)],
                          ids=["fraction", "just-below-one", "one", "one-as-float", "count", "count-rounded-down"])
 def test_eval_limit_below_one_is_a_fraction_and_from_one_a_count(given, limit):
