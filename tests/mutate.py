@@ -100,8 +100,8 @@ def split_wording(mutated_source, module, patterns):
 
 
 def generate_mutants(folder, jobs):
-    """mutmut's mutated copy of the file under `folder`/mutants/, as its `run` makes it first (the folder is
-    then emptied again, so that `run` starts as it would have)."""
+    """mutmut's mutated copy of the file, under `folder`/mutants/, as its `run` makes it first (main removes
+    mutants/ again once read, so that `run` starts as it would have). mutmut must import in this Python."""
     code = ("from mutmut.__main__ import create_mutants\n"
             "from mutmut.mutation.trampoline import set_mutant_under_test\n"
             f"set_mutant_under_test('mutant_generation')\ncreate_mutants({jobs or 1})\n")
