@@ -1,0 +1,125 @@
+"""bench_step.py: the step's roofline against counts made by hand and against the model's own FLOPs
+formula, the host's measure, and its command line."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bench_step
+import mhar
+
+
+def test_meter_counts_ops_flops_and_bytes_and_sums_each_ops_roofline():
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    with bench_step.Meter() as meter:
+        c = a @ b                       # 2·8·16·4 FLOPs; 4·(128 + 64 + 32) bytes
+        c.t()                           # a view: no bytes
+        c + 1.0                         # 32 elements in and out
+    matmul, add = 4 * (8 * 16 + 16 * 4 + 8 * 4), 4 * 2 * 32
+    assert (meter.ops, meter.flops, meter.bytes) == (3, 2 * 8 * 16 * 4, matmul + add)
+    expected = (max(2 * 8 * 16 * 4 / bench_step.H200_FLOPS, matmul / bench_step.H200_BYTES)
+                + add / bench_step.H200_BYTES)
+    assert meter.seconds == pytest.approx(expected, rel=1e-12)
+
+
+def test_cpu_attention_flops_are_four_b_h_t_s_hd_forward_and_two_and_a_half_times_backward():
+    q, k, v = (torch.randn(2, 3, 8, 4, requires_grad=True) for _ in range(3))
+    with bench_step.Meter() as forward:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with bench_step.Meter() as backward:
+        out.sum().backward()
+    assert forward.flops == 4 * 2 * 3 * 8 * 8 * 4
+    assert backward.flops == int(2.5 * 4 * 2 * 3 * 8 * 8 * 4)
+
+
+@pytest.mark.parametrize("residual", ["baseline", "mhar"])
+def test_the_fake_step_counts_the_flops_the_model_accounts_for(residual):
+    """The fake 100m micro-step's FLOPs (matmuls and attention) against GPT.flops_per_token, an
+    independent count: within 6 % (the formula also counts the routing's and norms' elementwise
+    work, which flop_counter does not)."""
+    config = mhar.preset("100m", residual=residual)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        gpt = mhar.GPT(config)
+        with bench_step.Meter() as meter:
+            bench_step.micro_step(gpt, 1, config.seq_len)
+    model = gpt.flops_per_token() * config.seq_len
+    assert 0.94 * model <= meter.flops <= model
+
+
+def test_device_time_and_memory_grow_with_the_micro_batch_and_fused_adds_the_kernels():
+    one, one_memory = bench_step.device_time("100m", "baseline", 1)
+    two, two_memory = bench_step.device_time("100m", "baseline", 2)
+    params = sum(p.numel() for p in mhar.GPT(mhar.preset("100m", residual="baseline")).parameters())
+    assert 1.8 * one < two < 2 * one            # the weights' reads do not double
+    assert 16 * params < one_memory < two_memory < 16 * params + 2 * (one_memory - 16 * params)
+    fused, memory = bench_step.device_time("100m", "mhar fused", 1)
+    config = mhar.PRESETS["100m"]
+    sources = (2 * config.n_layer + 1) * config.seq_len * config.n_embd * 2     # bf16; and rests
+    assert one < fused < 1.2 * one and one_memory + 2 * sources < memory < one_memory + 3 * sources
+    assert bench_step.device_time("100m", "mhar", 1)[0] > 3 * fused     # readable: stacked reads
+
+
+def test_host_time_counts_every_op_of_a_micro_step():
+    ops, seconds = bench_step.host_time("100m", "baseline", repeats=1)
+    config = mhar.preset("100m", residual="baseline", **bench_step.TINY)
+    gpt = mhar.GPT(config)
+    for _ in range(2):      # warm, as host_time's: the first step makes what later ones reuse
+        bench_step.micro_step(gpt, 1, config.seq_len)
+    with bench_step.Meter() as meter:
+        bench_step.micro_step(gpt, 1, config.seq_len)
+    assert ops == meter.ops and seconds > 0
+
+
+FUSED_HOST = """
+import bench_step, kernel, mhar
+assert not kernel.INTERPRETED
+print(bench_step.host_time("100m", "mhar fused", repeats=1)[0],
+      bench_step.host_time("100m", "mhar", repeats=1)[0])
+"""
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
+                    reason="the stand-in driver needs a C compiler")
+def test_host_time_of_the_fused_path_counts_its_launches():
+    """In a process without the interpreter (the launches go through Triton's launcher to the
+    stand-in driver): fewer ops than the readable path's, at least a launch a site each way."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", FUSED_HOST], env=env, capture_output=True,
+                          text=True, cwd=os.path.dirname(os.path.abspath(bench_step.__file__)),
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    fused, readable = map(int, done.stdout.split())
+    sites = 2 * mhar.PRESETS["100m"].n_layer + 1
+    assert 2 * sites < fused < readable
+
+
+def test_interpreted_the_table_is_refused_in_one_line(capsys):
+    import kernel
+    assert kernel.INTERPRETED       # the suite's (tests/conftest.py)
+    with pytest.raises(SystemExit) as stop:
+        bench_step.main(["--preset", "100m"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == ("bench_step.py: error: the fused path's host time goes "
+                                       "through Triton's launcher, which the interpreter "
+                                       "replaces: unset TRITON_INTERPRET\n")
+
+
+@pytest.mark.parametrize("flag", ["0", "", "a", "2,-1", "1.5"])
+def test_bad_micro_batches_are_one_line_and_status_2(flag, capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench_step.parse_args(["--micro_batches", flag])
+    assert stop.value.code == 2
+    assert "--micro_batches: comma-separated positive integers" in capsys.readouterr().err
+
+
+def test_micro_batches_and_presets_parse():
+    args = bench_step.parse_args(["--micro_batches", "1,32", "--preset", "1b", "--preset", "100m"])
+    assert args.micro_batches == [1, 32] and args.preset == ["1b", "100m"]
+    assert bench_step.parse_args([]).micro_batches == [1, 2, 4, 8, 16, 32]
+    with pytest.raises(SystemExit):
+        bench_step.parse_args(["--preset", "small"])
