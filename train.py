@@ -76,8 +76,11 @@ BETAS, ADAM_EPS = (0.9, 0.95), 1e-8
 PAPER_RUN = dict(max_steps=20_000, warmup_steps=1000, eval_interval=500, eval_batches=20, lr=5e-4)
 # Run sizes per preset: the micro-batch (sequences per rank) and the global batch (sequences per
 # step). The paper's global batches at 100M-1B, with micro-batches that fit 80 GB on the readable
-# path (1b: use --compile or --fused). small is the `python train.py` demo, 2k tokens a step (4k
-# are slower per token on a CPU: its caches cannot hold the 50k-vocabulary logits); tiny: tests.
+# path (1b: use --compile or --fused); the baseline and fused routing hold less and take
+# lean_batch_size, which keeps a GPU busy in eager mode (bench_step.py: an H200 runs their
+# micro-step in at least twice the host's time to issue it; at batch_size, 0.4-1.6 times). small
+# is the `python train.py` demo, 2k tokens a step (4k are slower per token on a CPU: its caches
+# cannot hold the 50k-vocabulary logits); tiny: tests.
 BYTES_DATA = Path("data") / f"{DEFAULT_CORPUS}-bytes-families"  # as UTF-8 bytes (docs/data.md)
 RUNS = {
     "tiny": dict(batch_size=8, global_batch=8, max_steps=200, warmup_steps=20, eval_interval=50,
@@ -87,9 +90,9 @@ RUNS = {
     # the small model on bytes, the CPU comparison's: 750 steps of 4k tokens, 6-16 min on a thread
     "small-bytes": dict(batch_size=16, global_batch=16, max_steps=750, warmup_steps=50,
                         eval_interval=50, eval_batches=8, lr=3e-3, data=BYTES_DATA),
-    "100m": dict(batch_size=4, global_batch=64, **PAPER_RUN),
-    "350m": dict(batch_size=2, global_batch=32, **PAPER_RUN),
-    "1b": dict(batch_size=1, global_batch=32, **PAPER_RUN),
+    "100m": dict(batch_size=4, lean_batch_size=8, global_batch=64, **PAPER_RUN),
+    "350m": dict(batch_size=2, lean_batch_size=16, global_batch=32, **PAPER_RUN),
+    "1b": dict(batch_size=1, lean_batch_size=8, global_batch=32, **PAPER_RUN),
 }
 DEFAULT_PRESET = "small"
 DEFAULT_DATA = Path("data") / DEFAULT_CORPUS  # a preset's corpus, unless its row of RUNS names one
@@ -140,9 +143,11 @@ class Flags(FlagParser):
         self.roles[name] = role
 
 
-def per_preset(key):
-    """The default of a run-size flag, as its help shows it: 'tiny 8, small 8, 100m 4, ...'."""
-    return "per preset: " + ", ".join(f"{name} {run[key]}" for name, run in RUNS.items())
+def per_preset(key, lead="per preset: "):
+    """The default of a run-size flag, as its help shows it: 'per preset: tiny 8, small 8, ...'
+    (the presets whose row of RUNS has it)."""
+    return lead + ", ".join(f"{name} {run[key]}" for name, run in RUNS.items()
+                                      if key in run)
 
 
 def preset_values(field):
@@ -184,7 +189,8 @@ def add_run_flags(p):
 
     p.section("its size (default: the preset's row of RUNS)")
     p.flag("batch_size", SETTING, type=COUNT, default=None,
-           help=f"micro-batch in sequences per rank ({per_preset('batch_size')})")
+           help=f"micro-batch in sequences per rank ({per_preset('batch_size')}; "
+                f"the baseline or --fused {per_preset('lean_batch_size', lead='')})")
     p.flag("grad_accum", MACHINE, type=COUNT, default=None, help="micro-steps per step (default: "
            f"the global batch / (batch_size x ranks); global batches {per_preset('global_batch')})")
     p.flag("max_steps", SETTING, type=COUNT, default=None,
@@ -319,10 +325,14 @@ def fill_run_sizes(args, world, saved_global_batch=None, sizes=None):
     has."""
     sizes = sizes or RUNS[args.preset]
     args.data = args.data or str(sizes.get("data", DEFAULT_DATA))
+    global_batch = saved_global_batch or sizes["global_batch"]
+    if args.batch_size is None and lean_path(args) and "lean_batch_size" in sizes:
+        # the largest micro-batch up to it that the global batch divides into over the ranks
+        args.batch_size = next((b for b in range(sizes["lean_batch_size"], 0, -1)
+                                if global_batch % (b * world) == 0), None)
     for key in ("batch_size", "max_steps", "warmup_steps", "eval_interval", "eval_batches", "lr"):
         if getattr(args, key) is None:
             setattr(args, key, sizes[key])
-    global_batch = saved_global_batch or sizes["global_batch"]
     if args.grad_accum is None:
         if global_batch % (args.batch_size * world):
             die(f"the global batch {global_batch} is not a multiple of --batch_size "
@@ -338,6 +348,15 @@ def fill_run_sizes(args, world, saved_global_batch=None, sizes=None):
             f"leave it out to train to the end")
     args.stop_step = args.stop_step or args.max_steps
     args.routing_lr = args.routing_lr or args.lr
+
+
+def lean_path(args):
+    """Whether the run holds no more than the baseline's activations: the baseline, or attnres
+    and mhar routed by the kernels (--fused), the flags' or else the preset's."""
+    defaults = mhar.PRESETS[args.preset]
+    residual = args.residual or defaults.residual
+    fused = defaults.fused if args.fused is None else args.fused
+    return residual == "baseline" or (residual in ("attnres", "mhar") and fused)
 
 
 def resolve_flags(args, given, world):

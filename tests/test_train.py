@@ -892,3 +892,40 @@ def test_torchrun_two_ranks_match_one_process_with_the_same_global_batch(data, t
     assert whole[0]["full_val_loss"] == pytest.approx(whole[1]["full_val_loss"], rel=1e-4)
     for k in a["model"]:
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-4, atol=1e-5)
+
+
+# (flags, ranks, micro-batch, grad_accum): the baseline and fused routing take the preset's
+# lean_batch_size, reduced to what the global batch divides into over the ranks; the readable
+# routed path and hyper-connections keep batch_size; a flag wins
+RUN_SIZES = {
+    "100m mhar readable": (["--preset", "100m"], 1, 4, 16),
+    "100m mhar fused": (["--preset", "100m", "--fused"], 1, 8, 8),
+    "100m baseline": (["--preset", "100m", "--residual", "baseline"], 1, 8, 8),
+    "350m baseline": (["--preset", "350m", "--residual", "baseline"], 1, 16, 2),
+    "350m attnres fused 2 ranks": (["--preset", "350m", "--residual", "attnres", "--fused"], 2, 16, 1),
+    "350m baseline 4 ranks": (["--preset", "350m", "--residual", "baseline"], 4, 8, 1),
+    "350m baseline 8 ranks": (["--preset", "350m", "--residual", "baseline"], 8, 4, 1),
+    "350m baseline 32 ranks": (["--preset", "350m", "--residual", "baseline"], 32, 1, 1),
+    "1b baseline 16 ranks": (["--preset", "1b", "--residual", "baseline"], 16, 2, 1),
+    "350m --no-fused": (["--preset", "350m", "--no-fused"], 1, 2, 16),
+    "1b hyper": (["--preset", "1b", "--residual", "hyper"], 1, 1, 32),
+    "1b fused, batch_size given": (["--preset", "1b", "--fused", "--batch_size", "2"], 1, 2, 16),
+    "tiny baseline (no lean size)": (["--preset", "tiny", "--residual", "baseline"], 1, 8, 1),
+}
+
+
+@pytest.mark.parametrize("flags,ranks,micro,accum", RUN_SIZES.values(), ids=RUN_SIZES.keys())
+def test_the_micro_batch_follows_the_path_and_keeps_the_global_batch(flags, ranks, micro, accum):
+    args = train.parse_args(flags)[0]
+    train.fill_run_sizes(args, ranks)
+    assert (args.batch_size, args.grad_accum) == (micro, accum)
+    assert args.global_batch == train.RUNS[args.preset]["global_batch"]
+
+
+def test_a_world_the_global_batch_does_not_divide_is_refused_in_one_line(capsys):
+    args = train.parse_args(["--preset", "350m", "--residual", "baseline"])[0]
+    with pytest.raises(SystemExit) as stop:
+        train.fill_run_sizes(args, 3)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == ("train.py: error: the global batch 32 is not a multiple of "
+                                       "--batch_size 2 x 3 ranks: pass --batch_size or --grad_accum\n")
