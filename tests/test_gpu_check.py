@@ -354,3 +354,16 @@ def test_ctrl_c_in_bench_kernels_cpu_check_is_one_line_and_status_130(delay):
     assert p.returncode == 130, err
     assert err == ("bench_kernel.py: error: interrupted (Ctrl-C): what finished is printed "
                    "above\n"), err
+
+
+@pytest.mark.parametrize("config", list(gpu_check.CONFIGS))
+@pytest.mark.parametrize("shape", ["100m", "350m", "100m-4L"])
+def test_every_configuration_of_a_shape_steps_at_the_readable_paths_micro_batch(shape, config):
+    """The plan's rows compare configurations at one micro-batch, train.py's batch_size, although
+    the baseline and --fused alone would take lean_batch_size; every row's shape has its flags."""
+    import train
+    assert {row.split(" ", 1)[0] for parts in gpu_check.PLANS.values() for rows in parts
+            for row in rows if row.split(" ", 1)[-1] in gpu_check.CONFIGS} <= set(gpu_check.SHAPES)
+    args = train.parse_args(gpu_check.step_config(shape, config))[0]
+    train.fill_run_sizes(args, 1)
+    assert args.batch_size == train.RUNS[args.preset]["batch_size"]
