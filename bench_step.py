@@ -11,9 +11,9 @@ Each row is one micro-step (forward and backward, the loss through the chunked h
   counted as ops. A GPU's host also pays each op's CUDA launch, which this CPU cannot measure:
   hence MARGIN.
 - device ms: the same step at the preset's width and micro-batch on fake tensors (shapes, no data),
-  each aten op's roofline time on an H200 summed: the longer of its FLOPs (torch.utils.flop_counter's
-  formulas; attention's by its own, causal masking not discounted) at the bf16 dense peak and the
-  bytes of its input and output tensors at HBM bandwidth (views move none). The fused routing,
+  each aten op's roofline time on an H200 summed: the longer of its FLOPs (the formulas of
+  torch.utils.flop_counter; attention's by its own, causal masking not discounted) at the bf16
+  peak and the bytes of its tensors in and out at HBM bandwidth (views move none). The fused routing,
   which fake tensors cannot launch, is the baseline's step plus the kernels' and their torch ops'
   bytes from the traffic model (bench_kernel.traffic).
 - memory GiB: 16 bytes a parameter (fp32 weights, gradients, AdamW's two moments) and the tensors
@@ -164,7 +164,8 @@ def table(presets, micro_batches, modes=tuple(MODES)):
                 rows[preset, mode, batch] = host, device, memory
                 print(f"{preset:6} {mode:10} {batch:5} {ops:6} {host / ops * 1e6:5.1f} "
                       f"{host * 1e3:8.1f} {device * 1e3:9.1f} {device / host:7.2f}"
-                      f"{'*' if device >= MARGIN * host else ' '} {memory / 2**30:10.1f}", flush=True)
+                      f"{'*' if device >= MARGIN * host else ' '} {memory / 2**30:10.1f}",
+                      flush=True)
     return rows
 
 

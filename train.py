@@ -76,10 +76,9 @@ BETAS, ADAM_EPS = (0.9, 0.95), 1e-8
 PAPER_RUN = dict(max_steps=20_000, warmup_steps=1000, eval_interval=500, eval_batches=20, lr=5e-4)
 # Run sizes per preset: the micro-batch (sequences per rank) and the global batch (sequences per
 # step). The paper's global batches at 100M-1B, with micro-batches that fit 80 GB on the readable
-# path (1b: use --compile or --fused); the baseline and fused routing hold less and take
-# lean_batch_size, which keeps a GPU busy in eager mode (bench_step.py: an H200 runs their
-# micro-step in at least twice the host's time to issue it; at batch_size, 0.4-1.6 times). small
-# is the `python train.py` demo, 2k tokens a step (4k are slower per token on a CPU: its caches
+# path (1b: use --compile or --fused); the baseline and --fused take lean_batch_size, at which an
+# H200 runs their eager micro-step in at least twice the host's time to issue it (bench_step.py).
+# small: the `python train.py` demo, 2k tokens a step (4k are slower per token on a CPU: its caches
 # cannot hold the 50k-vocabulary logits); tiny: tests.
 BYTES_DATA = Path("data") / f"{DEFAULT_CORPUS}-bytes-families"  # as UTF-8 bytes (docs/data.md)
 RUNS = {
@@ -146,8 +145,7 @@ class Flags(FlagParser):
 def per_preset(key, lead="per preset: "):
     """The default of a run-size flag, as its help shows it: 'per preset: tiny 8, small 8, ...'
     (the presets whose row of RUNS has it)."""
-    return lead + ", ".join(f"{name} {run[key]}" for name, run in RUNS.items()
-                                      if key in run)
+    return lead + ", ".join(f"{name} {run[key]}" for name, run in RUNS.items() if key in run)
 
 
 def preset_values(field):
@@ -326,7 +324,10 @@ def fill_run_sizes(args, world, saved_global_batch=None, sizes=None):
     sizes = sizes or RUNS[args.preset]
     args.data = args.data or str(sizes.get("data", DEFAULT_DATA))
     global_batch = saved_global_batch or sizes["global_batch"]
-    if args.batch_size is None and lean_path(args) and "lean_batch_size" in sizes:
+    preset = mhar.PRESETS[args.preset]  # the baseline and --fused (routed alone) hold less: lean
+    lean = (args.residual or preset.residual) == "baseline" or (args.fused is None and preset.fused
+                                                                 or args.fused)
+    if args.batch_size is None and lean and "lean_batch_size" in sizes:
         # the largest micro-batch up to it that the global batch divides into over the ranks
         args.batch_size = next((b for b in range(sizes["lean_batch_size"], 0, -1)
                                 if global_batch % (b * world) == 0), None)
@@ -348,15 +349,6 @@ def fill_run_sizes(args, world, saved_global_batch=None, sizes=None):
             f"leave it out to train to the end")
     args.stop_step = args.stop_step or args.max_steps
     args.routing_lr = args.routing_lr or args.lr
-
-
-def lean_path(args):
-    """Whether the run holds no more than the baseline's activations: the baseline, or attnres
-    and mhar routed by the kernels (--fused), the flags' or else the preset's."""
-    defaults = mhar.PRESETS[args.preset]
-    residual = args.residual or defaults.residual
-    fused = defaults.fused if args.fused is None else args.fused
-    return residual == "baseline" or (residual in ("attnres", "mhar") and fused)
 
 
 def resolve_flags(args, given, world):
