@@ -13,9 +13,9 @@ Each row is one micro-step (forward and backward, the loss through the chunked h
 - device ms: the same step at the preset's width and micro-batch on fake tensors (shapes, no data),
   each aten op's roofline time on an H200 summed: the longer of its FLOPs (the formulas of
   torch.utils.flop_counter; attention's by its own, causal masking not discounted) at the bf16
-  peak and the bytes of its tensors in and out at HBM bandwidth (views move none). The fused routing,
-  which fake tensors cannot launch, is the baseline's step plus the kernels' and their torch ops'
-  bytes from the traffic model (bench_kernel.traffic).
+  peak and the bytes of its tensors in and out at HBM bandwidth (views move none). The fused
+  routing, which fake tensors cannot launch, is the baseline's step plus the bytes of the kernels
+  and their torch ops from the traffic model (bench_kernel.traffic).
 - memory GiB: 16 bytes a parameter (fp32 weights, gradients, AdamW's two moments) and the tensors
   autograd saves (their storages, each once); for the fused path the baseline's, plus the 2L+1
   bf16 sources the kernels keep and their remainders and lse (bench_kernel.traffic's "saved").
