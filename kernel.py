@@ -370,19 +370,20 @@ INTERPRETED = not isinstance(_route_forward_kernel, triton.runtime.JITFunction)
 # that they pass the driver the bytes Triton's own launches do.
 BOUND_LAUNCHES = not INTERPRETED
 _I32, _I64 = 1 << 31, 1 << 63
-_bound = {}             # (driver, device, kernel, key) -> launch(stream, args)
+_bound = {}             # (driver, device, id(kernel), key) -> launch(stream, args)
 
 
 def _launch(jit, grid, key, args, constexprs):
     """jit[grid](*args, **constexprs), bound once a launch with `key` (None: launch unbound) has
     compiled. The driver is in the entry, held (no later driver can take its id): another one
-    (the stand-in, then a GPU's) never calls what was bound under the first."""
+    (the stand-in, then a GPU's) never calls what was bound under the first. The kernel is in it
+    by id (hashing a JITFunction hashes its source), held by what is bound."""
     if key is None:
         jit[grid](*args, **constexprs)
         return
     active = driver.active
     device = active.get_current_device()
-    entry = active, device, jit, key
+    entry = active, device, id(jit), key
     bound = _bound.get(entry)
     if bound is not None:
         bound(active.get_current_stream(device), args)
@@ -420,7 +421,7 @@ def _bind(jit, compiled, grid, args, constexprs, device):
     else:
         def bound(stream, args):
             launcher(gx, gy, gz, stream, function, metadata, None, None, None, *args, *tail)
-    bound.constexprs = constexprs       # held: their id, in the key, stays theirs
+    bound.jit, bound.constexprs = jit, constexprs   # held: their ids, in the entry, stay theirs
     return bound
 
 
@@ -458,11 +459,16 @@ def _backward_key(programs, constexprs, args):
     return None
 
 
+def _binds(address):
+    """Whether an aligned address binds as a table entry (i64 'D'), by _table_key's rule."""
+    return _I32 <= address < _I64
+
+
 def _table_key(table, entries):
     """_table_kernel's key for every chunk of a table (None: launch unbound): all its entries i64
-    'D', each chunk's offset, below len(entries), i32; every chunk TABLE_CHUNK long."""
-    if (BOUND_LAUNCHES and not table.data_ptr() & 15 and len(entries) < _I32
-            and min(entries) >= _I32 and sum(entries) < _I64 and not math.gcd(*entries) & 15
+    'D', each chunk's offset, below the table's length, i32; every chunk TABLE_CHUNK long."""
+    if (BOUND_LAUNCHES and not table.data_ptr() & 15 and table.numel() < _I32
+            and min(entries) >= _I32 and max(entries) < _I64 and not math.gcd(*entries) & 15
             and _unhooked(_table_kernel)):
         return table.dtype, knobs.runtime.debug
     return None
@@ -571,18 +577,21 @@ def _backward_programs(M, width, heads, sites):
 _TABLE_OPTIONS = dict(num_warps=1)
 
 
-def _address_table(addresses, like, table=None):
-    """The kernels read their tensors through a table of addresses (no copy into one buffer),
-    written on the device by _table_kernel, TABLE_CHUNK entries a launch: nothing goes up from the
-    host, which never waits, and a CUDA graph captures the launch. Every entry is a 16-byte aligned
-    int64 (the callers write an absent tensor's as the first's): one kernel variant serves all."""
-    entries = addresses + addresses[:1] * (_chunks(len(addresses)) - len(addresses))
+def _address_table(addresses, sites, like, table=None, checked=False):
+    """The kernels read their tensors through a table of addresses (no copy into one buffer), the
+    sources' then the sites' entries, written on the device by _table_kernel, TABLE_CHUNK entries
+    a launch: nothing goes up from the host, which never waits, and a CUDA graph captures the
+    launch. Every entry is a 16-byte aligned int64 (the callers write an absent tensor's as the
+    first's): one kernel variant serves all. checked: the sources' addresses are known to bind
+    (_table_key's rule, checked by FusedHistory as they came): only the sites' are checked."""
+    entries = addresses + sites
+    entries += addresses[:1] * (_chunks(len(entries)) - len(entries))
     if table is None:                                       # (a history gives each launch one)
         table = like.new_empty(len(entries), dtype=torch.int64)     # on like's device
     elif table.numel() < len(entries):      # the kernel would write past it, into other tables
         raise RuntimeError(f"an address table of {table.numel()} entries for "
                            f"{len(addresses)} addresses")
-    key = _table_key(table, entries)
+    key = _table_key(table, sites if checked else entries)
     for offset in range(0, len(entries), TABLE_CHUNK):
         chunk = tuple(entries[offset:offset + TABLE_CHUNK])
         _launch(_table_kernel, (1,), key, (table, offset, chunk), _TABLE_OPTIONS)
@@ -630,10 +639,12 @@ def _route_forward(*, sources, qg, init, heads, eps, addresses=None, lses=None, 
     """Route G sites over `sources` (each (B, T, d)); init = [] or, per site, the state (output,
     remainder, lse) of the partial state it continues. Returns the G outputs (sources' dtype),
     their G remainders (bf16: out − bf16(out); fp32 sources need none: empty) and G lse (fp32).
-    addresses: the sources' addresses when the caller has checked and aligned them already; lses:
-    where to write the lse, table: the address table's int64 entries (None: new tensors)."""
+    addresses: the sources' addresses when the caller has checked them (aligned, each bound by
+    _table_key's rule: FusedHistory, at append); lses: where to write the lse, table: the address
+    table's int64 entries (None: new tensors)."""
     source, G = sources[0], qg.shape[0]
-    if addresses is None:
+    checked = addresses is not None
+    if not checked:
         sources, addresses = _checked(sources, heads, G)
     width = source.shape[-1]
     M = source.numel() // width
@@ -646,8 +657,8 @@ def _route_forward(*, sources, qg, init, heads, eps, addresses=None, lses=None, 
         lses = [lse, *[torch.empty_like(lse) for _ in range(G - 1)]]
     # per site as laid out above FORWARD_ENTRIES (an fp32 output's remainder is empty: no address)
     per_site = [t for i in range(G) for t in (outs[i], rests[i], lses[i], *init[i::G])]
-    table = _address_table(addresses + [t.data_ptr() or addresses[0] for t in per_site], source,
-                           table)
+    table = _address_table(addresses, [t.data_ptr() or addresses[0] for t in per_site], source,
+                           table, checked)
     per_program, programs, constexprs = _launch_constants(width, heads, G, source.dtype, bool(init),
                                                           False, M)
     args = (table, qg, len(addresses), M, per_program, eps)
@@ -667,15 +678,16 @@ def _route_backward(grads, owned, qg_grads, init_grads, *, sources, qg, outs, re
     remainder the kernel does not read: they may be None); `continued` has a bit for each of those
     (Spec.continued). douts: contiguous, one per site. addresses, table: as _route_forward's."""
     source, G = douts[0], qg.shape[0]       # an output gradient has the sources' shape and dtype
-    if addresses is None:
+    checked = addresses is not None
+    if not checked:
         sources, addresses = _checked(sources, heads, G)
     width = source.shape[-1]
     M = source.numel() // width
     per_site = [t for i in range(G)             # as laid out above FORWARD_ENTRIES
                 for t in (outs[i], rests[i], douts[i], lses[i], couplings[i], *init_lse,
                           *init_grads)]
-    table = _address_table(addresses + [(t.data_ptr() if t is not None else 0) or addresses[0]
-                                        for t in per_site], source, table)
+    table = _address_table(addresses, [(t.data_ptr() if t is not None else 0) or addresses[0]
+                                       for t in per_site], source, table, checked)
     per_program, programs, constexprs = _launch_constants(width, heads, G, source.dtype,
                                                           bool(init_lse), True, M)
     args = (table, qg, grads, owned, qg_grads, len(addresses), M, per_program, row0, own_lo,
@@ -1126,6 +1138,7 @@ class FusedHistory:
         self.appended = 0
         self.traced = torch.compiler.is_compiling()   # traced code cannot read addresses
         self.addresses = []         # of the committed sources, checked and aligned as they came
+        self.bindable = True        # each of them bound by _table_key's rule (on a GPU, always)
         self.qg = None              # q ⊙ g (fp32) by group and by site: made at the first append
         self.carrier = None         # hands the source-gradient buffer backward, launch to launch
         self.qg_parts = None if self.traced else QGGradients(n_sites, group, continued)   # eager
@@ -1152,6 +1165,7 @@ class FusedHistory:
             if not self.traced:
                 committed = _aligned(committed)
                 self.addresses.append(committed.data_ptr())
+                self.bindable &= _binds(self.addresses[-1])
             self.rows.append(committed)
         self.appended += 1
 
@@ -1191,6 +1205,8 @@ class FusedHistory:
             partial = self.history.partial if self.traced else _aligned(self.history.partial)
             sources = sources + [partial]
             addresses = None if self.traced else addresses + [partial.data_ptr()]
+        if not (self.traced or self.bindable and _binds(addresses[-1])):
+            addresses = None        # the launches check them (and launch unbound)
         if self.carrier is None:
             self.carrier = _carrier(sources[0], self.rows_total)
         by_group, by_site = self.qg

@@ -503,8 +503,8 @@ def test_meter_counts_what_the_model_predicts(case, monkeypatch):
     """Bytes as the interpreter counts them, and the addresses of every launch's tables: a history
     sizes each launch's table from table_entries, so too few there would write into the next."""
     tables = []
-    monkeypatch.setattr(kernel, "_address_table", lambda addresses, *args, make=kernel._address_table:
-                        tables.append(len(addresses)) or make(addresses, *args))
+    monkeypatch.setattr(kernel, "_address_table", lambda sources, sites, *args, make=kernel._address_table:
+                        tables.append(len(sources) + len(sites)) or make(sources, sites, *args))
     n_layer, d, heads, positions, group, block, delta = case
     sites = 2 * n_layer + 1
     torch.manual_seed(0)
@@ -646,6 +646,11 @@ def test_triton_specializes_scalars_as_the_bound_keys_assume(value, specialized,
     assert _specialize(value, specialized) == expected
 
 
+@pytest.mark.parametrize("address", [0, 2**31 - 16, 2**31, 2**40, 2**63 - 16, 2**63, 2**64 - 16])
+def test_a_history_vouches_for_exactly_the_aligned_addresses_triton_makes_i64_D(address):
+    assert kernel._binds(address) == (_specialize(address, True) == ("i64", "D"))
+
+
 # (dtype, offset in elements, attribute): 'D' exactly when the data pointer is 16-byte aligned
 TENSORS = [(torch.float32, 0, "D"), (torch.float32, 1, ""), (torch.float32, 4, "D"),
            (torch.bfloat16, 1, ""), (torch.bfloat16, 8, "D"), (torch.int64, 1, ""), (torch.int64, 2, "D")]
@@ -707,7 +712,6 @@ REFUSALS = [
                                                      [2**31 - 16] + _guarded_args()[2][1][1:])),
     ("table", "an entry of 2**63 (u64)", lambda: (_guarded_args()[2][0],
                                                   [2**63] + _guarded_args()[2][1][1:])),
-    ("table", "entries summing to 2**63", lambda: (_guarded_args()[2][0], [2**62, 2**62])),
 ]
 
 
@@ -717,6 +721,69 @@ def test_bound_launch_keys_refuse_what_triton_specializes_otherwise(monkeypatch,
     accepted = dict(zip(("forward", "backward", "table"), _guarded_args()))[name]
     assert _key(name, accepted) is not None
     assert _key(name, args()) is None
+
+
+@pytest.mark.parametrize("entries", [[2**31], [2**63 - 16], [2**62, 2**62, 2**63 - 16]],
+                         ids=["2**31", "2**63 - 16", "summing past 2**63"])
+def test_the_table_key_takes_every_entry_that_triton_makes_i64_D(monkeypatch, entries):
+    monkeypatch.setattr(kernel, "BOUND_LAUNCHES", True)
+    assert kernel._table_key(torch.empty(64, dtype=torch.int64), entries) is not None
+
+
+@pytest.mark.parametrize("out_of_range", [None, "a source", "a partial sum"])
+@pytest.mark.parametrize("block", [1, 2], ids=["full", "block-2"])
+def test_a_history_vouches_for_its_sources_addresses_only_when_each_binds(monkeypatch, out_of_range,
+                                                                          block):
+    """FusedHistory checks each source's address once, at append (and a partial sum's at its
+    launch): the tables then check only the sites' entries. Once one address would not bind (here:
+    kernel._binds refuses the embedding's, or each partial sum's), every table checks all of its
+    entries, and the outputs and gradients are the same."""
+    sites, d = 5, 32
+    checked, refused = [], set()
+    monkeypatch.setattr(kernel, "_address_table", lambda *args, make=kernel._address_table:
+                        checked.append(args[4]) or make(*args))
+
+    def run():
+        s0, layers, queries, norms, null = network_parameters(sites, d)
+        history = kernel.FusedHistory(mhar.depth_history(queries, norms, 2, 1e-6, block),
+                                      mhar.site_reads(sites, block))
+        if out_of_range == "a source":
+            refused.add(s0.data_ptr())
+        return history, outputs_and_grads(history, s0, layers, queries, norms, null)
+
+    reference = run()[1]
+    checked.clear()
+    if out_of_range == "a partial sum":
+        launch = kernel.FusedHistory._launch
+        monkeypatch.setattr(kernel.FusedHistory, "_launch", lambda self, plan: (
+            plan.launch.partial and refused.add(self.history.partial.data_ptr()), launch(self, plan)))
+    monkeypatch.setattr(kernel, "_binds", lambda address, binds=kernel._binds:
+                        address not in refused and binds(address))
+    history, results = run()
+    vouched = out_of_range is None or out_of_range == "a partial sum" and block == 1
+    assert history.bindable is (out_of_range != "a source") and len(checked) > 0
+    if vouched or out_of_range == "a source":
+        assert set(checked) == {vouched}
+    else:       # the launches that read a partial sum check every address, the others vouch
+        assert set(checked) == {True, False}
+    for got, expected in zip(results, reference):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["sources checked", "sources unchecked"])
+@pytest.mark.parametrize("n_sources", [1, 60, 64], ids=lambda n: f"{n} sources")
+def test_an_address_table_keys_on_the_entries_nobody_checked(monkeypatch, checked, n_sources):
+    """The key checks the sites' entries, and the sources' too unless the caller checked them;
+    the table holds the sources', the sites', then the first address to whole chunks."""
+    keyed = []
+    monkeypatch.setattr(kernel, "_table_key", lambda table, entries: keyed.append(list(entries)))
+    like = torch.empty(4, device=DEVICE)
+    sources = [2**40 + 16 * i for i in range(n_sources)]
+    sites = [2**41 + 16 * i for i in range(5)]
+    table = kernel._address_table(sources, sites, like, checked=checked)
+    whole = sources + sites + sources[:1] * (kernel._chunks(n_sources + 5) - n_sources - 5)
+    assert keyed == [sites if checked else whole]
+    assert table.tolist() == whole
 
 
 JITS = {"forward": "_route_forward_kernel", "backward": "_route_backward_kernel", "table": "_table_kernel"}
@@ -816,7 +883,7 @@ with bench_kernel.stand_in_gpu() as launched:
     def checked(jit, grid, key, args, constexprs):
         active = triton.runtime.driver.active
         device = active.get_current_device()
-        if key is None or (active, device, jit, key) not in kernel._bound:
+        if key is None or (active, device, id(jit), key) not in kernel._bound:
             counts["unbound", jit.__name__, key is None] += 1
             return launch(jit, grid, key, args, constexprs)
         # the parameters' sizes, as the launcher packs them: no constexpr, then its two scratch pointers
