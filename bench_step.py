@@ -23,8 +23,8 @@ A micro-step is device-bound when device ms ≥ MARGIN × host ms: then the host
 faster than the GPU runs them. Nothing here needs a GPU; the figures are a model, to be checked on
 one (gpu_check.py).
 """
-import argparse
 import contextlib
+import subprocess
 import sys
 import time
 
@@ -33,7 +33,7 @@ import torch
 import bench_kernel
 import head
 import mhar
-from common import PEAK_FLOPS, exit_error
+from common import PEAK_FLOPS, FlagParser, exit_error, one_line
 
 H200_FLOPS = PEAK_FLOPS["NVIDIA H200"]     # bf16 dense, vendor datasheet
 H200_BYTES = bench_kernel.HBM["H200"]      # bytes/s, vendor datasheet
@@ -170,18 +170,19 @@ def table(presets, micro_batches, modes=tuple(MODES)):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = FlagParser(prog="bench_step.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--preset", choices=("100m", "350m", "1b"), action="append",
                    help="a preset to model (repeat for several; default: all three)")
     p.add_argument("--micro_batches", default="1,2,4,8,16,32",
                    help="micro-batch sizes in sequences, comma-separated (default: 1,2,4,8,16,32)")
     args = p.parse_args(argv)
+    text = args.micro_batches
     try:
-        args.micro_batches = [int(b) for b in args.micro_batches.split(",")]
+        args.micro_batches = [int(b) for b in text.split(",")]
     except ValueError:
-        p.error(f"--micro_batches: comma-separated positive integers, got {args.micro_batches!r}")
+        args.micro_batches = []
     if not args.micro_batches or min(args.micro_batches) < 1:
-        p.error(f"--micro_batches: comma-separated positive integers, got {args.micro_batches}")
+        p.error(f"--micro_batches: comma-separated positive integers, got {text!r}")
     return args
 
 
@@ -192,8 +193,11 @@ def main(argv=None):
                    "which the interpreter replaces: unset TRITON_INTERPRET")
     try:
         table(args.preset or ["100m", "350m", "1b"], args.micro_batches)
-    except RuntimeError as e:       # the stand-in driver: interpreted, or no C compiler
-        exit_error("bench_step.py", str(e))
+    except KeyboardInterrupt:
+        exit_error("bench_step.py", "interrupted (Ctrl-C): what finished is printed above",
+                   status=130)
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:  # the machine's: the
+        exit_error("bench_step.py", one_line(error), status=1)   # stand-in driver, no compiler
 
 
 if __name__ == "__main__":

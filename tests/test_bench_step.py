@@ -109,12 +109,14 @@ def test_interpreted_the_table_is_refused_in_one_line(capsys):
                                        "replaces: unset TRITON_INTERPRET\n")
 
 
-@pytest.mark.parametrize("flag", ["0", "", "a", "2,-1", "1.5"])
+@pytest.mark.parametrize("flag", ["0", "", "a", "2,-1", "1.5", "1,,2"])
 def test_bad_micro_batches_are_one_line_and_status_2(flag, capsys):
     with pytest.raises(SystemExit) as stop:
         bench_step.parse_args(["--micro_batches", flag])
     assert stop.value.code == 2
-    assert "--micro_batches: comma-separated positive integers" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("bench_step.py: error: --micro_batches: comma-separated positive integers")
+    assert err.count("\n") == 1
 
 
 def test_micro_batches_and_presets_parse():
@@ -123,3 +125,51 @@ def test_micro_batches_and_presets_parse():
     assert bench_step.parse_args([]).micro_batches == [1, 2, 4, 8, 16, 32]
     with pytest.raises(SystemExit):
         bench_step.parse_args(["--preset", "small"])
+
+
+def test_the_table_prints_a_row_per_preset_mode_and_micro_batch_and_marks_device_bound_ones(
+        monkeypatch, capsys):
+    """With host and device times stubbed: device >= MARGIN x host, and only that, is marked;
+    every column as computed; the rows returned."""
+    monkeypatch.setattr(bench_step, "host_time", lambda preset, mode: (1000, 0.010))
+    device = {1: 0.0199, 2: 0.020, 4: 0.0201}             # MARGIN x host = 20 ms: one less, equal, more
+    monkeypatch.setattr(bench_step, "device_time",
+                        lambda preset, mode, batch: (device[batch], batch * 2**30 * 1.5))
+    rows = bench_step.table(["100m"], [1, 2, 4], modes=("baseline",))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("one micro-step, host (measured here, per op) against device "
+                               "(roofline, H200: 989 TFLOPS bf16, 4.8 TB/s); device-bound: device >= 2 x host")
+    assert lines[1].split() == ["preset", "mode", "micro", "ops", "us/op", "host", "ms", "device",
+                                "ms", "dev/host", "memory", "GiB"]
+    assert [line.split() for line in lines[2:]] == [
+        ["100m", "baseline", "1", "1000", "10.0", "10.0", "19.9", "1.99", "1.5"],
+        ["100m", "baseline", "2", "1000", "10.0", "10.0", "20.0", "2.00*", "3.0"],
+        ["100m", "baseline", "4", "1000", "10.0", "10.0", "20.1", "2.01*", "6.0"]]
+    assert rows == {("100m", "baseline", b): (0.010, device[b], b * 2**30 * 1.5) for b in (1, 2, 4)}
+
+
+def test_main_prints_the_table_of_the_presets_asked_for(monkeypatch):
+    asked = []
+    monkeypatch.setattr(bench_step.bench_kernel.kernel, "INTERPRETED", False)
+    monkeypatch.setattr(bench_step, "table", lambda presets, batches: asked.append((presets, batches)))
+    bench_step.main(["--micro_batches", "3"])
+    bench_step.main(["--preset", "1b"])
+    assert asked == [(["100m", "350m", "1b"], [3]), (["1b"], [1, 2, 4, 8, 16, 32])]
+
+
+@pytest.mark.parametrize("error, status, message", [
+    (RuntimeError("the stand-in driver needs a C compiler (gcc), as Triton's launcher does"), 1,
+     "the stand-in driver needs a C compiler (gcc), as Triton's launcher does"),
+    (OSError(28, "No space left on device"), 1, "[Errno 28] No space left on device"),
+    (KeyboardInterrupt(), 130, "interrupted (Ctrl-C): what finished is printed above")],
+    ids=["no compiler", "a full disk", "Ctrl-C"])
+def test_what_stops_the_table_is_one_line(monkeypatch, capsys, error, status, message):
+    monkeypatch.setattr(bench_step.bench_kernel.kernel, "INTERPRETED", False)
+
+    def stopped(presets, batches):
+        raise error
+    monkeypatch.setattr(bench_step, "table", stopped)
+    with pytest.raises(SystemExit) as stop:
+        bench_step.main([])
+    assert stop.value.code == status
+    assert capsys.readouterr().err == f"bench_step.py: error: {message}\n"
