@@ -64,6 +64,46 @@ def test_device_time_and_memory_grow_with_the_micro_batch_and_fused_adds_the_ker
     assert bench_step.device_time("100m", "mhar", 1)[0] > 3 * fused     # readable: stacked reads
 
 
+def test_device_time_chunks_the_head_as_on_a_gpu_and_puts_the_cpus_budget_back(monkeypatch):
+    import head
+    budgets, chunks = {"cpu": 7 << 20, "cuda": 3 << 28}, []      # this test's: any order of tests
+    monkeypatch.setattr(head, "HEAD_CHUNK_BYTES", dict(budgets))
+    monkeypatch.setattr(head, "head_chunk", lambda vocab, device, chunk=head.head_chunk:
+                        chunks.append(chunk(vocab, device)) or chunks[-1])
+    bench_step.device_time("100m", "baseline", 1)
+    vocab = mhar.PRESETS["100m"].vocab_size
+    assert chunks and set(chunks) == {budgets["cuda"] // (4 * vocab)}
+    assert head.HEAD_CHUNK_BYTES == budgets
+
+
+def test_memory_is_16_bytes_a_parameter_and_the_saved_tensors_and_fused_adds_what_it_keeps():
+    """Against the saved tensors counted here (each storage once), and bench_kernel.traffic."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    import bench_kernel
+    config, saved = mhar.preset("100m", residual="baseline"), {}
+
+    def keep(tensor):
+        saved[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    _, memory = bench_step.device_time("100m", "baseline", 2)
+    import head
+    budget = head.HEAD_CHUNK_BYTES["cpu"]
+    head.HEAD_CHUNK_BYTES["cpu"] = head.HEAD_CHUNK_BYTES["cuda"]
+    try:
+        with FakeTensorMode(), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            gpt = mhar.GPT(config)
+            bench_step.micro_step(gpt, 2, config.seq_len)
+    finally:
+        head.HEAD_CHUNK_BYTES["cpu"] = budget
+    params = sum(p.numel() for p in gpt.parameters())
+    assert memory == 16 * params + sum(saved.values())
+    _, fused = bench_step.device_time("100m", "mhar fused", 2)
+    routed, tokens = mhar.preset("100m"), 2 * config.seq_len
+    kept = bench_kernel.traffic(routed.n_layer, routed.n_embd, 8, tokens)["saved"]
+    assert fused == memory + (2 * routed.n_layer + 1) * tokens * routed.n_embd * 2 + kept
+
+
 def test_host_time_counts_every_op_of_a_micro_step():
     ops, seconds = bench_step.host_time("100m", "baseline", repeats=1)
     config = mhar.preset("100m", residual="baseline", **bench_step.TINY)
@@ -75,11 +115,34 @@ def test_host_time_counts_every_op_of_a_micro_step():
     assert ops == meter.ops and seconds > 0
 
 
+def test_host_time_is_the_best_of_its_repeats_on_one_thread(monkeypatch):
+    """A fake thread clock: each timed micro-step takes its given seconds; host_time keeps the least,
+    runs every micro-step of one sequence on one thread (warm twice, counted once, then `repeats`),
+    and gives the threads back."""
+    threads, steps = torch.get_num_threads(), []
+    monkeypatch.setattr(bench_step, "micro_step", lambda gpt, batch, seq_len: steps.append(
+        (batch, seq_len, torch.get_num_threads())))
+    ticks = iter([0, 5, 10, 13, 20, 24, 30, 36, 40, 47])     # five repeats: 5, 3, 4, 6, 7 s
+    monkeypatch.setattr(bench_step.time, "thread_time", lambda: next(ticks))
+    ops, seconds = bench_step.host_time("100m", "baseline", repeats=5)
+    assert seconds == 3 and ops == 0 and next(ticks, None) is None
+    assert steps == [(1, bench_step.TINY["seq_len"], 1)] * (2 + 1 + 5)
+    assert torch.get_num_threads() == threads
+
+
 FUSED_HOST = """
-import bench_step, kernel, mhar
+import bench_kernel, bench_step, kernel, mhar
 assert not kernel.INTERPRETED
-print(bench_step.host_time("100m", "mhar fused", repeats=1)[0],
-      bench_step.host_time("100m", "mhar", repeats=1)[0])
+fused, readable = (bench_step.host_time("100m", mode, repeats=1)[0] for mode in ("mhar fused", "mhar"))
+config = mhar.preset("100m", **bench_step.MODES["mhar fused"], **bench_step.TINY)
+with bench_kernel.stand_in_gpu() as launched:       # the same count, by hand
+    gpt = mhar.GPT(config)
+    for _ in range(2):
+        bench_step.micro_step(gpt, 1, config.seq_len)
+    before = launched()
+    with bench_step.Meter() as meter:
+        bench_step.micro_step(gpt, 1, config.seq_len)
+    print(fused, readable, meter.ops, launched() - before)
 """
 
 
@@ -93,9 +156,9 @@ def test_host_time_of_the_fused_path_counts_its_launches():
                           text=True, cwd=os.path.dirname(os.path.abspath(bench_step.__file__)),
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    fused, readable = map(int, done.stdout.split())
+    fused, readable, ops, launches = map(int, done.stdout.split())
     sites = 2 * mhar.PRESETS["100m"].n_layer + 1
-    assert 2 * sites < fused < readable
+    assert fused == ops + launches and launches >= 2 * sites and fused < readable
 
 
 def test_interpreted_the_table_is_refused_in_one_line(capsys):
@@ -120,8 +183,10 @@ def test_bad_micro_batches_are_one_line_and_status_2(flag, capsys):
 
 
 def test_micro_batches_and_presets_parse():
-    args = bench_step.parse_args(["--micro_batches", "1,32", "--preset", "1b", "--preset", "100m"])
-    assert args.micro_batches == [1, 32] and args.preset == ["1b", "100m"]
+    args = bench_step.parse_args(["--micro_batches", "1,32", "--preset", "1b", "--preset", "350m"])
+    assert args.micro_batches == [1, 32] and args.preset == ["1b", "350m"]
+    with pytest.raises(SystemExit):             # no abbreviations: --micro is not --micro_batches
+        bench_step.parse_args(["--micro", "4"])
     assert bench_step.parse_args([]).micro_batches == [1, 2, 4, 8, 16, 32]
     with pytest.raises(SystemExit):
         bench_step.parse_args(["--preset", "small"])
@@ -130,22 +195,28 @@ def test_micro_batches_and_presets_parse():
 def test_the_table_prints_a_row_per_preset_mode_and_micro_batch_and_marks_device_bound_ones(
         monkeypatch, capsys):
     """With host and device times stubbed: device >= MARGIN x host, and only that, is marked;
-    every column as computed; the rows returned."""
-    monkeypatch.setattr(bench_step, "host_time", lambda preset, mode: (1000, 0.010))
-    device = {1: 0.0199, 2: 0.020, 4: 0.0201}             # MARGIN x host = 20 ms: one less, equal, more
-    monkeypatch.setattr(bench_step, "device_time",
-                        lambda preset, mode, batch: (device[batch], batch * 2**30 * 1.5))
-    rows = bench_step.table(["100m"], [1, 2, 4], modes=("baseline",))
+    every column as computed; the rows returned; each preset and mode measured once."""
+    asked = []
+    monkeypatch.setattr(bench_step, "host_time", lambda preset, mode: asked.append((preset, mode))
+                        or (1000, 0.5))
+    device = {1: 0.9999, 2: 1.0, 4: 1.0001}       # MARGIN x host = 1 s: one less, equal, one more
+    monkeypatch.setattr(bench_step, "device_time", lambda preset, mode, batch: asked.append(
+        (preset, mode, batch)) or (device[batch], batch * 2**30 * 1.5))
+    rows = bench_step.table(["100m", "1b"], [1, 2, 4], modes=("baseline", "mhar"))
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("one micro-step, host (measured here, per op) against device "
-                               "(roofline, H200: 989 TFLOPS bf16, 4.8 TB/s); device-bound: device >= 2 x host")
+    assert lines[0] == ("one micro-step, host (measured here, per op) against device (roofline, "
+                        "H200: 989 TFLOPS bf16, 4.8 TB/s); device-bound: device >= 2 x host")
     assert lines[1].split() == ["preset", "mode", "micro", "ops", "us/op", "host", "ms", "device",
                                 "ms", "dev/host", "memory", "GiB"]
-    assert [line.split() for line in lines[2:]] == [
-        ["100m", "baseline", "1", "1000", "10.0", "10.0", "19.9", "1.99", "1.5"],
-        ["100m", "baseline", "2", "1000", "10.0", "10.0", "20.0", "2.00*", "3.0"],
-        ["100m", "baseline", "4", "1000", "10.0", "10.0", "20.1", "2.01*", "6.0"]]
-    assert rows == {("100m", "baseline", b): (0.010, device[b], b * 2**30 * 1.5) for b in (1, 2, 4)}
+    assert [line.split() for line in lines[2:5]] == [
+        ["100m", "baseline", "1", "1000", "500.0", "500.0", "999.9", "2.00", "1.5"],
+        ["100m", "baseline", "2", "1000", "500.0", "500.0", "1000.0", "2.00*", "3.0"],
+        ["100m", "baseline", "4", "1000", "500.0", "500.0", "1000.1", "2.00*", "6.0"]]
+    assert len(lines) == 2 + 2 * 2 * 3
+    assert asked == [step for preset in ("100m", "1b") for mode in ("baseline", "mhar")
+                     for step in [(preset, mode)] + [(preset, mode, b) for b in (1, 2, 4)]]
+    assert rows == {(preset, mode, b): (0.5, device[b], b * 2**30 * 1.5) for preset in ("100m", "1b")
+                    for mode in ("baseline", "mhar") for b in (1, 2, 4)}
 
 
 def test_main_prints_the_table_of_the_presets_asked_for(monkeypatch):
