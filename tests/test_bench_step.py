@@ -124,7 +124,7 @@ def test_host_time_is_the_best_of_its_repeats_on_one_thread(monkeypatch):
         (batch, seq_len, torch.get_num_threads())))
     ticks = iter([0, 5, 10, 13, 20, 24, 30, 36, 40, 47])     # five repeats: 5, 3, 4, 6, 7 s
     monkeypatch.setattr(bench_step.time, "thread_time", lambda: next(ticks))
-    ops, seconds = bench_step.host_time("100m", "baseline", repeats=5)
+    ops, seconds = bench_step.host_time("100m", "baseline")        # five repeats by default
     assert seconds == 3 and ops == 0 and next(ticks, None) is None
     assert steps == [(1, bench_step.TINY["seq_len"], 1)] * (2 + 1 + 5)
     assert torch.get_num_threads() == threads
@@ -198,7 +198,7 @@ def test_the_table_prints_a_row_per_preset_mode_and_micro_batch_and_marks_device
     every column as computed; the rows returned; each preset and mode measured once."""
     asked = []
     monkeypatch.setattr(bench_step, "host_time", lambda preset, mode: asked.append((preset, mode))
-                        or (1000, 0.5))
+                        or (1, 0.5))
     device = {1: 0.9999, 2: 1.0, 4: 1.0001}       # MARGIN x host = 1 s: one less, equal, one more
     monkeypatch.setattr(bench_step, "device_time", lambda preset, mode, batch: asked.append(
         (preset, mode, batch)) or (device[batch], batch * 2**30 * 1.5))
@@ -209,9 +209,9 @@ def test_the_table_prints_a_row_per_preset_mode_and_micro_batch_and_marks_device
     assert lines[1].split() == ["preset", "mode", "micro", "ops", "us/op", "host", "ms", "device",
                                 "ms", "dev/host", "memory", "GiB"]
     assert [line.split() for line in lines[2:5]] == [
-        ["100m", "baseline", "1", "1000", "500.0", "500.0", "999.9", "2.00", "1.5"],
-        ["100m", "baseline", "2", "1000", "500.0", "500.0", "1000.0", "2.00*", "3.0"],
-        ["100m", "baseline", "4", "1000", "500.0", "500.0", "1000.1", "2.00*", "6.0"]]
+        ["100m", "baseline", "1", "1", "500000.0", "500.0", "999.9", "2.00", "1.5"],
+        ["100m", "baseline", "2", "1", "500000.0", "500.0", "1000.0", "2.00*", "3.0"],
+        ["100m", "baseline", "4", "1", "500000.0", "500.0", "1000.1", "2.00*", "6.0"]]
     assert len(lines) == 2 + 2 * 2 * 3
     assert asked == [step for preset in ("100m", "1b") for mode in ("baseline", "mhar")
                      for step in [(preset, mode)] + [(preset, mode, b) for b in (1, 2, 4)]]
