@@ -577,20 +577,21 @@ def _backward_programs(M, width, heads, sites):
 _TABLE_OPTIONS = dict(num_warps=1)
 
 
-def _address_table(addresses, sites, like, table=None, checked=False):
+def _address_table(addresses, sites, like, table, checked):
     """The kernels read their tensors through a table of addresses (no copy into one buffer), the
     sources' then the sites' entries, written on the device by _table_kernel, TABLE_CHUNK entries
     a launch: nothing goes up from the host, which never waits, and a CUDA graph captures the
     launch. Every entry is a 16-byte aligned int64 (the callers write an absent tensor's as the
-    first's): one kernel variant serves all. checked: the sources' addresses are known to bind
-    (_table_key's rule, checked by FusedHistory as they came): only the sites' are checked."""
+    first's): one kernel variant serves all. table: where to write them (None: a new tensor);
+    checked: the sources' addresses are known to bind (_table_key's rule, checked by FusedHistory
+    as they came): only the sites' are checked."""
     entries = addresses + sites
     entries += addresses[:1] * (_chunks(len(entries)) - len(entries))
     if table is None:                                       # (a history gives each launch one)
         table = like.new_empty(len(entries), dtype=torch.int64)     # on like's device
     elif table.numel() < len(entries):      # the kernel would write past it, into other tables
         raise RuntimeError(f"an address table of {table.numel()} entries for "
-                           f"{len(addresses)} addresses")
+                           f"{len(addresses) + len(sites)} addresses ({len(entries)} in chunks)")
     key = _table_key(table, sites if checked else entries)
     for offset in range(0, len(entries), TABLE_CHUNK):
         chunk = tuple(entries[offset:offset + TABLE_CHUNK])

@@ -780,10 +780,39 @@ def test_an_address_table_keys_on_the_entries_nobody_checked(monkeypatch, checke
     like = torch.empty(4, device=DEVICE)
     sources = [2**40 + 16 * i for i in range(n_sources)]
     sites = [2**41 + 16 * i for i in range(5)]
-    table = kernel._address_table(sources, sites, like, checked=checked)
+    table = kernel._address_table(sources, sites, like, None, checked)
     whole = sources + sites + sources[:1] * (kernel._chunks(n_sources + 5) - n_sources - 5)
     assert keyed == [sites if checked else whole]
     assert table.tolist() == whole
+
+
+@pytest.mark.parametrize("size", [63, 64, 65])
+def test_an_address_table_too_small_for_its_whole_chunks_is_refused(size):
+    """60 sources and 3 site entries take one chunk of 64: a table of 63 would be written past."""
+    like, table = torch.empty(4, device=DEVICE), torch.zeros(size, dtype=torch.int64, device=DEVICE)
+    sources, sites = [2**40 + 16 * i for i in range(60)], [2**41, 2**41 + 16, 2**41 + 32]
+    if size < 64:
+        with pytest.raises(RuntimeError, match=r"^an address table of 63 entries for 63 addresses "
+                                               r"\(64 in chunks\)$"):
+            kernel._address_table(sources, sites, like, table, False)
+        assert not table.any()
+    else:
+        kernel._address_table(sources, sites, like, table, False)
+        assert table[:63].tolist() == sources + sites and table[63] == sources[0]
+
+
+class _Table:
+    """What _table_key reads of a table: its address, length and dtype (a real 2^31-entry one is
+    16 GiB)."""
+
+    def __init__(self, numel):
+        self.numel, self.data_ptr, self.dtype = (lambda: numel), (lambda: 2**40), torch.int64
+
+
+@pytest.mark.parametrize("entries, bound", [(2**31 - 1, True), (2**31, False)])
+def test_the_table_key_takes_tables_whose_offsets_are_i32(monkeypatch, entries, bound):
+    monkeypatch.setattr(kernel, "BOUND_LAUNCHES", True)
+    assert (kernel._table_key(_Table(entries), [2**40]) is not None) is bound
 
 
 JITS = {"forward": "_route_forward_kernel", "backward": "_route_backward_kernel", "table": "_table_kernel"}
