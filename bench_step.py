@@ -71,10 +71,11 @@ def op_flops(func, args, kwargs, out):
     from torch.utils.flop_counter import flop_registry
     name = func.overloadpacket.__name__
     if name.startswith("_scaled_dot_product_flash_attention_for_cpu"):
-        q, k = (args[1], args[2]) if "backward" in name else (args[0], args[1])
+        backward = name.endswith("_backward")       # (grad_out, query, key, ...): (query, key, ...)
+        q, k = args[backward:backward + 2]
         B, H, T, hd = q.shape
         forward = 4 * B * H * T * k.shape[2] * hd
-        return int(2.5 * forward) if "backward" in name else forward
+        return int(2.5 * forward) if backward else forward
     formula = flop_registry.get(func.overloadpacket)
     return formula(*args, **kwargs, out_val=out) if formula else 0
 
@@ -95,14 +96,15 @@ def host_time(preset, mode, repeats=5):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with bench_kernel.stand_in_gpu() if fused else contextlib.nullcontext() as launched:
+        driver = bench_kernel.stand_in_gpu() if fused else contextlib.nullcontext(lambda: 0)
+        with driver as launched:                     # how many launches reached the driver
             gpt = mhar.GPT(config)
             for _ in range(2):
                 micro_step(gpt, 1, config.seq_len)                   # warm: compiles, caches
-            before = launched() if fused else 0
+            before = launched()                                      # (unfused: none)
             with Meter() as meter:
                 micro_step(gpt, 1, config.seq_len)
-            ops = meter.ops + (launched() - before if fused else 0)
+            ops = meter.ops + launched() - before
             best = float("inf")
             for _ in range(repeats):
                 start = time.thread_time()
@@ -117,7 +119,7 @@ def device_time(preset, mode, batch):
     """(the device's roofline seconds for a micro-step of `batch` sequences, the bytes of memory
     it needs): on fake tensors, as the module's docstring says."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    fused = mode == "mhar fused"
+    fused = MODES[mode].get("fused", False)
     config = mhar.preset(preset, **MODES["baseline" if fused else mode])
     saved = {}
 

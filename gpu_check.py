@@ -80,13 +80,8 @@ PARITY = {"gpu": (25, 2, 64, 512, 8), "tiny": (5, 1, 4, 40, 4)}
 ROUTES = {r[0]: r for r in (*KERNEL_TABLE, ("tiny", 64, 2, 1, 4))}  # (preset, d, L, B, T)
 TINY_FLAGS = ["--n_layer", "1", "--seq_len", "8", "--batch_size", "1", "--vocab_size", "256",
               "--device", "cpu"]
-# a step's shape: its train.py flags. Every configuration of a shape runs one micro-batch, the
-# readable path's (train.py's RUNS batch_size; the baseline and --fused would take more): the rows
-# compare at one size, and the plan's seconds were estimated at it
-SHAPES = {"tiny": ["--preset", "tiny", *TINY_FLAGS],
-          "100m": ["--preset", "100m", "--batch_size", "4"],
-          "350m": ["--preset", "350m", "--batch_size", "2"],
-          "100m-4L": ["--preset", "100m", "--n_layer", "4", "--batch_size", "4"]}  # --quick's
+SHAPES = {"tiny": ["--preset", "tiny", *TINY_FLAGS],  # a step's shape: its train.py flags
+          "100m-4L": ["--preset", "100m", "--n_layer", "4"]}  # --quick's compiles: 4 of 12 layers
 CONFIGS = {  # name: train.py's flags beyond the shape's, --data synthetic and --grad_accum 1
     "baseline": ["--residual", "baseline"],
     "readable": [],
@@ -355,9 +350,17 @@ def print_routing(preset, r, fake):
 # %% 3. train.py's step
 
 def step_config(shape, config):
-    """train.py's flags of one step configuration at one shape (a preset, or one of SHAPES)."""
+    """train.py's flags of one step configuration at one shape (a preset, or one of SHAPES). Every
+    configuration of a shape runs the readable path's micro-batch (its preset's batch_size; the
+    baseline and --fused would take lean_batch_size): the rows compare at one size, and the plan's
+    seconds were estimated at it."""
+    import train
+    flags = SHAPES.get(shape, ["--preset", shape])
+    if "--batch_size" not in flags:
+        preset = flags[flags.index("--preset") + 1]
+        flags = [*flags, "--batch_size", str(train.RUNS[preset]["batch_size"])]
     accum = [] if "--grad_accum" in CONFIGS[config] else ["--grad_accum", "1"]
-    return [*SHAPES[shape], "--data", "synthetic", *accum, *CONFIGS[config]]
+    return [*flags, "--data", "synthetic", *accum, *CONFIGS[config]]
 
 
 def train_steps(flags, clock, steps, warm=2):

@@ -468,7 +468,7 @@ def _table_key(table, entries):
     """_table_kernel's key for every chunk of a table (None: launch unbound): all its entries i64
     'D', each chunk's offset, below the table's length, i32; every chunk TABLE_CHUNK long."""
     if (BOUND_LAUNCHES and not table.data_ptr() & 15 and table.numel() < _I32
-            and min(entries) >= _I32 and max(entries) < _I64 and not math.gcd(*entries) & 15
+            and _binds(min(entries)) and _binds(max(entries)) and not math.gcd(*entries) & 15
             and _unhooked(_table_kernel)):
         return table.dtype, knobs.runtime.debug
     return None

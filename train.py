@@ -325,8 +325,8 @@ def fill_run_sizes(args, world, saved_global_batch=None, sizes=None):
     args.data = args.data or str(sizes.get("data", DEFAULT_DATA))
     global_batch = saved_global_batch or sizes["global_batch"]
     preset = mhar.PRESETS[args.preset]  # the baseline and --fused (routed alone) hold less: lean
-    lean = (args.residual or preset.residual) == "baseline" or (args.fused is None and preset.fused
-                                                                 or args.fused)
+    fused = preset.fused if args.fused is None else args.fused
+    lean = (args.residual or preset.residual) == "baseline" or fused
     if args.batch_size is None and lean and "lean_batch_size" in sizes:
         # the largest micro-batch up to it that the global batch divides into over the ranks
         args.batch_size = next((b for b in range(sizes["lean_batch_size"], 0, -1)

@@ -88,14 +88,11 @@ def test_memory_is_16_bytes_a_parameter_and_the_saved_tensors_and_fused_adds_wha
 
     _, memory = bench_step.device_time("100m", "baseline", 2)
     import head
-    budget = head.HEAD_CHUNK_BYTES["cpu"]
-    head.HEAD_CHUNK_BYTES["cpu"] = head.HEAD_CHUNK_BYTES["cuda"]
-    try:
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setitem(head.HEAD_CHUNK_BYTES, "cpu", head.HEAD_CHUNK_BYTES["cuda"])
         with FakeTensorMode(), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             gpt = mhar.GPT(config)
             bench_step.micro_step(gpt, 2, config.seq_len)
-    finally:
-        head.HEAD_CHUNK_BYTES["cpu"] = budget
     params = sum(p.numel() for p in gpt.parameters())
     assert memory == 16 * params + sum(saved.values())
     _, fused = bench_step.device_time("100m", "mhar fused", 2)

@@ -357,13 +357,14 @@ def test_ctrl_c_in_bench_kernels_cpu_check_is_one_line_and_status_130(delay):
 
 
 @pytest.mark.parametrize("config", list(gpu_check.CONFIGS))
-@pytest.mark.parametrize("shape", ["100m", "350m", "100m-4L"])
+@pytest.mark.parametrize("shape", ["100m", "350m", "100m-4L", "tiny"])
 def test_every_configuration_of_a_shape_steps_at_the_readable_paths_micro_batch(shape, config):
     """The plan's rows compare configurations at one micro-batch, train.py's batch_size, although
     the baseline and --fused alone would take lean_batch_size; every row's shape has its flags."""
     import train
-    assert {row.split(" ", 1)[0] for parts in gpu_check.PLANS.values() for rows in parts
-            for row in rows if row.split(" ", 1)[-1] in gpu_check.CONFIGS} <= set(gpu_check.SHAPES)
+    shapes = {row.split(" ", 1)[0] for parts in gpu_check.PLANS.values() for rows in parts
+              for row in rows if row.split(" ", 1)[-1] in gpu_check.CONFIGS}
+    assert shapes == {"tiny", "100m", "350m", "100m-4L"}       # each with its flags, below
     args = train.parse_args(gpu_check.step_config(shape, config))[0]
     train.fill_run_sizes(args, 1)
-    assert args.batch_size == train.RUNS[args.preset]["batch_size"]
+    assert args.batch_size == (1 if shape == "tiny" else train.RUNS[args.preset]["batch_size"])
