@@ -273,3 +273,39 @@ def test_every_document_is_linked_from_the_readme_and_links_back():
     assert [d.name for d in DOCS if d not in linked] == [], "documents the README does not link to"
     unlinked = [d.name for d in DOCS if README not in {target for target, _ in links(d)}]
     assert unlinked == [], "documents without a link back to the README"
+
+
+def suite_count_problems(text):
+    """What is wrong with a page's counts of the suite: its quick start's "N tests (G need a GPU)"
+    against the summary line it says pytest prints, "P passed, S skipped" (P + S = N, and the skips
+    are the G GPU tests and the one that needs mutmut). [] when they agree."""
+    total, gpu = re.search(r"the test suite: ([\d,]+) tests \((\d+) need a GPU\)", text).groups()
+    passed, skipped = re.search(r"summary line, `([\d,]+) passed, (\d+) skipped`", text).groups()
+    total, gpu, passed, skipped = (int(n.replace(",", "")) for n in (total, gpu, passed, skipped))
+    problems = []
+    if passed + skipped != total:
+        problems.append(f"{passed} passed + {skipped} skipped != {total} tests")
+    if skipped != gpu + 1:
+        problems.append(f"{skipped} skipped, but {gpu} GPU tests and one that needs mutmut")
+    return problems
+
+
+@pytest.mark.parametrize("counts, summary, problems", [
+    ("1,907 tests (15 need a GPU)", "`1891 passed, 16 skipped`", 0),
+    ("1,907 tests (15 need a GPU)", "`1,891 passed, 16 skipped`", 0),
+    ("1,907 tests (15 need a GPU)", "`1800 passed, 16 skipped`", 1),
+    ("1,907 tests (15 need a GPU)", "`1890 passed, 16 skipped`", 1),
+    ("1,907 tests (15 need a GPU)", "`1892 passed, 16 skipped`", 1),
+    ("1,907 tests (15 need a GPU)", "`1892 passed, 15 skipped`", 1),
+    ("1,907 tests (16 need a GPU)", "`1891 passed, 16 skipped`", 1),
+    ("1,907 tests (17 need a GPU)", "`1800 passed, 16 skipped`", 2),
+    ("0 tests (0 need a GPU)", "`0 passed, 1 skipped`", 1),
+], ids=["agree", "comma", "stale", "one-less", "one-more", "skip-one-less", "gpu-one-more", "both",
+        "empty"])
+def test_suite_count_problems(counts, summary, problems):
+    assert len(suite_count_problems(f"the test suite: {counts} ... summary line, {summary}")) == problems
+
+
+def test_the_readmes_suite_counts_agree():
+    """The README's count of the suite and the summary line it quotes tell one story."""
+    assert suite_count_problems(README.read_text()) == []
