@@ -141,8 +141,12 @@ def gather(folders, flag=None, metric=None):
     disagreement}] in the flag's order, "trend": {label: change from the first value to the last}}."""
     read = []
     for folder in folders:
-        results = compare.read_json(Path(folder) / "results.json")
+        path = Path(folder) / "results.json"
+        results = compare.read_json(path)
         if results is None or not all(k in results for k in ("rows", "pairs", "versus")):
+            if path.exists():   # torn, or another tool's: compare.py writes it whole, last
+                raise UserError(f"{path} is not a whole results.json of compare.py: run its compare.py command "
+                                f"again (it reuses the finished runs and writes the file anew)")
             raise UserError(f"{folder} holds no results.json of compare.py: run compare.py with --out_dir {folder} "
                             f"first")
         read.append((folder, results, settings(folder, results)))

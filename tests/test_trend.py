@@ -132,8 +132,10 @@ def test_a_difference_some_folders_lack_has_a_dash_there_and_a_trend_over_the_ot
     ("flag-text", "preset is not a number in every folder"),
     ("twice", "two folders have n_embd = 64"),
     ("no-results", "holds no results.json of compare.py"),
+    ("torn", "is not a whole results.json of compare.py"),
+    ("no-pairs", "is not a whole results.json of compare.py"),
     ("no-config", "has no readable config.json"),
-], ids=["one", "same", "flag-same", "flag-text", "twice", "no-results", "no-config"])
+], ids=["one", "same", "flag-same", "flag-text", "twice", "no-results", "torn", "no-pairs", "no-config"])
 def test_folders_that_cannot_make_a_trend_are_one_line(case, message, tmp_path):
     a = comparison(tmp_path / "a", 64, losses([1.5, 1.6, 1.55], GAPS[64]))
     b = comparison(tmp_path / "b", 64 if case == "same" else 128, losses([1.5, 1.6, 1.55], GAPS[128]),
@@ -145,6 +147,12 @@ def test_folders_that_cannot_make_a_trend_are_one_line(case, message, tmp_path):
         folders.append(comparison(tmp_path / "c", 64, losses([1.5, 1.6, 1.55], GAPS[64])))
     if case == "no-results":
         (b / "results.json").unlink()
+    if case == "torn":
+        (b / "results.json").write_text('{"rows": [')
+    if case == "no-pairs":
+        results = json.loads((b / "results.json").read_text())
+        del results["pairs"]
+        (b / "results.json").write_text(json.dumps(results))
     if case == "no-config":
         (b / "mhar-H4-s1" / "config.json").write_text("{")
     with pytest.raises(trend.UserError, match=message):
