@@ -109,8 +109,10 @@ def test_a_run_without_a_whole_split_score_falls_back_to_the_tail_mean(widths, t
     gathered = trend.gather(widths + [old])
     assert gathered["metric"] == "tail_val_loss" and gathered["points"][-1]["value"] == 512
     assert gathered["points"][0]["differences"]["mhar-H4 - baseline"]["mean"] == pytest.approx(-0.02)
-    with pytest.raises(trend.UserError, match="some runs have no whole-split score"):
+    with pytest.raises(trend.UserError) as error:
         trend.gather(widths + [old], metric="full_val_loss")
+    assert str(error.value) == ("--metric full_val_loss: some runs have no whole-split score (trained before "
+                                "train.py scored it); use --metric tail_val_loss")
 
 
 def test_a_difference_some_folders_lack_has_a_dash_there_and_a_trend_over_the_others(widths, tmp_path):
@@ -126,14 +128,17 @@ def test_a_difference_some_folders_lack_has_a_dash_there_and_a_trend_over_the_ot
 
 
 @pytest.mark.parametrize("case, message", [
-    ("one", "at least two comparison folders"),
+    ("one", "^give at least two comparison folders$"),
     ("same", "the same flags: nothing to set side by side"),
     ("flag-same", "--flag n_layer has the same value in every folder: choose from n_embd, n_head, ffn_hidden"),
-    ("flag-text", "preset is not a number in every folder"),
+    ("flag-text", r"^preset is not a number in every folder \(small-bytes, small\): the trend needs a numeric "
+                  r"flag, e\.g\. --flag n_embd$"),
     ("twice", "two folders have n_embd = 64"),
-    ("no-results", "holds no results.json of compare.py"),
-    ("torn", "is not a whole results.json of compare.py"),
-    ("no-pairs", "is not a whole results.json of compare.py"),
+    ("no-results", r"^\S+/b holds no results\.json of compare\.py: run compare\.py with --out_dir \S+/b first$"),
+    ("torn", r"^\S+/b/results\.json is not a whole results\.json of compare\.py: run its compare\.py command again "
+             r"\(it reuses the finished runs and writes the file anew\)$"),
+    ("no-pairs", r"^\S+/b/results\.json is not a whole results\.json of compare\.py: run its compare\.py command "
+                 r"again \(it reuses the finished runs and writes the file anew\)$"),
     ("no-config", "has no readable config.json"),
 ], ids=["one", "same", "flag-same", "flag-text", "twice", "no-results", "torn", "no-pairs", "no-config"])
 def test_folders_that_cannot_make_a_trend_are_one_line(case, message, tmp_path):
