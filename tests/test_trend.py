@@ -2,6 +2,7 @@
 disagreement against hand computations."""
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 import compare
 import trend
 from common import MachineError
-from helpers import PNG_SIGNATURE, error_line, files_in, one_error_line, run_script
+from helpers import PNG_SIGNATURE, ROOT, error_line, files_in, one_error_line, run_script
 
 VARIANTS = ("baseline", "attnres", "attnres-T4", "mhar-H4")
 
@@ -397,3 +398,66 @@ def test_each_widths_table_row_by_row(metric, widths):
         assert table.startswith(f"| difference | seeds | n | Δ {name} (mean ± s.e.) | t (df) |\n")
         assert cells in table.split("\n")
     assert "| difference | n_embd 64 | n_embd 128 | n_embd 256 | change 64 → 256 | Welch t (df) |" in text
+
+
+# The README's width table, row label -> trend.py's difference; its probe rows -> (variant, statistic).
+README_DIFFERENCES = {"mhar H4 − baseline": "mhar-H4 - baseline", "attnres-T4 − baseline": "attnres-T4 - baseline",
+                      "attnres − baseline": "attnres - baseline", "mhar H4 − attnres": "mhar-H4 - attnres",
+                      "mhar H4 − attnres-T4": "mhar-H4 - attnres-T4"}
+README_PROBES = {"AttnRes's width disagreement (KL; null)": "attnres", "MHAR's head deviation (null)": "mhar-H4"}
+WIDTH_FOLDERS = [ROOT / "results" / f"width-d{width}" for width in (64, 128, 256)]
+
+
+def width_table(text):
+    """The README's table under "Does the gain grow with width?": {row label: [cell, ...]} as written, bold
+    dropped, the cells' minus signs as ASCII hyphens."""
+    section = text.split("### Does the gain grow with width?")[1]
+    rows = {}
+    for line in section.split("\n\n| difference |")[1].split("\n\n")[0].splitlines()[2:]:
+        label, *cells = [c.strip().replace("**", "") for c in line.strip("|").split("|")]
+        rows[label] = [cell.replace("−", "-") for cell in cells]
+    return rows
+
+
+def width_cell_problems(cell, pair):
+    """What a README cell ("m ± se", maybe "(t = x)") says that a paired difference does not, rounded as
+    written."""
+    m = re.fullmatch(r"([+-]\d\.\d{4}) ± (\d\.\d{4})(?: \(t = ([+-]\d+\.\d)\))?", cell)
+    if m is None:
+        return [f"{cell!r}: not 'mean ± se'"]
+    said = [float(m[1]), float(m[2])] + ([float(m[3])] if m[3] else [])
+    true = [round(pair["mean"], 4), round(pair["se"], 4), round(pair["mean"] / pair["se"], 1)][:len(said)]
+    return [] if said == true else [f"{cell!r}: the results say {true}"]
+
+
+def test_the_readmes_width_table_is_trend_py_on_the_committed_results():
+    """Every figure of the README's width table, recomputed by trend.gather from results/width-d*/ as
+    committed: each width's paired difference (mean ± s.e., t), the change from d 64 to d 256 (Welch),
+    and the probe's disagreement with its null."""
+    gathered = trend.gather(WIDTH_FOLDERS)
+    assert [p["value"] for p in gathered["points"]] == [64, 128, 256] and gathered["metric"] == "full_val_loss"
+    rows, problems = width_table((ROOT / "README.md").read_text()), []
+    assert set(rows) == set(README_DIFFERENCES) | set(README_PROBES)
+    for label, difference in README_DIFFERENCES.items():
+        *widths, change = rows[label]
+        for cell, point in zip(widths, gathered["points"]):
+            problems += [f"{label}, d {point['value']}: {p}" for p in width_cell_problems(cell, point["differences"][difference])]
+        c = gathered["trend"][difference]
+        said = f"{c['mean']:+.4f} ± {c['se']:.4f}, t({c['df']:.1f}) = {c['t']:+.1f}"
+        if change != said:
+            problems.append(f"{label}, change: {change!r}, the results say {said!r}")
+    for label, variant in README_PROBES.items():
+        said = [f"{p['disagreement'][variant]['value']:.3f} ({p['disagreement'][variant]['null']:.3f})"
+                for p in gathered["points"]]
+        if rows[label][:3] != said:
+            problems.append(f"{label}: {rows[label][:3]}, the probes say {said}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("cell, problems", [
+    ("-0.0488 ± 0.0062 (t = -7.9)", 0), ("-0.0488 ± 0.0062", 0), ("-0.0489 ± 0.0062", 1),
+    ("-0.0488 ± 0.0061", 1), ("-0.0488 ± 0.0062 (t = -8.0)", 1), ("-0.0488", 1), ("", 1),
+], ids=["whole", "no-t", "mean-off", "se-off", "t-off", "no-se", "empty"])
+def test_a_width_cell_is_checked_to_its_last_digit(cell, problems):
+    pair = {"mean": -0.04876, "se": 0.00617}       # t = -7.90
+    assert len(width_cell_problems(cell, pair)) == problems
