@@ -408,10 +408,10 @@ README_PROBES = {"AttnRes's width disagreement (KL; null)": "attnres", "MHAR's h
 WIDTH_FOLDERS = [ROOT / "results" / f"width-d{width}" for width in (64, 128, 256)]
 
 
-def width_table(text):
-    """The README's table under "Does the gain grow with width?": {row label: [cell, ...]} as written, bold
-    dropped, the cells' minus signs as ASCII hyphens."""
-    section = text.split("### Does the gain grow with width?")[1]
+def width_table(text, heading="### Does the gain grow with width?"):
+    """The first table of differences under a heading (the README's: "Does the gain grow with width?"):
+    {row label: [cell, ...]} as written, bold dropped, the cells' minus signs as ASCII hyphens."""
+    section = text.split(heading + "\n")[1]
     rows = {}
     for line in section.split("\n\n| difference |")[1].split("\n\n")[0].splitlines()[2:]:
         label, *cells = [c.strip().replace("**", "") for c in line.strip("|").split("|")]
@@ -461,3 +461,20 @@ def test_the_readmes_width_table_is_trend_py_on_the_committed_results():
 def test_a_width_cell_is_checked_to_its_last_digit(cell, problems):
     pair = {"mean": -0.04876, "se": 0.00617}       # t = -7.90
     assert len(width_cell_problems(cell, pair)) == problems
+
+
+def test_the_width_studys_table_in_docs_is_trend_py_on_the_committed_results():
+    """docs/comparison.md's per-width table: the whole-split differences (mean ± s.e., t) at each width
+    and the tail-mean ones at d 256, recomputed from results/width-d*/ as committed."""
+    gathered = trend.gather(WIDTH_FOLDERS)
+    rows = width_table((ROOT / "docs" / "comparison.md").read_text(), "## The width study")
+    assert set(rows) == set(README_DIFFERENCES) | {"attnres-T4 − attnres"}
+    problems = []
+    for label, cells in rows.items():
+        difference = README_DIFFERENCES.get(label, "attnres-T4 - attnres")
+        *widths, tail = cells
+        for cell, point in zip(widths, gathered["points"]):
+            problems += [f"{label}, d {point['value']}: {p}" for p in width_cell_problems(cell, point["differences"][difference])]
+        problems += [f"{label}, d 256 tail: {p}" for p in
+                     width_cell_problems(tail, gathered["points"][-1]["differences"][difference]["tail_val_loss"])]
+    assert not problems, "\n".join(problems)
