@@ -404,7 +404,8 @@ def test_each_widths_table_row_by_row(metric, widths):
 README_DIFFERENCES = {"mhar H4 − baseline": "mhar-H4 - baseline", "attnres-T4 − baseline": "attnres-T4 - baseline",
                       "attnres − baseline": "attnres - baseline", "mhar H4 − attnres": "mhar-H4 - attnres",
                       "mhar H4 − attnres-T4": "mhar-H4 - attnres-T4"}
-README_PROBES = {"AttnRes's width disagreement (KL; null)": "attnres", "MHAR's head deviation (null)": "mhar-H4"}
+README_PROBES = {"AttnRes's width disagreement (KL; null)": "attnres", "MHAR's head deviation (null)": "mhar-H4",
+                 "the control's width disagreement (KL; null)": "attnres-T4"}
 WIDTH_FOLDERS = [ROOT / "results" / f"width-d{width}" for width in (64, 128, 256)]
 
 
