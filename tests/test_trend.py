@@ -400,10 +400,11 @@ def test_each_widths_table_row_by_row(metric, widths):
     assert "| difference | n_embd 64 | n_embd 128 | n_embd 256 | change 64 → 256 | Welch t (df) |" in text
 
 
-# The README's width table, row label -> trend.py's difference; its probe rows -> (variant, statistic).
-README_DIFFERENCES = {"mhar H4 − baseline": "mhar-H4 - baseline", "attnres-T4 − baseline": "attnres-T4 - baseline",
-                      "attnres − baseline": "attnres - baseline", "mhar H4 − attnres": "mhar-H4 - attnres",
-                      "mhar H4 − attnres-T4": "mhar-H4 - attnres-T4"}
+# The width tables' row labels -> trend.py's differences (the README's: all but attnres-T4 − attnres); the
+# README's probe rows -> the variant probed.
+DIFFERENCES = {"mhar H4 − baseline": "mhar-H4 - baseline", "attnres-T4 − baseline": "attnres-T4 - baseline",
+               "attnres − baseline": "attnres - baseline", "mhar H4 − attnres": "mhar-H4 - attnres",
+               "mhar H4 − attnres-T4": "mhar-H4 - attnres-T4", "attnres-T4 − attnres": "attnres-T4 - attnres"}
 README_PROBES = {"AttnRes's width disagreement (KL; null)": "attnres", "MHAR's head deviation (null)": "mhar-H4",
                  "the control's width disagreement (KL; null)": "attnres-T4"}
 WIDTH_FOLDERS = [ROOT / "results" / f"width-d{width}" for width in (64, 128, 256)]
@@ -431,6 +432,12 @@ def width_cell_problems(cell, pair):
     return [] if said == true else [f"{cell!r}: the results say {true}"]
 
 
+def width_row_problems(label, cells, points):
+    """width_cell_problems of a row's cells, one a width, against trend.gather's points."""
+    return [f"{label}, d {point['value']}: {problem}" for cell, point in zip(cells, points)
+            for problem in width_cell_problems(cell, point["differences"][DIFFERENCES[label]])]
+
+
 def test_the_readmes_width_table_is_trend_py_on_the_committed_results():
     """Every figure of the README's width table, recomputed by trend.gather from results/width-d*/ as
     committed: each width's paired difference (mean ± s.e., t), the change from d 64 to d 256 (Welch),
@@ -438,12 +445,11 @@ def test_the_readmes_width_table_is_trend_py_on_the_committed_results():
     gathered = trend.gather(WIDTH_FOLDERS)
     assert [p["value"] for p in gathered["points"]] == [64, 128, 256] and gathered["metric"] == "full_val_loss"
     rows, problems = width_table((ROOT / "README.md").read_text()), []
-    assert set(rows) == set(README_DIFFERENCES) | set(README_PROBES)
-    for label, difference in README_DIFFERENCES.items():
+    assert set(rows) == set(DIFFERENCES) - {"attnres-T4 − attnres"} | set(README_PROBES)
+    for label in rows.keys() - README_PROBES.keys():
         *widths, change = rows[label]
-        for cell, point in zip(widths, gathered["points"]):
-            problems += [f"{label}, d {point['value']}: {p}" for p in width_cell_problems(cell, point["differences"][difference])]
-        c = gathered["trend"][difference]
+        problems += width_row_problems(label, widths, gathered["points"])
+        c = gathered["trend"][DIFFERENCES[label]]
         said = f"{c['mean']:+.4f} ± {c['se']:.4f}, t({c['df']:.1f}) = {c['t']:+.1f}"
         if change != said:
             problems.append(f"{label}, change: {change!r}, the results say {said!r}")
@@ -469,13 +475,10 @@ def test_the_width_studys_table_in_docs_is_trend_py_on_the_committed_results():
     and the tail-mean ones at d 256, recomputed from results/width-d*/ as committed."""
     gathered = trend.gather(WIDTH_FOLDERS)
     rows = width_table((ROOT / "docs" / "comparison.md").read_text(), "## The width study")
-    assert set(rows) == set(README_DIFFERENCES) | {"attnres-T4 − attnres"}
+    assert set(rows) == set(DIFFERENCES)
     problems = []
-    for label, cells in rows.items():
-        difference = README_DIFFERENCES.get(label, "attnres-T4 - attnres")
-        *widths, tail = cells
-        for cell, point in zip(widths, gathered["points"]):
-            problems += [f"{label}, d {point['value']}: {p}" for p in width_cell_problems(cell, point["differences"][difference])]
-        problems += [f"{label}, d 256 tail: {p}" for p in
-                     width_cell_problems(tail, gathered["points"][-1]["differences"][difference]["tail_val_loss"])]
+    for label, (*widths, tail) in rows.items():
+        problems += width_row_problems(label, widths, gathered["points"])
+        last = gathered["points"][-1]["differences"][DIFFERENCES[label]]["tail_val_loss"]
+        problems += [f"{label}, d 256 tail: {problem}" for problem in width_cell_problems(tail, last)]
     assert not problems, "\n".join(problems)
