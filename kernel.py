@@ -88,12 +88,15 @@ RESIDENT_WARPS = 16
 PROGRAMS = RESIDENT_WARPS // 8 * 132
 INTERPRETED_PROGRAMS = 3    # the interpreter runs programs one by one: few, of many positions
 NUM_STAGES = 3              # source rows in flight in the loop over sources (software pipeline)
-TABLE_CHUNK = 64            # address-table entries one launch of _table_kernel writes (1-2 a table)
-# The kernels read their tensors through a table of int64 addresses: the N sources', then per
-# site, forward: its output, the output's remainder, its lse; backward: its output, remainder,
-# output gradient, lse, and the coupling given for a partial state (any address for a complete
-# site). In phase 2 each site's go on with the partial state's, forward: its output, remainder and
-# lse; backward: its lse, and where its output gradient and coupling go. (tl.constexpr, for Triton)
+TABLE_CHUNK = 64            # addresses one launch of _table_kernel writes into a launch's table
+# The kernels read the sources through a table of int64 addresses: source n < committed at
+# table[first + n] (a history's one table, written at each append; a custom operator's, one a
+# launch), and a partial sum after them from the last entry of `entries`. Each site's own tensors
+# come as kernel arguments, `entries`, FORWARD_ENTRIES per site: its output, the output's
+# remainder, its lse; BACKWARD_ENTRIES in backward: its output, remainder, output gradient, lse,
+# and the coupling given for a partial state (any address for a complete site). In phase 2 each
+# site's go on with the partial state's, forward: its output, remainder and lse; backward: its lse,
+# and where its output gradient and coupling go. (tl.constexpr, for Triton)
 FORWARD_ENTRIES = tl.constexpr(3)
 BACKWARD_ENTRIES = tl.constexpr(5)
 INIT_ENTRIES = tl.constexpr(3)
@@ -120,24 +123,28 @@ def _row_tiles(K: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, K2_PAD: tl.c
 
 
 @triton.jit
-def _address(entry, ELEMENT: tl.constexpr):
-    """A table entry as a pointer to ELEMENT, 16-byte aligned, as _addresses."""
-    return tl.multiple_of(tl.load(entry).to(tl.pointer_type(ELEMENT)), 16)
-
-
-@triton.jit
-def _addresses(entries, mask, ELEMENT: tl.constexpr):
-    """Entries as pointers to ELEMENT, 16-byte aligned (_aligned): loads vectorize and pipeline."""
-    return tl.multiple_of(tl.load(entries, mask=mask, other=0).to(tl.pointer_type(ELEMENT)), 16)
+def _site_addresses(entries, k: tl.constexpr, STRIDE: tl.constexpr, G: tl.constexpr,
+                    G_PAD: tl.constexpr, ELEMENT: tl.constexpr):
+    """Entry k of each of the G sites in `entries` (STRIDE a site) as a (G_PAD,) vector of pointers
+    to ELEMENT, 16-byte aligned (the callers' tensors are: loads vectorize and pipeline)."""
+    sites = tl.arange(0, G_PAD)
+    at = tl.zeros([G_PAD], tl.int64)
+    for i in tl.static_range(G):
+        at = tl.where(sites == i, entries[i * STRIDE + k], at)
+    return tl.multiple_of(at.to(tl.pointer_type(ELEMENT)), 16)
 
 
 # N, M and the row indices stay runtime integers: triton would turn a value of 1 into a
 # constexpr, and specializing on their divisibility by 16 would compile more variants for no gain.
-@triton.jit(do_not_specialize=["N", "M", "per_program"])
+@triton.jit(do_not_specialize=["first_source", "committed", "N", "M", "per_program"])
 def _route_forward_kernel(
-    table_ptr,          # int64 addresses: the N sources', then FORWARD_ENTRIES per site (and
-                        # INIT_ENTRIES more with INIT), as laid out above FORWARD_ENTRIES
+    table_ptr,          # int64 addresses of the sources, as laid out above FORWARD_ENTRIES
+    entries,            # int64 addresses: FORWARD_ENTRIES per site (and INIT_ENTRIES more with
+                        # INIT), as laid out above FORWARD_ENTRIES, then the partial sum's (source
+                        # N - 1 when committed < N; any address otherwise)
     qg_ptr,             # [G, D] fp32: q ⊙ g of each site (g folded into the query once)
+    first_source,       # the table entry of source 0
+    committed,          # sources read from the table (the rest: the partial sum)
     N, M,               # number of sources to read, of positions B·T
     per_program,        # positions routed by each program
     eps,                # RMSNorm epsilon
@@ -160,14 +167,15 @@ def _route_forward_kernel(
     tile2 = site_mask[:, None, None] & mask2[None, :, :]              # (G_PAD, H_PAD, K2_PAD)
     qg1 = tl.load(qg_ptr + sites[:, None, None] * D + cols1[None, :, :], mask=tile1, other=0.0)
     qg2 = tl.load(qg_ptr + sites[:, None, None] * D + cols2[None, :, :], mask=tile2, other=0.0)
-    site_table = table_ptr + N + sites * (FORWARD_ENTRIES + INIT * INIT_ENTRIES)
-    out_at = _addresses(site_table, site_mask, SOURCE)
-    rest_at = _addresses(site_table + 1, site_mask, SOURCE)
-    lse_at = _addresses(site_table + 2, site_mask, tl.float32)
+    STRIDE: tl.constexpr = FORWARD_ENTRIES + INIT * INIT_ENTRIES
+    out_at = _site_addresses(entries, 0, STRIDE, G, G_PAD, SOURCE)
+    rest_at = _site_addresses(entries, 1, STRIDE, G, G_PAD, SOURCE)
+    lse_at = _site_addresses(entries, 2, STRIDE, G, G_PAD, tl.float32)
     if INIT:
-        init_out_at = _addresses(site_table + FORWARD_ENTRIES, site_mask, SOURCE)
-        init_rest_at = _addresses(site_table + FORWARD_ENTRIES + 1, site_mask, SOURCE)
-        init_lse_at = _addresses(site_table + FORWARD_ENTRIES + 2, site_mask, tl.float32)
+        init_out_at = _site_addresses(entries, FORWARD_ENTRIES, STRIDE, G, G_PAD, SOURCE)
+        init_rest_at = _site_addresses(entries, FORWARD_ENTRIES + 1, STRIDE, G, G_PAD, SOURCE)
+        init_lse_at = _site_addresses(entries, FORWARD_ENTRIES + 2, STRIDE, G, G_PAD, tl.float32)
+    partial_at = entries[G * STRIDE]
 
     for pos in range(first, last):
         row1, row2 = pos * D + cols1[None, :, :], pos * D + cols2[None, :, :]
@@ -188,8 +196,8 @@ def _route_forward_kernel(
             row_max = tl.full([G_PAD, H_PAD], float("-inf"), tl.float32)   # online softmax per head
             row_sum = tl.zeros([G_PAD, H_PAD], tl.float32)
         for n in tl.range(0, N, num_stages=NUM_STAGES):
-            source = tl.load(table_ptr + n).to(tl.pointer_type(SOURCE))
-            source = tl.multiple_of(source, 16) + pos * D
+            source = tl.load(table_ptr + first_source + n, mask=n < committed, other=partial_at)
+            source = tl.multiple_of(source.to(tl.pointer_type(SOURCE)), 16) + pos * D
             v1 = tl.load(source + cols1, mask=mask1, other=0.0).to(tl.float32)   # (H_PAD, K1)
             v2 = tl.load(source + cols2, mask=mask2, other=0.0).to(tl.float32)   # (H_PAD, K2_PAD)
             r = tl.rsqrt((tl.sum(v1 * v1) + tl.sum(v2 * v2)) / D + eps)    # over the full width
@@ -213,16 +221,17 @@ def _route_forward_kernel(
         tl.store(lse_at[:, None] + state, row_max + tl.log(row_sum), mask=state_mask)
 
 
-@triton.jit(do_not_specialize=["N", "M", "per_program", "row0", "own_lo", "fresh_lo",
-                               "given_sites"])
+@triton.jit(do_not_specialize=["first_source", "committed", "N", "M", "per_program", "row0",
+                               "own_lo", "fresh_lo", "given_sites"])
 def _route_backward_kernel(
-    table_ptr,          # int64 addresses: the N sources', then BACKWARD_ENTRIES per site (and
-                        # INIT_ENTRIES more with INIT), as laid out above FORWARD_ENTRIES
+    table_ptr,          # int64 addresses of the sources, as in the forward
+    entries,            # int64 addresses: BACKWARD_ENTRIES per site (and INIT_ENTRIES more with
+                        # INIT), as laid out above FORWARD_ENTRIES, then the partial sum's
     qg_ptr,             # [G, D] fp32: q ⊙ g of each site
     grads_ptr,          # [rows, M, D] fp32 source-gradient buffer: source n is row row0 + n
     owned_ptr,          # [N - own_lo, M, D] final gradients of sources own_lo.., in their dtype
     qg_grad_ptr,        # [programs, G, D] fp32: per program, Σ of dℓ·r·V over positions, sources
-    N, M, per_program,  # as in the forward
+    first_source, committed, N, M, per_program,  # as in the forward
     row0,               # buffer row of source 0
     own_lo,             # sources own_lo.. are complete after this launch: written to owned_ptr
     fresh_lo,           # sources fresh_lo.. have no earlier gradient: rows written, not added to
@@ -248,22 +257,22 @@ def _route_backward_kernel(
         qg_grad1 += (tl.zeros([H_PAD, K1], tl.float32),)                    # Σ dℓ·r·V per site
         qg_grad2 += (tl.zeros([H_PAD, K2_PAD], tl.float32),)
     row_stride = M.to(tl.int64) * D                 # int64: rows · B·T·d passes 2^31 at large B·T
+    STRIDE: tl.constexpr = BACKWARD_ENTRIES + INIT * INIT_ENTRIES
+    partial_at = entries[G * STRIDE]
 
     for pos in range(first, last):
         row1, row2 = pos * D + cols1, pos * D + cols2
         state = pos * H + heads
         dout1, dout2, lse, coupling = (), (), (), ()
         for i in tl.static_range(G):
-            # the site's addresses, loaded again at each position: kept, 64-bit scalars (5 to 8 a
-            # site), they would take the registers that 16 resident warps need
-            site_table = table_ptr + N + i * (BACKWARD_ENTRIES + INIT * INIT_ENTRIES)
-            out_at = _address(site_table, SOURCE)
-            rest_at = _address(site_table + 1, SOURCE)
-            dout_at = _address(site_table + 2, SOURCE)
-            lse_at = _address(site_table + 3, tl.float32)
+            # the site's addresses, kernel arguments (scalars in registers, not tiles)
+            out_at = tl.multiple_of(entries[i * STRIDE].to(tl.pointer_type(SOURCE)), 16)
+            rest_at = tl.multiple_of(entries[i * STRIDE + 1].to(tl.pointer_type(SOURCE)), 16)
+            dout_at = tl.multiple_of(entries[i * STRIDE + 2].to(tl.pointer_type(SOURCE)), 16)
+            lse_at = tl.multiple_of(entries[i * STRIDE + 3].to(tl.pointer_type(tl.float32)), 16)
             given = ((tl.full([1], given_sites, tl.int32) >> i) & 1) != 0   # a partial state
             complete = given == 0                                           # its output is read
-            given_at = _address(site_table + 4, tl.float32)
+            given_at = tl.multiple_of(entries[i * STRIDE + 4].to(tl.pointer_type(tl.float32)), 16)
             d1 = tl.load(dout_at + row1, mask=mask1, other=0.0).to(tl.float32)
             d2 = tl.load(dout_at + row2, mask=mask2, other=0.0).to(tl.float32)
             lse += (tl.load(lse_at + state, mask=head_mask, other=0.0),)
@@ -280,9 +289,12 @@ def _route_backward_kernel(
             c = (tl.sum(d1 * out1, axis=1) + tl.sum(d2 * out2, axis=1)
                  + tl.load(given_at + state, mask=head_mask & given, other=0.0))
             if INIT:    # out = β·init_out + Σ_n α_n·V_n, with β = exp(init_lse − lse)
-                init_lse_at = _address(site_table + BACKWARD_ENTRIES, tl.float32)
-                init_dout_at = _address(site_table + BACKWARD_ENTRIES + 1, SOURCE)
-                init_coupling_at = _address(site_table + BACKWARD_ENTRIES + 2, tl.float32)
+                init_lse_at = tl.multiple_of(
+                    entries[i * STRIDE + BACKWARD_ENTRIES].to(tl.pointer_type(tl.float32)), 16)
+                init_dout_at = tl.multiple_of(
+                    entries[i * STRIDE + BACKWARD_ENTRIES + 1].to(tl.pointer_type(SOURCE)), 16)
+                init_coupling_at = tl.multiple_of(
+                    entries[i * STRIDE + BACKWARD_ENTRIES + 2].to(tl.pointer_type(tl.float32)), 16)
                 beta = tl.exp(tl.load(init_lse_at + state, mask=head_mask, other=0.0) - lse[i])
                 tl.store(init_dout_at + row1, (beta[:, None] * d1).to(SOURCE), mask=mask1)
                 tl.store(init_dout_at + row2, (beta[:, None] * d2).to(SOURCE), mask=mask2)
@@ -291,8 +303,8 @@ def _route_backward_kernel(
                 tl.store(init_coupling_at + state, beta * c, mask=head_mask)
             dout1, dout2, coupling = dout1 + (d1,), dout2 + (d2,), coupling + (c,)
         for n in tl.range(0, N, num_stages=NUM_STAGES):
-            source = tl.load(table_ptr + n).to(tl.pointer_type(SOURCE))
-            source = tl.multiple_of(source, 16) + pos * D
+            source = tl.load(table_ptr + first_source + n, mask=n < committed, other=partial_at)
+            source = tl.multiple_of(source.to(tl.pointer_type(SOURCE)), 16) + pos * D
             v1 = tl.load(source + cols1, mask=mask1, other=0.0).to(tl.float32)   # (H_PAD, K1)
             v2 = tl.load(source + cols2, mask=mask2, other=0.0).to(tl.float32)   # (H_PAD, K2_PAD)
             # The gradient row is loaded before any reduction, so both loads are in flight at once.
@@ -342,7 +354,8 @@ def _route_backward_kernel(
 def _table_kernel(
     table_ptr,          # int64 address table
     offset,             # where this chunk of it starts
-    entries,            # a tuple of TABLE_CHUNK addresses: the kernel's arguments, which a CUDA
+    entries,            # a tuple of addresses (a history's new rows, or TABLE_CHUNK of a launch's
+                        # table): the kernel's arguments, which a CUDA
                         # graph replays as captured (a table copied up from host memory would be
                         # replayed from a host block freed since)
 ):
@@ -360,8 +373,8 @@ INTERPRETED = not isinstance(_route_forward_kernel, triton.runtime.JITFunction)
 # before ~2 µs in its C launcher. Each launch site has a key, a guard on its runtime arguments
 # that fixes how Triton specializes every one of them (native_specialize_impl): pointers 16-byte
 # aligned ('D'); do_not_specialize ints in [0, 2^31) and not bools (i32; a bool is u1); eps a float
-# (fp32); _table_kernel's entries, specialized one by one, multiples of 16 in [2^31, 2^63) (i64
-# 'D'). The key holds what the guard leaves free: the tensors' dtypes, the grid, the constexprs,
+# (fp32); the addresses passed as arguments (the route kernels' and _table_kernel's entries),
+# specialized one by one, multiples of 16 in [2^31, 2^63) (i64 'D'). The key holds what the guard leaves free: the tensors' dtypes, the grid, the constexprs,
 # TRITON_DEBUG; _bound adds the driver and the device. The first launch with a key goes through
 # kernel[grid] and binds the kernel Triton returns (_bind); later ones call its C launcher
 # directly. A launch the guard refuses goes through kernel[grid], as every launch does with hooks
@@ -436,41 +449,42 @@ def _unhooked(jit):
 
 def _forward_key(programs, constexprs, args):
     """_route_forward_kernel's key (None: launch unbound)."""
-    table, qg, N, M, per_program, eps = args
+    table, entries, qg, first, committed, N, M, per_program, eps = args
     if (BOUND_LAUNCHES and type(eps) is float
-            and type(N) is type(M) is type(per_program) is int
-            and 0 <= N | M | per_program < _I32
+            and type(first) is type(committed) is type(N) is type(M) is type(per_program) is int
+            and 0 <= first | committed | N | M | per_program < _I32 and _all_bind(entries)
             and not (table.data_ptr() | qg.data_ptr()) & 15 and _unhooked(_route_forward_kernel)):
-        return programs, id(constexprs), table.dtype, qg.dtype, knobs.runtime.debug
+        return programs, id(constexprs), len(entries), table.dtype, qg.dtype, knobs.runtime.debug
     return None
 
 
 def _backward_key(programs, constexprs, args):
     """_route_backward_kernel's key (None: launch unbound)."""
-    table, qg, grads, owned, qg_grads, N, M, per_program, row0, own_lo, fresh_lo, given, eps = args
+    (table, entries, qg, grads, owned, qg_grads, first, committed, N, M, per_program, row0, own_lo,
+     fresh_lo, given, eps) = args
     if (BOUND_LAUNCHES and type(eps) is float
-            and type(N) is type(M) is type(per_program) is type(row0) is type(own_lo)
-            is type(fresh_lo) is type(given) is int
-            and 0 <= N | M | per_program | row0 | own_lo | fresh_lo | given < _I32
+            and type(first) is type(committed) is type(N) is type(M) is type(per_program)
+            is type(row0) is type(own_lo) is type(fresh_lo) is type(given) is int
+            and 0 <= (first | committed | N | M | per_program | row0 | own_lo | fresh_lo
+                      | given) < _I32 and _all_bind(entries)
             and not (table.data_ptr() | qg.data_ptr() | grads.data_ptr() | owned.data_ptr()
                      | qg_grads.data_ptr()) & 15 and _unhooked(_route_backward_kernel)):
-        return (programs, id(constexprs), table.dtype, qg.dtype, grads.dtype, owned.dtype,
-                qg_grads.dtype, knobs.runtime.debug)
+        return (programs, id(constexprs), len(entries), table.dtype, qg.dtype, grads.dtype,
+                owned.dtype, qg_grads.dtype, knobs.runtime.debug)
     return None
 
 
-def _binds(address):
-    """Whether an aligned address binds as a table entry (i64 'D'), by _table_key's rule."""
-    return _I32 <= address < _I64
+def _all_bind(entries):
+    """Whether every address passed as an argument is i64 'D': 16-byte aligned, in [2^31, 2^63)."""
+    return _I32 <= min(entries) and max(entries) < _I64 and not math.gcd(*entries) & 15
 
 
 def _table_key(table, entries):
-    """_table_kernel's key for every chunk of a table (None: launch unbound): all its entries i64
-    'D', each chunk's offset, below the table's length, i32; every chunk TABLE_CHUNK long."""
+    """_table_kernel's key for a launch writing `entries` into `table` (None: launch unbound): all
+    of them i64 'D', the offset, below the table's length, i32."""
     if (BOUND_LAUNCHES and not table.data_ptr() & 15 and table.numel() < _I32
-            and _binds(min(entries)) and _binds(max(entries)) and not math.gcd(*entries) & 15
-            and _unhooked(_table_kernel)):
-        return table.dtype, knobs.runtime.debug
+            and _all_bind(entries) and _unhooked(_table_kernel)):
+        return len(entries), table.dtype, knobs.runtime.debug
     return None
 
 
@@ -577,26 +591,22 @@ def _backward_programs(M, width, heads, sites):
 _TABLE_OPTIONS = dict(num_warps=1)
 
 
-def _address_table(addresses, sites, like, table, checked):
-    """The kernels read their tensors through a table of addresses (no copy into one buffer), the
-    sources' then the sites' entries, written on the device by _table_kernel, TABLE_CHUNK entries
-    a launch: nothing goes up from the host, which never waits, and a CUDA graph captures the
-    launch. Every entry is a 16-byte aligned int64 (the callers write an absent tensor's as the
-    first's): one kernel variant serves all. table: where to write them (None: a new tensor);
-    checked: the sources' addresses are known to bind (_table_key's rule, checked by FusedHistory
-    as they came): only the sites' are checked."""
-    entries = addresses + sites
-    entries += addresses[:1] * (_chunks(len(entries)) - len(entries))
-    if table is None:                                       # (a history gives each launch one)
-        table = like.new_empty(len(entries), dtype=torch.int64)     # on like's device
-    elif table.numel() < len(entries):      # the kernel would write past it, into other tables
-        raise RuntimeError(f"an address table of {table.numel()} entries for "
-                           f"{len(addresses) + len(sites)} addresses ({len(entries)} in chunks)")
-    key = _table_key(table, sites if checked else entries)
+def _address_table(addresses, like):
+    """A table of the sources' addresses for one launch (a custom operator's: a history keeps one
+    for the forward, written at each append), padded with the first to whole chunks, written on
+    the device by _table_kernel, TABLE_CHUNK entries a launch: nothing goes up from the host, which
+    never waits, and a CUDA graph captures the launch. One kernel variant serves all."""
+    entries = addresses + addresses[:1] * (_chunks(len(addresses)) - len(addresses))
+    table = like.new_empty(len(entries), dtype=torch.int64)             # on like's device
     for offset in range(0, len(entries), TABLE_CHUNK):
         chunk = tuple(entries[offset:offset + TABLE_CHUNK])
-        _launch(_table_kernel, (1,), key, (table, offset, chunk), _TABLE_OPTIONS)
+        _launch(_table_kernel, (1,), _table_key(table, chunk), (table, offset, chunk),
+                _TABLE_OPTIONS)
     return table
+
+
+def _chunks(entries):                     # what _address_table writes: whole chunks
+    return -(-entries // TABLE_CHUNK) * TABLE_CHUNK
 
 
 def _aligned(tensor):
@@ -636,17 +646,18 @@ def _checked(sources, heads, sites):
     return sources, [t.data_ptr() for t in sources]
 
 
-def _route_forward(*, sources, qg, init, heads, eps, addresses=None, lses=None, table=None):
+def _route_forward(*, sources, qg, init, heads, eps, table=None, first_source=0, partial=None,
+                   lses=None):
     """Route G sites over `sources` (each (B, T, d)); init = [] or, per site, the state (output,
     remainder, lse) of the partial state it continues. Returns the G outputs (sources' dtype),
     their G remainders (bf16: out − bf16(out); fp32 sources need none: empty) and G lse (fp32).
-    addresses: the sources' addresses when the caller has checked them (aligned, each bound by
-    _table_key's rule: FusedHistory, at append); lses: where to write the lse, table: the address
-    table's int64 entries (None: new tensors)."""
+    table: where the caller keeps the sources' addresses (FusedHistory: its table, the launch's
+    first row in it at first_source, and the address of a partial sum read last, or None); without
+    one, the sources are checked and given a table. lses: where to write the lse (None: new)."""
     source, G = sources[0], qg.shape[0]
-    checked = addresses is not None
-    if not checked:
+    if table is None:
         sources, addresses = _checked(sources, heads, G)
+        table = _address_table(addresses, source)
     width = source.shape[-1]
     M = source.numel() // width
     # (empty_like and new_empty: a third of torch.empty's host time with dtype and device given)
@@ -657,12 +668,12 @@ def _route_forward(*, sources, qg, init, heads, eps, addresses=None, lses=None, 
         lse = source.new_empty((*source.shape[:-1], heads), dtype=torch.float32)
         lses = [lse, *[torch.empty_like(lse) for _ in range(G - 1)]]
     # per site as laid out above FORWARD_ENTRIES (an fp32 output's remainder is empty: no address)
-    per_site = [t for i in range(G) for t in (outs[i], rests[i], lses[i], *init[i::G])]
-    table = _address_table(addresses, [t.data_ptr() or addresses[0] for t in per_site], source,
-                           table, checked)
+    entries = [t.data_ptr() for i in range(G) for t in (outs[i], rests[i], lses[i], *init[i::G])]
+    entries = (*[address or entries[0] for address in entries], partial or entries[0])
     per_program, programs, constexprs = _launch_constants(width, heads, G, source.dtype, bool(init),
                                                           False, M)
-    args = (table, qg, len(addresses), M, per_program, eps)
+    N = len(sources)
+    args = (table, entries, qg, first_source, N - (partial is not None), N, M, per_program, eps)
     _launch(_route_forward_kernel, (programs,), _forward_key(programs, constexprs, args), args,
             constexprs)
     return outs, rests, lses
@@ -670,29 +681,32 @@ def _route_forward(*, sources, qg, init, heads, eps, addresses=None, lses=None, 
 
 def _route_backward(grads, owned, qg_grads, init_grads, *, sources, qg, outs, rests, douts, lses,
                     couplings, init_lse, heads, eps, row0, own_lo, fresh_lo, continued,
-                    addresses=None, table=None):
+                    table=None, first_source=0, partial=None):
     """Add the gradients of `sources` into rows row0.. of the fp32 buffer `grads` (in place); write
     the final gradients of sources own_lo.. into `owned` (their dtype), each program's partial
     gradient of qg into `qg_grads` (programs, G, d), and the output gradient and coupling of the
     partial state whose lse is `init_lse` ([] or [lse]: phase 2) into init_grads. couplings: per
     site None, or for a partial state the coupling its phase 2 handed back (whose output and
     remainder the kernel does not read: they may be None); `continued` has a bit for each of those
-    (Spec.continued). douts: contiguous, one per site. addresses, table: as _route_forward's."""
+    (Spec.continued). douts: one per site. table, first_source, partial: as
+    _route_forward's."""
+    douts = [_aligned(dout) for dout in douts]   # (the kernel loads them as 16-byte vectors)
     source, G = douts[0], qg.shape[0]       # an output gradient has the sources' shape and dtype
-    checked = addresses is not None
-    if not checked:
+    if table is None:
         sources, addresses = _checked(sources, heads, G)
+        table = _address_table(addresses, source)
     width = source.shape[-1]
     M = source.numel() // width
-    per_site = [t for i in range(G)             # as laid out above FORWARD_ENTRIES
-                for t in (outs[i], rests[i], douts[i], lses[i], couplings[i], *init_lse,
-                          *init_grads)]
-    table = _address_table(addresses, [(t.data_ptr() if t is not None else 0) or addresses[0]
-                                       for t in per_site], source, table, checked)
+    entries = [0 if t is None else t.data_ptr() for i in range(G)   # as above FORWARD_ENTRIES
+               for t in (outs[i], rests[i], douts[i], lses[i], couplings[i], *init_lse,
+                         *init_grads)]
+    any_address = douts[0].data_ptr()
+    entries = (*[address or any_address for address in entries], partial or any_address)
     per_program, programs, constexprs = _launch_constants(width, heads, G, source.dtype,
                                                           bool(init_lse), True, M)
-    args = (table, qg, grads, owned, qg_grads, len(addresses), M, per_program, row0, own_lo,
-            fresh_lo, continued, eps)
+    N = len(sources)
+    args = (table, entries, qg, grads, owned, qg_grads, first_source, N - (partial is not None), N,
+            M, per_program, row0, own_lo, fresh_lo, continued, eps)
     _launch(_route_backward_kernel, (programs,), _backward_key(programs, constexprs, args), args,
             constexprs)
 
@@ -715,20 +729,20 @@ def _carrier(like, rows):
 
 
 def _launch_backward(backward, spec, *, sources, qg, outs, rests, lses, init_lse, douts, couplings,
-                     dcarrier, addresses=None, table=None, qg_grads=None):
+                     dcarrier, table=None, first_source=0, partial=None, qg_grads=None):
     """The gradients of one launch's inputs, from those of its outputs: (the gradient buffer the
     carrier hands back, the final gradients of the sources it completes, q ⊙ g's per program
     (programs, G, d), the output gradient and coupling of the partial state it continues: []
     without one). outs, rests, lses: as the forward made them; douts, couplings per site (None: no
     gradient, a complete site); `backward` runs the kernel (_route_backward, or the operator
-    through _traced_backward). sources: all, or (with their addresses and table) any list led by
-    the first. qg_grads: for q ⊙ g's partials (None: new)."""
+    through _traced_backward); table, first_source, partial: as _route_forward's. qg_grads: for q ⊙
+    g's partials (None: new)."""
     like = sources[0]                                    # of the sources' shape and dtype
     douts = [torch.zeros_like(like) if d is None else d.contiguous() for d in douts]
     # the forward's last launch is the first in backward: no gradient yet, every row it reads fresh
     buffer = (like.new_empty((spec.rows, *like.shape), dtype=torch.float32) if spec.last
               else dcarrier.contiguous())
-    n_owned = (len(sources) if addresses is None else len(addresses)) - spec.own_lo  # 1 mostly
+    n_owned = len(sources) - spec.own_lo                                         # 1 mostly
     owned = torch.empty_like(like) if n_owned == 1 else like.new_empty((n_owned, *like.shape))
     if qg_grads is None:
         M, (G, d) = like.numel() // like.shape[-1], qg.shape
@@ -739,7 +753,7 @@ def _launch_backward(backward, spec, *, sources, qg, outs, rests, lses, init_lse
     backward(buffer, owned, qg_grads, init_grads, sources=sources, qg=qg, outs=outs, rests=rests,
              douts=douts, lses=lses, couplings=couplings, init_lse=init_lse, heads=spec.heads,
              eps=spec.eps, row0=spec.row0, own_lo=spec.own_lo, fresh_lo=spec.fresh_lo,
-             continued=spec.continued, addresses=addresses, table=table)
+             continued=spec.continued, table=table, first_source=first_source, partial=partial)
     return buffer, [owned] if n_owned == 1 else list(owned.unbind(0)), qg_grads, init_grads
 
 
@@ -785,7 +799,7 @@ def route_sites_backward(grads: Tensor, owned: Tensor, qg_grads: Tensor, init_gr
                     fresh_lo=fresh_lo, continued=continued)
 
 
-def _traced_backward(grads, owned, qg_grads, init_grads, *, addresses, table, **reads):
+def _traced_backward(grads, owned, qg_grads, init_grads, *, table, first_source, partial, **reads):
     """route_sites_backward as _launch_backward calls it: traced code has no addresses."""
     route_sites_backward(grads, owned, qg_grads, init_grads, **reads)
 
@@ -836,8 +850,8 @@ def fused_route(V, q, g, heads, eps=1e-6):
 # Autograd sees only the carrier, the sources a launch completes and its sites' final outputs.
 # The rest goes beside autograd, in the order the carrier fixes (a later launch's backward runs
 # first): a partial state to its phase 2 and its gradients back (Partial); the per-program partials
-# of q ⊙ g's gradient (QGGradients). The sources' addresses are those FusedHistory checked once, at
-# append, and each launch's address table a slice of one tensor per forward. (Each cut the host's
+# of q ⊙ g's gradient (QGGradients). The sources' addresses are those FusedHistory wrote into its
+# table once, at append; each site's own go to the kernels as arguments. (Each cut the host's
 # time: `python bench_kernel.py --host` measures it.)
 
 class Partial:
@@ -892,11 +906,12 @@ def _index(values, device):
     return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
 
 
-Call = namedtuple("Call", "launch spec sources addresses init partials qg qg_parts lses table")
+Call = namedtuple("Call", "launch spec sources table partial init partials qg qg_parts lses")
 Call.__doc__ = """What one eager launch needs besides its autograd inputs: its Launch and Spec, the
-sources it reads and their addresses, `init` (the Partial a phase 2 continues; None in phase 1),
+sources it reads, the history's address table (their rows from launch.lo) and the address of the
+partial sum it reads last (None: none), `init` (the Partial a phase 2 continues; None in phase 1),
 `partials` (per site the Partial its state goes to; None for a site it completes), its q ⊙ g (G,
-d), the forward's QGGradients, the tensors to write its lse into, and its address table's."""
+d), the forward's QGGradients and the tensors to write its lse into."""
 
 
 class RouteSites(torch.autograd.Function):
@@ -910,8 +925,8 @@ class RouteSites(torch.autograd.Function):
         init = call.init
         outs, rests, lses = _route_forward(
             sources=call.sources, qg=call.qg, init=[init.out, init.rest, init.lse] if init else [],
-            heads=call.spec.heads, eps=call.spec.eps, addresses=call.addresses, lses=call.lses,
-            table=call.table)
+            heads=call.spec.heads, eps=call.spec.eps, table=call.table,
+            first_source=call.launch.lo, partial=call.partial, lses=call.lses)
         if init:
             init.out = init.rest = None                  # free: only the lse is read again
         finals = []
@@ -946,8 +961,8 @@ class RouteSites(torch.autograd.Function):
         buffer, source_grads, _, init_grads = _launch_backward(
             _route_backward, call.spec, sources=call.sources, qg=call.qg, outs=outs,
             rests=ctx.rests, lses=ctx.lses, init_lse=call.init.lse if call.init else None,
-            douts=douts, couplings=couplings, dcarrier=grads[-1], addresses=call.addresses,
-            table=call.table, qg_grads=slot)
+            douts=douts, couplings=couplings, dcarrier=grads[-1], table=call.table,
+            first_source=call.launch.lo, partial=call.partial, qg_grads=slot)
         if call.init:
             call.init.grads = init_grads
         qg_grad = None
@@ -1023,41 +1038,23 @@ def launch_bytes(launch, positions, width, heads, source_bytes, target=None):
                                    for way in (False, True))
     row, state = d * b, 4 * H                                   # bytes of an output row, of its lse
     out = row * (2 if b == 2 else 1)                             # bf16: with its remainder
-    forward_entries, backward_entries = site_entries(init)       # table entries per site
-    # forward: per program q ⊙ g and the sites' addresses; per position a table entry and a row per
-    # source, the partial state read, the outputs (with remainders) and their lse written
-    forward = (programs * G * (4 * d + 8 * forward_entries)
-               + M * (N * (8 + row) + G * (out + state) * (2 if init else 1)))
-    # backward: per program q ⊙ g and its partial gradient; per position the sites' addresses, the
-    # output gradients and lse, the outputs of complete sites (with remainders), the coupling of
-    # continued ones; with a partial state its lse read, its output gradient and coupling written;
-    # per source the table entry, the row, the fp32 gradient row (read unless fresh), and the
-    # gradient written, to the buffer, or in the source dtype for a source this launch completes
-    per_source = [8 + row + 4 * d * (n < launch.fresh_lo) + (4 * d if n < launch.own_lo else row)
+    committed = N - launch.partial                               # read from the address table
+    # forward: per program q ⊙ g; per position a row per source and the committed ones' table
+    # entries, the partial state read, the outputs (with remainders) and their lse written
+    forward = programs * G * 4 * d + M * (8 * committed + N * row
+                                          + G * (out + state) * (2 if init else 1))
+    # backward: per program q ⊙ g and its partial gradient; per position the output gradients and
+    # lse, the outputs of complete sites (with remainders), the coupling of continued ones; with a
+    # partial state its lse read, its output gradient and coupling written; per source the row, the
+    # fp32 gradient row (read unless fresh), the gradient written, to the buffer, or in the source
+    # dtype for a source this launch completes, and the committed ones' table entries
+    per_source = [row + 4 * d * (n < launch.fresh_lo) + (4 * d if n < launch.own_lo else row)
                   for n in range(N)]
     continued = bin(launch.continued).count("1")
-    sites = G * (row + state + 8 * backward_entries) + (G - continued) * out + continued * state
+    sites = G * (row + state) + (G - continued) * out + continued * state
     backward = (backward_programs * G * 8 * d
-                + M * (sites + init * (2 * state + row) + sum(per_source)))
-    # and the address tables, written by _table_kernel in whole chunks
-    forward_table, backward_table = table_entries(launch)
-    return forward + 8 * _chunks(forward_table), backward + 8 * _chunks(backward_table)
-
-
-def site_entries(init):
-    """A site's entries in a launch's forward and backward address tables (init: in phase 2)."""
-    more = INIT_ENTRIES.value if init else 0
-    return FORWARD_ENTRIES.value + more, BACKWARD_ENTRIES.value + more
-
-
-def table_entries(launch):
-    """The addresses in a launch's forward and backward tables: the sources', then each site's."""
-    N = launch.hi - launch.lo + launch.partial
-    return tuple(N + launch.sites * entries for entries in site_entries(launch.phase == 2))
-
-
-def _chunks(entries):                     # what _table_kernel writes: whole chunks
-    return -(-entries // TABLE_CHUNK) * TABLE_CHUNK
+                + M * (sites + init * (2 * state + row) + 8 * committed + sum(per_source)))
+    return forward, backward     # (and 8 bytes per source row, written at its append: traffic)
 
 
 def launch_time(launch, positions, width, heads, source_bytes, target=None):
@@ -1085,27 +1082,26 @@ def auto_group(reads, width, heads):
     return min(groups, key=predicted)
 
 
-Plan = namedtuple("Plan", "launch spec continued first_lse number")
+Plan = namedtuple("Plan", "launch spec continued first_lse")
 Plan.__doc__ = """A launch as FusedHistory makes it: its Launch and Spec, per site whether its state
-goes on to a phase 2, its first site's index among the forward's lse, its own among its launches."""
+goes on to a phase 2, and its first site's index among the forward's lse."""
 
 
 @memoized
 def _plans(reads, group, heads, eps):
-    """(per site the Plans its read launches, the lse they write, the sites with a phase 2, each
-    launch's table size, whole chunks): tuples, which torch.compile reads as constants."""
-    plans, rows, first, tables = {}, reads[-1][0], 0, []
-    for number, launch in enumerate(schedule(reads, group)):
+    """(per site the Plans its read launches, the lse they write, the sites with a phase 2):
+    tuples, which torch.compile reads as constants."""
+    plans, rows, first = {}, reads[-1][0], 0
+    for launch in schedule(reads, group):
         spec = Spec(heads=heads, eps=eps, rows=rows, row0=launch.lo, own_lo=launch.own_lo,
                     fresh_lo=launch.fresh_lo, last=launch.last, continued=launch.continued)
         continued = tuple(bool(launch.continued >> i & 1) for i in range(launch.sites))
-        plans.setdefault(launch.site, []).append(Plan(launch, spec, continued, first, number))
+        plans.setdefault(launch.site, []).append(Plan(launch, spec, continued, first))
         first += launch.sites
-        tables.append(_chunks(max(table_entries(launch))))   # forward's, then backward's
     continued_sites = tuple(site for site, entries in plans.items()
                             for plan in entries if plan.launch.phase == 2)
     by_site = tuple(tuple(plans.get(site, ())) for site in range(len(reads)))
-    return by_site, first, continued_sites, tuple(tables)
+    return by_site, first, continued_sites
 
 
 # %% FusedHistory: a readable history, routed by the kernels
@@ -1132,19 +1128,16 @@ class FusedHistory:
             raise ValueError(f"FusedHistory: {len(reads)} sites' reads for {n_sites} sites")
         self.group = group = group or auto_group(reads, width, self.heads)
         layout(width, self.heads, group)            # fails here if a group cannot fit
-        self.plans, self.lse_count, continued, self.table_sizes = _plans(reads, group, self.heads,
-                                                                         self.eps)
+        self.plans, self.lse_count, continued = _plans(reads, group, self.heads, self.eps)
         self.rows_total = reads[-1][0]
         self.rows = []              # the history's committed sources (eager: aligned)
         self.appended = 0
         self.traced = torch.compiler.is_compiling()   # traced code cannot read addresses
-        self.addresses = []         # of the committed sources, checked and aligned as they came
-        self.bindable = True        # each of them bound by _table_key's rule (on a GPU, always)
+        self.table = None           # eager: the committed sources' addresses, written at append
         self.qg = None              # q ⊙ g (fp32) by group and by site: made at the first append
         self.carrier = None         # hands the source-gradient buffer backward, launch to launch
         self.qg_parts = None if self.traced else QGGradients(n_sites, group, continued)   # eager
         self.lses = None            # eager: per site of each launch, where it writes its lse
-        self.tables = None          # eager: per launch, its address table (forward's, backward's)
         self.partials = {}          # site -> its phase-1 state until its phase 2 (eager: a Partial)
         self.outputs = {}           # site -> its routed output, once complete
 
@@ -1162,16 +1155,20 @@ class FusedHistory:
                              f"{tuple(first.shape)} {first.dtype}, got {tuple(source.shape)} "
                              f"{source.dtype} (append the embedding in the sublayers' dtype)")
         self.history.append(source)
-        for committed in self.history.sources[len(self.rows):]:
-            if not self.traced:
-                committed = _aligned(committed)
-                self.addresses.append(committed.data_ptr())
-                self.bindable &= _binds(self.addresses[-1])
-            self.rows.append(committed)
+        known = len(self.rows)
+        if self.traced:
+            self.rows += self.history.sources[known:]
+        else:   # aligned, their addresses in the table where some launch reads them (one launch)
+            self.rows += [_aligned(committed) for committed in self.history.sources[known:]]
+            written = tuple(row.data_ptr() for row in self.rows[known:self.rows_total])
+            if written:
+                _launch(_table_kernel, (1,), _table_key(self.table, written),
+                        (self.table, known, written), _TABLE_OPTIONS)
         self.appended += 1
 
     def _start(self, source):
-        """At the first append: check the source, fold g into the queries, make the lse's tensor."""
+        """At the first append: check the source, fold g into the queries, make the lse's tensor
+        and the address table."""
         check_available(source.device)
         check_sources([source], self.heads, 1)
         # g folded into the query once per forward and split by group and by site. Traced, each
@@ -1183,11 +1180,12 @@ class FusedHistory:
         values = qg if self.traced else qg.detach()
         by_site = values.split(1)                                    # (1, d) per site
         self.qg = values.split(self.group) if self.group > 1 else by_site, by_site  # (G, d) a group
-        if not self.traced:  # every launch's lse, address table (whole chunks: aligned): one tensor
-            self.lses = source.new_empty((self.lse_count, *source.shape[:-1], self.heads),
-                                         dtype=torch.float32).unbind(0)
-            tables = source.new_empty(sum(self.table_sizes), dtype=torch.int64)
-            self.tables = tables.split(self.table_sizes)
+        if not self.traced:  # every launch's lse: rows of one tensor, each 16-byte aligned
+            shape = (*source.shape[:-1], self.heads)
+            size = math.prod(shape)
+            rows = source.new_empty((self.lse_count, -(-size // 4) * 4), dtype=torch.float32)
+            self.lses = [row[:size].view(shape) for row in rows.unbind(0)]
+            self.table = source.new_empty(self.rows_total, dtype=torch.int64)
 
     def read(self, site):
         """The routed input of site `site` (B, T, d), once the history holds its sources."""
@@ -1200,14 +1198,10 @@ class FusedHistory:
 
     def _launch(self, plan):
         launch, spec = plan.launch, plan.spec
-        sources = self.rows[launch.lo:launch.hi]
-        addresses = None if self.traced else self.addresses[launch.lo:launch.hi]
-        if launch.partial:
+        sources, partial = self.rows[launch.lo:launch.hi], None
+        if launch.partial:      # read last, its address a kernel argument (eager)
             partial = self.history.partial if self.traced else _aligned(self.history.partial)
             sources = sources + [partial]
-            addresses = None if self.traced else addresses + [partial.data_ptr()]
-        if not (self.traced or self.bindable and _binds(addresses[-1])):
-            addresses = None        # the launches check them (and launch unbound)
         if self.carrier is None:
             self.carrier = _carrier(sources[0], self.rows_total)
         by_group, by_site = self.qg
@@ -1222,11 +1216,11 @@ class FusedHistory:
         else:                                    # partial states beside autograd, as Partials
             partials = [Partial() if cont else None for cont in plan.continued]
             first = launch.site == 0 and launch.phase == 1
-            call = Call(launch=launch, spec=spec, sources=sources, addresses=addresses,
+            call = Call(launch=launch, spec=spec, sources=sources, table=self.table,
+                        partial=partial.data_ptr() if launch.partial else None,
                         init=self.partials.pop(launch.site) if launch.phase == 2 else None,
                         partials=partials, qg=qg, qg_parts=self.qg_parts,
-                        lses=self.lses[plan.first_lse:plan.first_lse + launch.sites],
-                        table=self.tables[plan.number])
+                        lses=self.lses[plan.first_lse:plan.first_lse + launch.sites])
             *finals, self.carrier = RouteSites.apply(self.carrier, self.qg_all if first else None,
                                                      call, *sources[spec.own_lo:])
         finals = iter(finals)
