@@ -90,8 +90,8 @@ INTERPRETED_PROGRAMS = 3    # the interpreter runs programs one by one: few, of 
 NUM_STAGES = 3              # source rows in flight in the loop over sources (software pipeline)
 TABLE_CHUNK = 64            # addresses one launch of _table_kernel writes into a launch's table
 # The kernels read the sources through a table of int64 addresses: source n < committed at
-# table[first + n] (a history's one table, written at each append; a custom operator's, one a
-# launch), and a partial sum after them from the last entry of `entries`. Each site's own tensors
+# table[first_source + n] (a history's one table, written at each append; a custom operator's,
+# one a launch), and a partial sum after them from the last entry of `entries`. Each site's own tensors
 # come as kernel arguments, `entries`, FORWARD_ENTRIES per site: its output, the output's
 # remainder, its lse; BACKWARD_ENTRIES in backward: its output, remainder, output gradient, lse,
 # and the coupling given for a partial state (any address for a complete site). In phase 2 each
@@ -353,11 +353,11 @@ def _route_backward_kernel(
 @triton.jit(do_not_specialize=["offset"])
 def _table_kernel(
     table_ptr,          # int64 address table
-    offset,             # where this chunk of it starts
+    offset,             # where these entries of it start
     entries,            # a tuple of addresses (a history's new rows, or TABLE_CHUNK of a launch's
-                        # table): the kernel's arguments, which a CUDA
-                        # graph replays as captured (a table copied up from host memory would be
-                        # replayed from a host block freed since)
+                        # table): the kernel's arguments, which a CUDA graph replays as captured
+                        # (a table copied up from host memory would be replayed from a host block
+                        # freed since)
 ):
     for i in tl.static_range(len(entries)):
         tl.store(table_ptr + offset + i, entries[i])
@@ -1184,7 +1184,7 @@ class FusedHistory:
             shape = (*source.shape[:-1], self.heads)
             size = math.prod(shape)
             rows = source.new_empty((self.lse_count, -(-size // 4) * 4), dtype=torch.float32)
-            self.lses = [row[:size].view(shape) for row in rows.unbind(0)]
+            self.lses = rows[:, :size].unflatten(1, shape).unbind(0)
             self.table = source.new_empty(self.rows_total, dtype=torch.int64)
 
     def read(self, site):
