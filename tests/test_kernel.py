@@ -801,16 +801,19 @@ def test_an_address_table_holds_the_sources_to_whole_chunks_each_keyed_on_its_ow
                                                                               n_sources):
     """A custom operator's table: the sources' addresses, then the first's to whole chunks of
     TABLE_CHUNK, each chunk one launch keyed on the addresses it passes."""
-    keyed = []
-    monkeypatch.setattr(kernel, "_table_key", lambda table, entries: keyed.append(entries))
+    keyed, grids = [], []
+    monkeypatch.setattr(kernel, "_table_key", lambda table, entries: keyed.append((table, entries)))
+    monkeypatch.setattr(kernel, "_launch", lambda jit, grid, *args, launch=kernel._launch:
+                        (grids.append(grid), launch(jit, grid, *args)))
     like = torch.empty(4, device=DEVICE)
     sources = [2**40 + 16 * i for i in range(n_sources)]
     table = kernel._address_table(sources, like)
     chunks = -(-n_sources // kernel.TABLE_CHUNK)
     whole = sources + sources[:1] * (chunks * kernel.TABLE_CHUNK - n_sources)
     assert table.tolist() == whole
-    assert keyed == [tuple(whole[i:i + kernel.TABLE_CHUNK])
-                     for i in range(0, len(whole), kernel.TABLE_CHUNK)]
+    assert [(t is table, entries) for t, entries in keyed] == [
+        (True, tuple(whole[i:i + kernel.TABLE_CHUNK])) for i in range(0, len(whole), kernel.TABLE_CHUNK)]
+    assert grids == [(1,)] * chunks                           # one program writes each chunk
 
 
 class _Table:
