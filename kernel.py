@@ -91,8 +91,8 @@ NUM_STAGES = 3              # source rows in flight in the loop over sources (so
 TABLE_CHUNK = 64            # addresses one launch of _table_kernel writes into a launch's table
 # The kernels read the sources through a table of int64 addresses: source n < committed at
 # table[first_source + n] (a history's one table, written at each append; a custom operator's,
-# one a launch), and a partial sum after them from the last entry of `entries`. Each site's own tensors
-# come as kernel arguments, `entries`, FORWARD_ENTRIES per site: its output, the output's
+# one a launch), and a partial sum after them from the last entry of `entries`. Each site's own
+# tensors come as kernel arguments, `entries`, FORWARD_ENTRIES per site: its output, the output's
 # remainder, its lse; BACKWARD_ENTRIES in backward: its output, remainder, output gradient, lse,
 # and the coupling given for a partial state (any address for a complete site). In phase 2 each
 # site's go on with the partial state's, forward: its output, remainder and lse; backward: its lse,
@@ -374,7 +374,8 @@ INTERPRETED = not isinstance(_route_forward_kernel, triton.runtime.JITFunction)
 # that fixes how Triton specializes every one of them (native_specialize_impl): pointers 16-byte
 # aligned ('D'); do_not_specialize ints in [0, 2^31) and not bools (i32; a bool is u1); eps a float
 # (fp32); the addresses passed as arguments (the route kernels' and _table_kernel's entries),
-# specialized one by one, multiples of 16 in [2^31, 2^63) (i64 'D'). The key holds what the guard leaves free: the tensors' dtypes, the grid, the constexprs,
+# specialized one by one, multiples of 16 in [2^31, 2^63) (i64 'D'). The key holds what the guard
+# leaves free: the tensors' dtypes, the number of entries, the grid, the constexprs,
 # TRITON_DEBUG; _bound adds the driver and the device. The first launch with a key goes through
 # kernel[grid] and binds the kernel Triton returns (_bind); later ones call its C launcher
 # directly. A launch the guard refuses goes through kernel[grid], as every launch does with hooks
@@ -688,8 +689,7 @@ def _route_backward(grads, owned, qg_grads, init_grads, *, sources, qg, outs, re
     partial state whose lse is `init_lse` ([] or [lse]: phase 2) into init_grads. couplings: per
     site None, or for a partial state the coupling its phase 2 handed back (whose output and
     remainder the kernel does not read: they may be None); `continued` has a bit for each of those
-    (Spec.continued). douts: one per site. table, first_source, partial: as
-    _route_forward's."""
+    (Spec.continued). douts: one per site. table, first_source, partial: as _route_forward's."""
     douts = [_aligned(dout) for dout in douts]   # (the kernel loads them as 16-byte vectors)
     source, G = douts[0], qg.shape[0]       # an output gradient has the sources' shape and dtype
     if table is None:
