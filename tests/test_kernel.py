@@ -725,6 +725,23 @@ def test_bound_launch_keys_refuse_what_triton_specializes_otherwise(monkeypatch,
     assert _key(name, args()) is None
 
 
+INTS = {"forward": range(3, 8), "backward": range(6, 15)}      # where each key's ints are
+
+
+@pytest.mark.parametrize("value,bound", [(None, True), (2**31 - 1, True), (2**31, False)],
+                         ids=["all 0", "one 2**31 - 1", "one 2**31"])
+@pytest.mark.parametrize("name", INTS)
+def test_bound_launch_keys_take_ints_from_0_to_2_31_exclusive(monkeypatch, name, value, bound):
+    """Every int 0 (each bound at i32 alone), or one of them at the edge of i32 and the rest 0."""
+    monkeypatch.setattr(kernel, "BOUND_LAUNCHES", True)
+    accepted = dict(zip(("forward", "backward"), _guarded_args()))[name]
+    for edge in INTS[name]:
+        args = accepted
+        for i in INTS[name]:
+            args = _replaced(args, i, value if i == edge and value is not None else 0)
+        assert (_key(name, args) is not None) is bound, edge
+
+
 @pytest.mark.parametrize("entries", [(2**31,), (2**63 - 16,), (2**62, 2**62, 2**63 - 16)],
                          ids=["2**31", "2**63 - 16", "summing past 2**63"])
 @pytest.mark.parametrize("name", ["forward", "backward", "table"])
