@@ -884,6 +884,12 @@ def test_bound_launch_keys_tell_apart_what_their_guards_leave_free(monkeypatch):
     assert kernel._forward_key(7, {}, (table, entries, qg, *ints)) != key
     assert kernel._forward_key(7, constexprs, (table, entries, qg.bfloat16(), *ints)) != key
     assert kernel._forward_key(7, constexprs, (table, entries[1:], qg, *ints)) != key
+    backward, constexprs_b = _guarded_args()[1], {}
+    key_b = kernel._backward_key(7, constexprs_b, backward)
+    assert kernel._backward_key(7, constexprs_b, _replaced(backward, 1, moved)) == key_b
+    assert kernel._backward_key(8, constexprs_b, backward) != key_b
+    assert kernel._backward_key(7, {}, backward) != key_b
+    assert kernel._backward_key(7, constexprs_b, _replaced(backward, 1, entries[1:])) != key_b
     table_key = kernel._table_key(table, entries)
     assert kernel._table_key(table, moved) == table_key != kernel._table_key(table, entries[1:])
     with monkeypatch.context() as patched:
