@@ -738,7 +738,7 @@ def _launch_backward(backward, spec, *, sources, qg, outs, rests, lses, init_lse
     through _traced_backward); table, first_source, partial: as _route_forward's. qg_grads: for q ⊙
     g's partials (None: new)."""
     like = sources[0]                                    # of the sources' shape and dtype
-    douts = [torch.zeros_like(like) if d is None else d.contiguous() for d in douts]
+    douts = [torch.zeros_like(like) if d is None else d for d in douts]   # (aligned where launched)
     # the forward's last launch is the first in backward: no gradient yet, every row it reads fresh
     buffer = (like.new_empty((spec.rows, *like.shape), dtype=torch.float32) if spec.last
               else dcarrier.contiguous())
