@@ -479,10 +479,11 @@ def stand_in_gpu():
              triton.runtime.driver._active)  # None until a launch asks for one (reset_active would ask)
     os.environ["TRITON_LIBCUDA_PATH"] = str(folder)  # where Triton's launcher links libcuda.so.1
     driver = CudaDriver()
-    # its own device, stream and capability queries (C, through the driver), not torch.cuda's
-    driver.get_current_device = driver._get_current_device
-    driver.get_current_stream = driver._get_current_stream
-    driver.get_device_capability = driver._get_device_capability
+    # its own device, stream and capability queries, not torch.cuda's: through the driver where
+    # triton has them (3.9, in C), else device 0, its default stream, sm_90 (3.6 has none)
+    driver.get_current_device = getattr(driver, "_get_current_device", lambda: 0)
+    driver.get_current_stream = getattr(driver, "_get_current_stream", lambda device: 0)
+    driver.get_device_capability = getattr(driver, "_get_device_capability", lambda device: (9, 0))
     triton.runtime.driver.set_active(driver)
     kernel.check_available = lambda device=None: None
     kernel._device_programs = lambda: kernel.RESIDENT_WARPS // 8 * STAND_IN_SMS
