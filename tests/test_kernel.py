@@ -577,6 +577,32 @@ def test_host_cost_goes_through_tritons_launcher_to_the_stand_in_driver():
     assert "ratios True True True" in done.stdout and "restored True True True True" in done.stdout
 
 
+STAND_IN_QUERIES = """
+import sys, triton, bench_kernel
+from triton.backends.nvidia.driver import CudaDriver
+if sys.argv[1] == "none":                   # triton 3.6's CudaDriver: no queries of its own
+    for name in ("_get_current_device", "_get_current_stream", "_get_device_capability"):
+        delattr(CudaDriver, name)
+with bench_kernel.stand_in_gpu():
+    active = triton.runtime.driver.active
+    device = active.get_current_device()
+    print(device, active.get_current_stream(device), active.get_device_capability(device),
+          active.get_current_target().arch)
+"""
+
+
+@pytest.mark.parametrize("queries", ["own", "none"], ids=["driver-queries", "no-driver-queries"])
+def test_the_stand_in_answers_device_stream_and_capability_whatever_the_triton(queries):
+    """The stand-in GPU is device 0, its default stream (null) and sm_90: asked through the driver where
+    Triton has the queries (3.9: C, through the stand-in libcuda), answered in Python where it has none
+    (3.6, emulated here by removing them): there the stand-in failed with an AttributeError."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", STAND_IN_QUERIES, queries], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=os.path.dirname(os.path.abspath(kernel.__file__)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["0", "0", "(9,", "0)", "90"]
+
+
 def test_host_cost_without_a_c_compiler_is_one_line(monkeypatch, capsys):
     """The stand-in driver is compiled with gcc (as Triton's launcher is): without one, the machine's line,
     status 1, before anything is built or replaced."""
