@@ -90,7 +90,7 @@ def traffic(n_layer, width, heads, positions, group=0, block=1, delta=False, sou
     # q ⊙ g of all S sites: two stacks and a product forward; backward the product's gradient and
     # the stacks' (views), from the launches' per-program partials: each buffer summed over
     # programs (counted at 8 warps: a 4-warp backward has twice as many), phase 2's rows added to a
-    # copy of phase 1's sum. The address table is kernels' bytes (written by _table_kernel), not torch's.
+    # copy of phase 1's sum.
     qg = 4 * n_sites * width
     programs = kernel._programs(positions, target)[1]
     again = any(launch.phase == 2 for launch in launches)
@@ -103,8 +103,7 @@ def traffic(n_layer, width, heads, positions, group=0, block=1, delta=False, sou
     # phase 2 continued (its output and remainder it frees)
     lse = positions * heads * 4
     saved = n_sites * (rest + lse) + sum(launch.phase == 2 for launch in launches) * lse
-    table = 8 * reads[-1][0]         # the history's address table: a source row's, at its append
-    return {"forward": {"kernels": table + sum(f for f, _ in kernels),
+    return {"forward": {"kernels": sum(f for f, _ in kernels),
                         "torch": sums_forward + null + qg_forward},
             "backward": {"kernels": sum(b for _, b in kernels),
                          "torch": sums_backward + null + qg_backward},

@@ -90,8 +90,9 @@ INTERPRETED_PROGRAMS = 3    # the interpreter runs programs one by one: few, of 
 NUM_STAGES = 3              # source rows in flight in the loop over sources (software pipeline)
 TABLE_CHUNK = 64            # addresses one launch of _table_kernel writes into a launch's table
 # The kernels read the sources through a table of int64 addresses: source n < committed at
-# table[first_source + n] (a history's one table, written at each append; a custom operator's,
-# one a launch), and a partial sum after them from the last entry of `entries`. Each site's own
+# table[first_source + n] (a history's one table, each source's address written by the forward
+# launch that reads it first; a custom operator's, one a launch), and a partial sum after them
+# from the entry of `entries` after the sites'. Each site's own
 # tensors come as kernel arguments, `entries`, FORWARD_ENTRIES per site: its output, the output's
 # remainder, its lse; BACKWARD_ENTRIES in backward: its output, remainder, output gradient, lse,
 # and the coupling given for a partial state (any address for a complete site). In phase 2 each
@@ -141,7 +142,8 @@ def _route_forward_kernel(
     table_ptr,          # int64 addresses of the sources, as laid out above FORWARD_ENTRIES
     entries,            # int64 addresses: FORWARD_ENTRIES per site (and INIT_ENTRIES more with
                         # INIT), as laid out above FORWARD_ENTRIES, then the partial sum's (source
-                        # N - 1 when committed < N; any address otherwise)
+                        # N - 1 when committed < N; any address otherwise), then those of the last
+                        # committed sources that are not in the table yet
     qg_ptr,             # [G, D] fp32: q ⊙ g of each site (g folded into the query once)
     first_source,       # the table entry of source 0
     committed,          # sources read from the table (the rest: the partial sum)
@@ -176,6 +178,13 @@ def _route_forward_kernel(
         init_rest_at = _site_addresses(entries, FORWARD_ENTRIES + 1, STRIDE, G, G_PAD, SOURCE)
         init_lse_at = _site_addresses(entries, FORWARD_ENTRIES + 2, STRIDE, G, G_PAD, tl.float32)
     partial_at = entries[G * STRIDE]
+    # The committed sources no earlier launch read (a history's newest): read from `entries`, and
+    # written into the table by program 0 for the launches after this one (the stream orders them)
+    NEW: tl.constexpr = len(entries) - G * STRIDE - 1
+    in_table = committed - NEW
+    for i in tl.static_range(NEW):
+        tl.store(table_ptr + first_source + in_table + i, entries[G * STRIDE + 1 + i],
+                 mask=tl.program_id(0) == 0)
 
     for pos in range(first, last):
         row1, row2 = pos * D + cols1[None, :, :], pos * D + cols2[None, :, :]
@@ -196,7 +205,9 @@ def _route_forward_kernel(
             row_max = tl.full([G_PAD, H_PAD], float("-inf"), tl.float32)   # online softmax per head
             row_sum = tl.zeros([G_PAD, H_PAD], tl.float32)
         for n in tl.range(0, N, num_stages=NUM_STAGES):
-            source = tl.load(table_ptr + first_source + n, mask=n < committed, other=partial_at)
+            source = tl.load(table_ptr + first_source + n, mask=n < in_table, other=partial_at)
+            for i in tl.static_range(NEW):
+                source = tl.where(n == in_table + i, entries[G * STRIDE + 1 + i], source)
             source = tl.multiple_of(source.to(tl.pointer_type(SOURCE)), 16) + pos * D
             v1 = tl.load(source + cols1, mask=mask1, other=0.0).to(tl.float32)   # (H_PAD, K1)
             v2 = tl.load(source + cols2, mask=mask2, other=0.0).to(tl.float32)   # (H_PAD, K2_PAD)
@@ -648,13 +659,15 @@ def _checked(sources, heads, sites):
 
 
 def _route_forward(*, sources, qg, init, heads, eps, table=None, first_source=0, partial=None,
-                   lses=None):
+                   lses=None, new_rows=()):
     """Route G sites over `sources` (each (B, T, d)); init = [] or, per site, the state (output,
     remainder, lse) of the partial state it continues. Returns the G outputs (sources' dtype),
     their G remainders (bf16: out − bf16(out); fp32 sources need none: empty) and G lse (fp32).
     table: where the caller keeps the sources' addresses (FusedHistory: its table, the launch's
     first row in it at first_source, and the address of a partial sum read last, or None); without
-    one, the sources are checked and given a table. lses: where to write the lse (None: new)."""
+    one, the sources are checked and given a table. lses: where to write the lse (None: new).
+    new_rows: the addresses of the last committed sources, which the table does not hold yet (the
+    kernel reads them from its arguments and writes them into the table)."""
     source, G = sources[0], qg.shape[0]
     if table is None:
         sources, addresses = _checked(sources, heads, G)
@@ -670,7 +683,7 @@ def _route_forward(*, sources, qg, init, heads, eps, table=None, first_source=0,
         lses = [lse, *[torch.empty_like(lse) for _ in range(G - 1)]]
     # per site as laid out above FORWARD_ENTRIES (an fp32 output's remainder is empty: no address)
     entries = [t.data_ptr() for i in range(G) for t in (outs[i], rests[i], lses[i], *init[i::G])]
-    entries = (*[address or entries[0] for address in entries], partial or entries[0])
+    entries = (*[address or entries[0] for address in entries], partial or entries[0], *new_rows)
     per_program, programs, constexprs = _launch_constants(width, heads, G, source.dtype, bool(init),
                                                           False, M)
     N = len(sources)
@@ -906,10 +919,11 @@ def _index(values, device):
     return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
 
 
-Call = namedtuple("Call", "launch spec sources table partial init partials qg qg_parts lses")
+Call = namedtuple("Call", "launch spec sources table new_rows partial init partials qg qg_parts lses")
 Call.__doc__ = """What one eager launch needs besides its autograd inputs: its Launch and Spec, the
-sources it reads, the history's address table (their rows from launch.lo) and the address of the
-partial sum it reads last (None: none), `init` (the Partial a phase 2 continues; None in phase 1),
+sources it reads, the history's address table (their rows from launch.lo) and the addresses of
+those it is the first to read (which its forward writes there), the address of the partial sum
+it reads last (None: none), `init` (the Partial a phase 2 continues; None in phase 1),
 `partials` (per site the Partial its state goes to; None for a site it completes), its q ⊙ g (G,
 d), the forward's QGGradients and the tensors to write its lse into."""
 
@@ -926,7 +940,8 @@ class RouteSites(torch.autograd.Function):
         outs, rests, lses = _route_forward(
             sources=call.sources, qg=call.qg, init=[init.out, init.rest, init.lse] if init else [],
             heads=call.spec.heads, eps=call.spec.eps, table=call.table,
-            first_source=call.launch.lo, partial=call.partial, lses=call.lses)
+            first_source=call.launch.lo, partial=call.partial, lses=call.lses,
+            new_rows=call.new_rows)
         if init:
             init.out = init.rest = None                  # free: only the lse is read again
         finals = []
@@ -1039,10 +1054,12 @@ def launch_bytes(launch, positions, width, heads, source_bytes, target=None):
     row, state = d * b, 4 * H                                   # bytes of an output row, of its lse
     out = row * (2 if b == 2 else 1)                             # bf16: with its remainder
     committed = N - launch.partial                               # read from the address table
-    # forward: per program q ⊙ g; per position a row per source and the committed ones' table
-    # entries, the partial state read, the outputs (with remainders) and their lse written
-    forward = programs * G * 4 * d + M * (8 * committed + N * row
-                                          + G * (out + state) * (2 if init else 1))
+    new = max(committed - launch.own_lo, 0)          # rows first read here: arguments, not table
+    # forward: per program q ⊙ g; per position a row per source and the table entries of the
+    # committed ones read before, the partial state read, the outputs (with remainders) and their
+    # lse written; once, the new rows' entries written into the table
+    forward = 8 * new + programs * G * 4 * d + M * (8 * (committed - new) + N * row
+                                                    + G * (out + state) * (2 if init else 1))
     # backward: per program q ⊙ g and its partial gradient; per position the output gradients and
     # lse, the outputs of complete sites (with remainders), the coupling of continued ones; with a
     # partial state its lse read, its output gradient and coupling written; per source the row, the
@@ -1054,7 +1071,7 @@ def launch_bytes(launch, positions, width, heads, source_bytes, target=None):
     sites = G * (row + state) + (G - continued) * out + continued * state
     backward = (backward_programs * G * 8 * d
                 + M * (sites + init * (2 * state + row) + 8 * committed + sum(per_source)))
-    return forward, backward     # (and 8 bytes per source row, written at its append: traffic)
+    return forward, backward
 
 
 def launch_time(launch, positions, width, heads, source_bytes, target=None):
@@ -1133,7 +1150,8 @@ class FusedHistory:
         self.rows = []              # the history's committed sources (eager: aligned)
         self.appended = 0
         self.traced = torch.compiler.is_compiling()   # traced code cannot read addresses
-        self.table = None           # eager: the committed sources' addresses, written at append
+        self.table = None           # eager: the committed sources' addresses, each written by the
+                                    # first forward launch that reads it
         self.qg = None              # q ⊙ g (fp32) by group and by site: made at the first append
         self.carrier = None         # hands the source-gradient buffer backward, launch to launch
         self.qg_parts = None if self.traced else QGGradients(n_sites, group, continued)   # eager
@@ -1158,12 +1176,8 @@ class FusedHistory:
         known = len(self.rows)
         if self.traced:
             self.rows += self.history.sources[known:]
-        else:   # aligned, their addresses in the table where some launch reads them (one launch)
+        else:   # aligned: the kernels load rows as 16-byte vectors
             self.rows += [_aligned(committed) for committed in self.history.sources[known:]]
-            written = tuple(row.data_ptr() for row in self.rows[known:self.rows_total])
-            if written:
-                _launch(_table_kernel, (1,), _table_key(self.table, written),
-                        (self.table, known, written), _TABLE_OPTIONS)
         self.appended += 1
 
     def _start(self, source):
@@ -1216,8 +1230,10 @@ class FusedHistory:
         else:                                    # partial states beside autograd, as Partials
             partials = [Partial() if cont else None for cont in plan.continued]
             first = launch.site == 0 and launch.phase == 1
+            # the rows no earlier launch read (own_lo: the first that this one completes)
+            new_rows = tuple(row.data_ptr() for row in self.rows[launch.lo + launch.own_lo:launch.hi])
             call = Call(launch=launch, spec=spec, sources=sources, table=self.table,
-                        partial=partial.data_ptr() if launch.partial else None,
+                        new_rows=new_rows, partial=partial.data_ptr() if launch.partial else None,
                         init=self.partials.pop(launch.site) if launch.phase == 2 else None,
                         partials=partials, qg=qg, qg_parts=self.qg_parts,
                         lses=self.lses[plan.first_lse:plan.first_lse + launch.sites])

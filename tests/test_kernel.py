@@ -565,15 +565,16 @@ print("restored", kernel.check_available is check, kernel._device_programs is pr
 def test_host_cost_goes_through_tritons_launcher_to_the_stand_in_driver():
     """python bench_kernel.py --host at a tiny shape (5 sites, G = 1 and the automatic 3), in a process without
     the interpreter: the kernels compile for sm_90 and every launch of a site reaches the stand-in driver through
-    Triton's own launcher (at G = 1 three: its source's address at append, the forward, the backward; at G = 3 a
-    phase 1 for sites 0-2 and 3-4, one phase 2 for each site it continues); after it, what it replaced is back."""
+    Triton's own launcher (at G = 1 two: the forward, which also writes its new source's address into the table,
+    and the backward; at G = 3 a phase 1 for sites 0-2 and 3-4, one phase 2 for each site it continues, both
+    ways); after it, what it replaced is back."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", HOST_COST], cwd=os.path.dirname(os.path.abspath(kernel.__file__)), env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {line.split()[3]: line.split() for line in done.stdout.splitlines() if line.startswith("tiny")}
     assert set(rows) == {"1", "3"}
-    assert rows["1"][4] == rows["3"][4] == "3.0"   # launches per site that reached the driver
+    assert rows["1"][4] == rows["3"][4] == "2.0"   # launches per site that reached the driver
     assert "ratios True True True" in done.stdout and "restored True True True True" in done.stdout
 
 
@@ -781,11 +782,12 @@ def test_bound_launch_keys_take_every_entry_that_triton_makes_i64_D(monkeypatch,
 @pytest.mark.parametrize("block", [1, 2], ids=["full", "block-2"])
 def test_a_launch_passed_an_address_triton_would_specialize_otherwise_goes_unbound(
         monkeypatch, out_of_range, block):
-    """Addresses passed as arguments are checked at each launch: a source's where its append writes
-    it into the history's table, a partial sum's and the sites' where a route kernel takes them.
-    One that would not bind (here: kernel._all_bind refuses the embedding's, or each partial
-    sum's) sends exactly the launches that pass it through kernel[grid], and the outputs and
-    gradients are the same. (Interpreted: every launch runs unbound; the keys are what is checked.)"""
+    """Addresses passed as arguments are checked at each launch: a source's where the forward that
+    reads it first takes it (and writes it into the history's table), a partial sum's and the
+    sites' where a route kernel takes them. One that would not bind (here: kernel._all_bind refuses
+    the embedding's, or each partial sum's) sends exactly the launches that pass it through
+    kernel[grid], and the outputs and gradients are the same. (Interpreted: every launch runs
+    unbound; the keys are what is checked.)"""
     sites, d = 5, 32
     refused, unbound = set(), []
     monkeypatch.setattr(kernel, "BOUND_LAUNCHES", True)
@@ -811,14 +813,16 @@ def test_a_launch_passed_an_address_triton_would_specialize_otherwise_goes_unbou
     monkeypatch.setattr(kernel, "_all_bind", lambda entries, binds=kernel._all_bind:
                         not refused.intersection(entries) and binds(entries))
     history, results = run()
-    passed = [args[2 if jit is kernel._table_kernel else 1] for jit, args in unbound]  # entries
-    if out_of_range == "a source":              # its append's table write, alone
-        assert [jit for jit, _ in unbound] == [kernel._table_kernel]
-        assert len(passed[0]) == 1 and passed[0][0] in refused
+    passed = [args[1] for jit, args in unbound]                                       # entries
+    first = history.plans[0][0]                 # the forward's first launch: it reads s_0 first
+    if out_of_range == "a source":              # that launch's forward, alone: the last entry
+        assert [jit for jit, _ in unbound] == [kernel._route_forward_kernel]
+        assert passed[0][-1] in refused and first.launch.own_lo == 0
+        assert len(passed[0]) == first.launch.sites * kernel.FORWARD_ENTRIES + 1 + first.launch.hi
     elif out_of_range == "a partial sum" and block == 2:    # each launch over one, both ways
         launches = [plan.launch for plans in history.plans for plan in plans]
         assert len(unbound) == 2 * sum(launch.partial for launch in launches) > 0
-        assert all(entries[-1] in refused for entries in passed)
+        assert all(refused.intersection(entries) for entries in passed)
     else:
         assert unbound == []
     for got, expected in zip(results, reference):
@@ -1014,6 +1018,9 @@ with bench_kernel.stand_in_gpu() as launched:
                     history.append(out * 1.0)
                     out = history.read(site)
                 out.float().sum().backward()
+        for chain in range(3):              # the custom operator's way in: an address table a launch
+            V = torch.randn(3, 1, 4, d).to(dtype).requires_grad_()
+            kernel.fused_route(V, qs[0], gs[0], heads).float().sum().backward()
 for count in sorted(counts.items(), key=str):
     print(*count[0], count[1])
 """
@@ -1022,7 +1029,8 @@ for count in sorted(counts.items(), key=str):
 @pytest.mark.slow
 def test_bound_launches_pass_the_driver_the_bytes_of_tritons_own(tmp_path):
     """In a process without the interpreter, a fused chain (d = 32, 5 sites, G = 1 and 3, bf16 and
-    fp32) forward and backward through a stand-in driver that records each launch: grid, block,
+    fp32) and fused_route (whose custom operators write a table a launch) forward and backward
+    through a stand-in driver that records each launch: grid, block,
     shared memory, stream, function (one handle per kernel loaded), attributes and every kernel
     parameter's bytes. Every launch after the first of its key is made twice, by kernel[grid] and
     bound: the driver must be handed the same, and bound launches call the C launch directly."""
@@ -1083,10 +1091,11 @@ def compile_launch(args):
         constexprs = {**config, "SOURCE": kernel.SOURCE_TYPES[dtype], "INIT": init,
                       "SPLIT": dtype == torch.bfloat16, "NUM_STAGES": kernel._num_stages(config, backward)}
         pointers = {"table_ptr": "*i64", "owned_ptr": "*" + source}
-        # the sites' addresses, and the partial sum's: int64 arguments, each a multiple of 16
+        # the sites' addresses, the partial sum's and (forward) a history's new source's, as eager
+        # launches pass them (traced ones pass no new source): int64 arguments, each a multiple of 16
         stride = ((kernel.BACKWARD_ENTRIES if backward else kernel.FORWARD_ENTRIES).value
                   + init * kernel.INIT_ENTRIES.value)
-        entries = ("i64",) * (sites * stride + 1)
+        entries = ("i64",) * (sites * stride + 1 + (not backward))
         signature = {arg: "constexpr" if arg in constexprs else entries if arg == "entries"
                      else pointers.get(arg, "*fp32") if arg.endswith("_ptr")
                      else "fp32" if arg == "eps" else "i32" for arg in fn.arg_names}
