@@ -489,35 +489,37 @@ def test_grouped_moves_under_a_third_at_the_kernel_table_shapes():
         assert moved[0] < moved[1] < bench_kernel.PREVIOUS_GB[preset] * 1e9, (preset, moved)
 
 
-METERED = {   # id: (n_layer, width, heads, B·T, group, block, delta)
-    "grouped-12-layers": (12, 32, 4, 4, 0, 1, False),
-    "one-pass-2-layers": (2, 40, 4, 5, 1, 1, False),
-    "block-G3": (3, 24, 8, 6, 3, 2, False),
-    "delta-auto": (3, 24, 2, 6, 0, 2, True),
+METERED = {   # id: (n_layer, width, heads, B·T, group, block, delta, bytes of a source element)
+    "grouped-12-layers": (12, 32, 4, 4, 0, 1, False, 2),
+    "one-pass-2-layers": (2, 40, 4, 5, 1, 1, False, 2),
+    "block-G3": (3, 24, 8, 6, 3, 2, False, 2),
+    "delta-auto": (3, 24, 2, 6, 0, 2, True, 2),
+    "fp32-G2": (2, 24, 2, 5, 2, 1, False, 4),      # fp32 sources: no remainders
 }
 
 
 @interpreted
 @pytest.mark.parametrize("case", METERED.values(), ids=METERED.keys())
 def test_meter_counts_what_the_model_predicts(case, monkeypatch):
-    """Bytes as the interpreter counts them, the history's address table written at its appends
-    included; a history's launches make no tables of their own."""
+    """Bytes as the interpreter counts them, each source's table entry (written by the forward that
+    reads it first) included; a history's launches make no tables of their own."""
     tables = []
     monkeypatch.setattr(kernel, "_address_table", lambda *args, make=kernel._address_table:
                         tables.append(args) or make(*args))
-    n_layer, d, heads, positions, group, block, delta = case
+    n_layer, d, heads, positions, group, block, delta, source_bytes = case
     sites = 2 * n_layer + 1
     torch.manual_seed(0)
     queries = [torch.nn.Parameter(0.3 * torch.randn(d)) for _ in range(sites)]
     norms = [torch.nn.Parameter(1 + 0.1 * torch.randn(d)) for _ in range(sites)]
     null = torch.nn.Parameter(torch.randn(d)) if delta else None
-    s0 = torch.randn(1, positions, d, dtype=torch.bfloat16, requires_grad=True)
+    dtype = {2: torch.bfloat16, 4: torch.float32}[source_bytes]
+    s0 = torch.randn(1, positions, d, dtype=dtype, requires_grad=True)
     with bench_kernel.count_bytes() as forward:
         history = fused_history(queries, norms, heads, block, null, group=group)
         out = network(history, s0, [torch.sin] * (sites - 1))
     with bench_kernel.count_bytes() as backward:
         out.backward(torch.ones_like(out))
-    model = bench_kernel.traffic(n_layer, d, heads, positions, group, block, delta, source_bytes=2, target=None)
+    model = bench_kernel.traffic(n_layer, d, heads, positions, group, block, delta, source_bytes, target=None)
     assert tables == []
     assert forward["load"] + forward["store"] == model["forward"]["kernels"]
     assert backward["load"] + backward["store"] == model["backward"]["kernels"]
