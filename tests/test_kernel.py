@@ -832,9 +832,10 @@ def test_a_launch_passed_an_address_triton_would_specialize_otherwise_goes_unbou
 
 
 @pytest.mark.parametrize("positions", [4, 5, 6, 7, 8])
-def test_a_historys_lse_rows_are_16_byte_aligned_whatever_the_positions(positions):
+def test_a_historys_lse_rows_are_16_byte_aligned_whatever_the_positions(positions, nan_outputs):
     """The kernels load and store an lse as vectors from 16-byte aligned addresses: rows of 2 heads
-    over 5 positions (40 bytes) are padded to 48, and still read as (B, T, H) tensors."""
+    over 5 positions (40 bytes) are padded to 48, and still read as (B, T, H) tensors; every launch
+    writes its sites' lse there (made NaN: none is left unwritten)."""
     sites, d = 3, 16
     s0, layers, queries, norms, null = network_parameters(sites, d, positions=positions)
     history = kernel.FusedHistory(mhar.depth_history(queries, norms, 2, 1e-6),
@@ -843,6 +844,7 @@ def test_a_historys_lse_rows_are_16_byte_aligned_whatever_the_positions(position
     assert len(history.lses) == history.lse_count == sites
     assert all(lse.shape == (1, positions, 2) and lse.is_contiguous() for lse in history.lses)
     assert [lse.data_ptr() % 16 for lse in history.lses] == [0] * sites
+    assert all(lse.isfinite().all() for lse in history.lses)
 
 
 @pytest.mark.parametrize("n_sources", [1, 63, 64, 65, 128], ids=lambda n: f"{n} sources")
