@@ -487,7 +487,10 @@ def stand_in_gpu():
     kernel.check_available = lambda device=None: None
     kernel._device_programs = lambda: kernel.RESIDENT_WARPS // 8 * STAND_IN_SMS
     try:
-        yield lambda: ctypes.c_ulonglong.in_dll(driver_library, "launches").value
+        with warnings.catch_warnings():
+            # triton 3.9 warns at the first compile that its FMA default will change: not the host's
+            warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+            yield lambda: ctypes.c_ulonglong.in_dll(driver_library, "launches").value
     finally:
         if saved[0] is None:
             del os.environ["TRITON_LIBCUDA_PATH"]
@@ -538,9 +541,7 @@ def host_cost(shapes=KERNEL_TABLE, positions=4, repeats=3, heads=HEADS):
     torch.set_num_threads(1)
     ratios = {}
     try:
-        with stand_in_gpu() as launched, warnings.catch_warnings():
-            # triton 3.9 warns at the first compile that its FMA default will change: not this table's
-            warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+        with stand_in_gpu() as launched:
             print(f"host time per routing site, forward + backward, through Triton's launcher to a "
                   f"stand-in driver (sm_90), {positions} bf16 positions, H = {heads}, one thread; "
                   f"plain: one op h * q_j per site")
