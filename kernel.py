@@ -90,14 +90,14 @@ INTERPRETED_PROGRAMS = 3    # the interpreter runs programs one by one: few, of 
 NUM_STAGES = 3              # source rows in flight in the loop over sources (software pipeline)
 TABLE_CHUNK = 64            # addresses one launch of _table_kernel writes into a launch's table
 # The kernels read the sources through a table of int64 addresses: source n < committed at
-# table[first_source + n] (a history's one table, each source's address written by the forward
-# launch that reads it first; a custom operator's, one a launch), and a partial sum after them
-# from the entry of `entries` after the sites'. Each site's own
-# tensors come as kernel arguments, `entries`, FORWARD_ENTRIES per site: its output, the output's
-# remainder, its lse; BACKWARD_ENTRIES in backward: its output, remainder, output gradient, lse,
-# and the coupling given for a partial state (any address for a complete site). In phase 2 each
-# site's go on with the partial state's, forward: its output, remainder and lse; backward: its lse,
-# and where its output gradient and coupling go. (tl.constexpr, for Triton)
+# table[first_source + n] (a history's one table, each address written by the forward launch that
+# reads its source first; a custom operator's, one a launch), and a partial sum after them from
+# the entry of `entries` after the sites'. Each site's own tensors come as kernel arguments,
+# `entries`, FORWARD_ENTRIES per site: its output, the output's remainder, its lse;
+# BACKWARD_ENTRIES in backward: its output, remainder, output gradient, lse, and the coupling
+# given for a partial state (any address for a complete site). In phase 2 each site's go on with
+# the partial state's, forward: its output, remainder and lse; backward: its lse, and where its
+# output gradient and coupling go. (tl.constexpr, for Triton)
 FORWARD_ENTRIES = tl.constexpr(3)
 BACKWARD_ENTRIES = tl.constexpr(5)
 INIT_ENTRIES = tl.constexpr(3)
@@ -666,8 +666,7 @@ def _route_forward(*, sources, qg, init, heads, eps, table=None, first_source=0,
     table: where the caller keeps the sources' addresses (FusedHistory: its table, the launch's
     first row in it at first_source, and the address of a partial sum read last, or None); without
     one, the sources are checked and given a table. lses: where to write the lse (None: new).
-    new_rows: the addresses of the last committed sources, which the table does not hold yet (the
-    kernel reads them from its arguments and writes them into the table)."""
+    new_rows: addresses of the last committed sources, not in the table yet (the kernel adds them)."""
     source, G = sources[0], qg.shape[0]
     if table is None:
         sources, addresses = _checked(sources, heads, G)
@@ -921,11 +920,11 @@ def _index(values, device):
 
 Call = namedtuple("Call", "launch spec sources table new_rows partial init partials qg qg_parts lses")
 Call.__doc__ = """What one eager launch needs besides its autograd inputs: its Launch and Spec, the
-sources it reads, the history's address table (their rows from launch.lo) and the addresses of
-those it is the first to read (which its forward writes there), the address of the partial sum
-it reads last (None: none), `init` (the Partial a phase 2 continues; None in phase 1),
-`partials` (per site the Partial its state goes to; None for a site it completes), its q ⊙ g (G,
-d), the forward's QGGradients and the tensors to write its lse into."""
+sources it reads, the history's address table (their rows from launch.lo), the addresses of those
+it reads first (its forward writes them there), the partial sum's it reads last (None: none),
+`init` (the Partial a phase 2 continues; None in phase 1), `partials` (per site the Partial its
+state goes to; None for a site it completes), its q ⊙ g (G, d), the forward's QGGradients and the
+tensors to write its lse into."""
 
 
 class RouteSites(torch.autograd.Function):
@@ -1055,9 +1054,8 @@ def launch_bytes(launch, positions, width, heads, source_bytes, target=None):
     out = row * (2 if b == 2 else 1)                             # bf16: with its remainder
     committed = N - launch.partial                               # read from the address table
     new = max(committed - launch.own_lo, 0)          # rows first read here: arguments, not table
-    # forward: per program q ⊙ g; per position a row per source and the table entries of the
-    # committed ones read before, the partial state read, the outputs (with remainders) and their
-    # lse written; once, the new rows' entries written into the table
+    # forward: per program q ⊙ g; per position a row per source, the table entries of those read
+    # before, the partial state, the outputs (with remainders) and lse; the new rows' entries once
     forward = 8 * new + programs * G * 4 * d + M * (8 * (committed - new) + N * row
                                                     + G * (out + state) * (2 if init else 1))
     # backward: per program q ⊙ g and its partial gradient; per position the output gradients and
@@ -1150,8 +1148,7 @@ class FusedHistory:
         self.rows = []              # the history's committed sources (eager: aligned)
         self.appended = 0
         self.traced = torch.compiler.is_compiling()   # traced code cannot read addresses
-        self.table = None           # eager: the committed sources' addresses, each written by the
-                                    # first forward launch that reads it
+        self.table = None           # eager: the sources' addresses, each written by its first reader
         self.qg = None              # q ⊙ g (fp32) by group and by site: made at the first append
         self.carrier = None         # hands the source-gradient buffer backward, launch to launch
         self.qg_parts = None if self.traced else QGGradients(n_sites, group, continued)   # eager
