@@ -585,7 +585,8 @@ import sys, triton, bench_kernel
 from triton.backends.nvidia.driver import CudaDriver
 if sys.argv[1] == "none":                   # triton 3.6's CudaDriver: no queries of its own
     for name in ("_get_current_device", "_get_current_stream", "_get_device_capability"):
-        delattr(CudaDriver, name)
+        if hasattr(CudaDriver, name):       # (under triton 3.6 already so)
+            delattr(CudaDriver, name)
 with bench_kernel.stand_in_gpu():
     active = triton.runtime.driver.active
     device = active.get_current_device()
