@@ -365,8 +365,8 @@ def _route_backward_kernel(
 def _table_kernel(
     table_ptr,          # int64 address table
     offset,             # where these entries of it start
-    entries,            # a tuple of addresses (a history's new rows, or TABLE_CHUNK of a launch's
-                        # table): the kernel's arguments, which a CUDA graph replays as captured
+    entries,            # a tuple of addresses (TABLE_CHUNK of a custom operator's launch's table):
+                        # the kernel's arguments, which a CUDA graph replays as captured
                         # (a table copied up from host memory would be replayed from a host block
                         # freed since)
 ):
@@ -604,8 +604,8 @@ _TABLE_OPTIONS = dict(num_warps=1)
 
 
 def _address_table(addresses, like):
-    """A table of the sources' addresses for one launch (a custom operator's: a history keeps one
-    for the forward, written at each append), padded with the first to whole chunks, written on
+    """A table of the sources' addresses for one launch (a custom operator's: a history's forward
+    launches write theirs, each source's by its first reader), padded to whole chunks, written on
     the device by _table_kernel, TABLE_CHUNK entries a launch: nothing goes up from the host, which
     never waits, and a CUDA graph captures the launch. One kernel variant serves all."""
     entries = addresses + addresses[:1] * (_chunks(len(addresses)) - len(addresses))
@@ -651,7 +651,7 @@ def check_sources(sources, heads, sites):
 
 def _checked(sources, heads, sites):
     """The sources checked and aligned, and their addresses (the custom operators' way in; eager
-    launches are handed those FusedHistory took at append). Keep the sources while the kernel
+    launches are handed those FusedHistory keeps). Keep the sources while the kernel
     may read them: an aligned copy lives only as long as they do."""
     check_sources(sources, heads, sites)
     sources = [_aligned(t) for t in sources]
@@ -862,9 +862,9 @@ def fused_route(V, q, g, heads, eps=1e-6):
 # Autograd sees only the carrier, the sources a launch completes and its sites' final outputs.
 # The rest goes beside autograd, in the order the carrier fixes (a later launch's backward runs
 # first): a partial state to its phase 2 and its gradients back (Partial); the per-program partials
-# of q ⊙ g's gradient (QGGradients). The sources' addresses are those FusedHistory wrote into its
-# table once, at append; each site's own go to the kernels as arguments. (Each cut the host's
-# time: `python bench_kernel.py --host` measures it.)
+# of q ⊙ g's gradient (QGGradients). The sources' addresses are in FusedHistory's table, each
+# written once by its first reader; each site's own go to the kernels as arguments. (Each cut the
+# host's time: `python bench_kernel.py --host` measures it.)
 
 class Partial:
     """A site's phase-1 state on its way to its phase 2, outside autograd (eager code): forward
