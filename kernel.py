@@ -68,7 +68,8 @@ try:
     import triton
     import triton.language as tl
     from triton import knobs
-    from triton.runtime import driver
+
+    import launcher
 except ImportError as error:
     if __name__ == "__main__":  # python kernel.py: one line, as every script's
         print("kernel.py: error: triton is not installed (pip install triton)", file=sys.stderr)
@@ -378,85 +379,16 @@ def _table_kernel(
 INTERPRETED = not isinstance(_route_forward_kernel, triton.runtime.JITFunction)
 
 
-# %% Bound launches
-# kernel[grid](...) costs the host ~10 µs a launch in Triton's JITFunction.run (triton/runtime/
-# jit.py: binding and specializing every argument, the cache key, the knobs, launch metadata)
-# before ~2 µs in its C launcher. Each launch site has a key, a guard on its runtime arguments
-# that fixes how Triton specializes every one of them (native_specialize_impl): pointers 16-byte
-# aligned ('D'); do_not_specialize ints in [0, 2^31) and not bools (i32; a bool is u1); eps a float
-# (fp32); the addresses passed as arguments (the route kernels' and _table_kernel's entries),
-# specialized one by one, multiples of 16 in [2^31, 2^63) (i64 'D'). The key holds what the guard
-# leaves free: the tensors' dtypes, the number of entries, the grid, the constexprs,
-# TRITON_DEBUG; _bound adds the driver and the device. The first launch with a key goes through
-# kernel[grid] and binds the kernel Triton returns (_bind); later ones call its C launcher
-# directly. A launch the guard refuses goes through kernel[grid], as every launch does with hooks
-# set, interpreted, or with BOUND_LAUNCHES off. The bound calls follow the launchers' private
-# layouts in triton 3.6 and 3.9 (triton/backends/nvidia/driver.py CudaLauncher); the tests check
-# that they pass the driver the bytes Triton's own launches do.
+# %% Bound launches (launcher.py): each launch site's key
+# Each launch site has a key, a guard on its runtime arguments that fixes how Triton specializes
+# every one of them (native_specialize_impl): pointers 16-byte aligned ('D'); do_not_specialize
+# ints in [0, 2^31) and not bools (i32; a bool is u1); eps a float (fp32); the addresses passed as
+# arguments (the route kernels' and _table_kernel's entries), specialized one by one, multiples of
+# 16 in [2^31, 2^63) (i64 'D': launcher.all_bind). The key holds what the guard leaves free: the
+# tensors' dtypes, the number of entries, the grid, the constexprs, TRITON_DEBUG. A launch the
+# guard refuses goes through kernel[grid], as every launch does with hooks set, interpreted, or
+# with BOUND_LAUNCHES off.
 BOUND_LAUNCHES = not INTERPRETED
-_I32, _I64 = 1 << 31, 1 << 63
-_bound = {}             # (driver, device, id(kernel), key) -> launch(stream, args)
-
-
-def _launch(jit, grid, key, args, constexprs):
-    """jit[grid](*args, **constexprs), bound once a launch with `key` (None: launch unbound) has
-    compiled. The driver is in the entry, held (no later driver can take its id): another one
-    (the stand-in, then a GPU's) never calls what was bound under the first. The kernel is in it
-    by id (hashing a JITFunction hashes its source), held by what is bound."""
-    if key is None:
-        jit[grid](*args, **constexprs)
-        return
-    active = driver.active
-    device = active.get_current_device()
-    entry = active, device, id(jit), key
-    bound = _bound.get(entry)
-    if bound is not None:
-        bound(active.get_current_stream(device), args)
-        return
-    compiled = jit[grid](*args, **constexprs)
-    if compiled is not None:            # (None: knobs.runtime.jit_cache_hook skipped it)
-        _bound[entry] = _bind(jit, compiled, grid, args, constexprs, device)
-
-
-def _bind(jit, compiled, grid, args, constexprs, device):
-    """A launch(stream, args) of `compiled` that passes its launcher what JITFunction.run passes:
-    the runtime args, then the constexprs in the kernel's parameter order (its binder's), which the
-    launcher drops by the signature; no launch metadata and no hooks (_unhooked)."""
-    values = tuple(jit.device_caches[device][4](*args, **constexprs)[0].values())
-    tail = values[len(args):]
-    launcher = compiled.run                         # loads the module: a CudaLauncher
-    function, metadata = compiled.function, compiled.packed_metadata
-    gx, gy, gz = (*grid, 1, 1)[:3]
-    # CudaLauncher.__call__ allocates scratch, adds gsan's arguments; wrap_handle_tensordesc wraps
-    # the C launch for tensor descriptors: with none of them, the C launch is all it does
-    direct = (launcher.global_scratch_size == 0 and launcher.profile_scratch_size == 0
-              and not getattr(launcher, "gsan_enabled", False)
-              and isinstance(launcher.launch, types.BuiltinFunctionType))
-    launch, coop, pdl = launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl
-    if direct and hasattr(launcher, "arg_annotations"):    # triton 3.9: one C launch, args a tuple
-        annotations, signature = launcher.arg_annotations, launcher.kernel_signature
-
-        def bound(stream, args):
-            launch(gx, gy, gz, stream, function, coop, pdl, metadata, None, None, None, None,
-                   None, annotations, signature, args + tail)
-    elif direct:                                # triton 3.6: a C launch per kernel, args spread
-        def bound(stream, args):
-            launch(gx, gy, gz, stream, function, coop, pdl, None, None, metadata, None, None, None,
-                   *args, *tail)
-    else:
-        def bound(stream, args):
-            launcher(gx, gy, gz, stream, function, metadata, None, None, None, *args, *tail)
-    bound.jit, bound.constexprs = jit, constexprs   # held: their ids, in the entry, stay theirs
-    return bound
-
-
-def _unhooked(jit):
-    """No pre-run, launch or pipeline hook: a launch would pass the launcher nothing a bound one
-    does not (JITFunction.run calls empty HookChains, with metadata no hook reads)."""
-    runtime = knobs.runtime
-    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-    return not (jit.pre_run_hooks or getattr(enter, "calls", enter)
-                or getattr(leave, "calls", leave) or runtime.add_stages_inspection_hook)
 
 
 def _forward_key(programs, constexprs, args):
@@ -464,8 +396,9 @@ def _forward_key(programs, constexprs, args):
     table, entries, qg, first, committed, N, M, per_program, eps = args
     if (BOUND_LAUNCHES and type(eps) is float
             and type(first) is type(committed) is type(N) is type(M) is type(per_program) is int
-            and 0 <= first | committed | N | M | per_program < _I32 and _all_bind(entries)
-            and not (table.data_ptr() | qg.data_ptr()) & 15 and _unhooked(_route_forward_kernel)):
+            and 0 <= first | committed | N | M | per_program < launcher.I32
+            and launcher.all_bind(entries) and not (table.data_ptr() | qg.data_ptr()) & 15
+            and launcher.unhooked(_route_forward_kernel)):
         return programs, id(constexprs), len(entries), table.dtype, qg.dtype, knobs.runtime.debug
     return None
 
@@ -478,24 +411,19 @@ def _backward_key(programs, constexprs, args):
             and type(first) is type(committed) is type(N) is type(M) is type(per_program)
             is type(row0) is type(own_lo) is type(fresh_lo) is type(given) is int
             and 0 <= (first | committed | N | M | per_program | row0 | own_lo | fresh_lo
-                      | given) < _I32 and _all_bind(entries)
+                      | given) < launcher.I32 and launcher.all_bind(entries)
             and not (table.data_ptr() | qg.data_ptr() | grads.data_ptr() | owned.data_ptr()
-                     | qg_grads.data_ptr()) & 15 and _unhooked(_route_backward_kernel)):
+                     | qg_grads.data_ptr()) & 15 and launcher.unhooked(_route_backward_kernel)):
         return (programs, id(constexprs), len(entries), table.dtype, qg.dtype, grads.dtype,
                 owned.dtype, qg_grads.dtype, knobs.runtime.debug)
     return None
 
 
-def _all_bind(entries):
-    """Whether every address passed as an argument is i64 'D': 16-byte aligned, in [2^31, 2^63)."""
-    return _I32 <= min(entries) and max(entries) < _I64 and not math.gcd(*entries) & 15
-
-
 def _table_key(table, entries):
     """_table_kernel's key for a launch writing `entries` into `table` (None: launch unbound): all
     of them i64 'D', the offset, below the table's length, i32."""
-    if (BOUND_LAUNCHES and not table.data_ptr() & 15 and table.numel() < _I32
-            and _all_bind(entries) and _unhooked(_table_kernel)):
+    if (BOUND_LAUNCHES and not table.data_ptr() & 15 and table.numel() < launcher.I32
+            and launcher.all_bind(entries) and launcher.unhooked(_table_kernel)):
         return len(entries), table.dtype, knobs.runtime.debug
     return None
 
@@ -509,9 +437,10 @@ def memoized(fn):
     results = {}
     @functools.wraps(fn)
     def cached(*args):
-        if args not in results:
-            results[args] = fn(*args)
-        return results[args]
+        result = results.get(args, results)                 # (results: not a result)
+        if result is results:
+            result = results[args] = fn(*args)
+        return result
     cached.cache_clear = results.clear
     return torch.compiler.assume_constant_result(cached)
 
@@ -612,7 +541,7 @@ def _address_table(addresses, like):
     table = like.new_empty(len(entries), dtype=torch.int64)             # on like's device
     for offset in range(0, len(entries), TABLE_CHUNK):
         chunk = tuple(entries[offset:offset + TABLE_CHUNK])
-        _launch(_table_kernel, (1,), _table_key(table, chunk), (table, offset, chunk),
+        launcher.launch(_table_kernel, (1,), _table_key(table, chunk), (table, offset, chunk),
                 _TABLE_OPTIONS)
     return table
 
@@ -659,14 +588,16 @@ def _checked(sources, heads, sites):
 
 
 def _route_forward(*, sources, qg, init, heads, eps, table=None, first_source=0, partial=None,
-                   lses=None, new_rows=()):
+                   lses=None, new_rows=(), in_place=False):
     """Route G sites over `sources` (each (B, T, d)); init = [] or, per site, the state (output,
     remainder, lse) of the partial state it continues. Returns the G outputs (sources' dtype),
     their G remainders (bf16: out − bf16(out); fp32 sources need none: empty) and G lse (fp32).
     table: where the caller keeps the sources' addresses (FusedHistory: its table, the launch's
     first row in it at first_source, and the address of a partial sum read last, or None); without
     one, the sources are checked and given a table. lses: where to write the lse (None: new).
-    new_rows: addresses of the last committed sources, not in the table yet (the kernel adds them)."""
+    new_rows: addresses of the last committed sources, not in the table yet (the kernel adds them).
+    in_place: write each output and remainder over the init's (eager: nothing reads those again;
+    a position's are read before they are written, by the program that writes them)."""
     source, G = sources[0], qg.shape[0]
     if table is None:
         sources, addresses = _checked(sources, heads, G)
@@ -674,21 +605,26 @@ def _route_forward(*, sources, qg, init, heads, eps, table=None, first_source=0,
     width = source.shape[-1]
     M = source.numel() // width
     # (empty_like and new_empty: a third of torch.empty's host time with dtype and device given)
-    outs = [torch.empty_like(source) for _ in range(G)]
     split = source.dtype == torch.bfloat16
-    rests = [torch.empty_like(source) if split else source.new_empty(0) for _ in range(G)]
+    if in_place and init:
+        outs, rests = init[:G], init[G:2 * G]
+    else:
+        outs = [torch.empty_like(source) for _ in range(G)]
+        rests = [torch.empty_like(source) if split else source.new_empty(0) for _ in range(G)]
     if lses is None:
         lse = source.new_empty((*source.shape[:-1], heads), dtype=torch.float32)
         lses = [lse, *[torch.empty_like(lse) for _ in range(G - 1)]]
     # per site as laid out above FORWARD_ENTRIES (an fp32 output's remainder is empty: no address)
-    entries = [t.data_ptr() for i in range(G) for t in (outs[i], rests[i], lses[i], *init[i::G])]
-    entries = (*[address or entries[0] for address in entries], partial or entries[0], *new_rows)
+    any_address = outs[0].data_ptr()
+    entries = (*[t.data_ptr() or any_address for i in range(G)
+                 for t in (outs[i], rests[i], lses[i], *init[i::G])],
+               partial or any_address, *new_rows)
     per_program, programs, constexprs = _launch_constants(width, heads, G, source.dtype, bool(init),
                                                           False, M)
     N = len(sources)
     args = (table, entries, qg, first_source, N - (partial is not None), N, M, per_program, eps)
-    _launch(_route_forward_kernel, (programs,), _forward_key(programs, constexprs, args), args,
-            constexprs)
+    launcher.launch(_route_forward_kernel, (programs,), _forward_key(programs, constexprs, args),
+                    args, constexprs)
     return outs, rests, lses
 
 
@@ -709,18 +645,17 @@ def _route_backward(grads, owned, qg_grads, init_grads, *, sources, qg, outs, re
         table = _address_table(addresses, source)
     width = source.shape[-1]
     M = source.numel() // width
-    entries = [0 if t is None else t.data_ptr() for i in range(G)   # as above FORWARD_ENTRIES
-               for t in (outs[i], rests[i], douts[i], lses[i], couplings[i], *init_lse,
-                         *init_grads)]
-    any_address = douts[0].data_ptr()
-    entries = (*[address or any_address for address in entries], partial or any_address)
+    any_address = douts[0].data_ptr()                           # as laid out above FORWARD_ENTRIES
+    entries = (*[t is not None and t.data_ptr() or any_address for i in range(G)
+                 for t in (outs[i], rests[i], douts[i], lses[i], couplings[i], *init_lse,
+                           *init_grads)], partial or any_address)
     per_program, programs, constexprs = _launch_constants(width, heads, G, source.dtype,
                                                           bool(init_lse), True, M)
     N = len(sources)
     args = (table, entries, qg, grads, owned, qg_grads, first_source, N - (partial is not None), N,
             M, per_program, row0, own_lo, fresh_lo, continued, eps)
-    _launch(_route_backward_kernel, (programs,), _backward_key(programs, constexprs, args), args,
-            constexprs)
+    launcher.launch(_route_backward_kernel, (programs,), _backward_key(programs, constexprs, args),
+                    args, constexprs)
 
 
 # %% Autograd: one launch, two ways in
@@ -940,21 +875,21 @@ class RouteSites(torch.autograd.Function):
             sources=call.sources, qg=call.qg, init=[init.out, init.rest, init.lse] if init else [],
             heads=call.spec.heads, eps=call.spec.eps, table=call.table,
             first_source=call.launch.lo, partial=call.partial, lses=call.lses,
-            new_rows=call.new_rows)
+            new_rows=call.new_rows, in_place=True)
         if init:
             init.out = init.rest = None                  # free: only the lse is read again
-        finals = []
+        finals, final_rests = [], []
         for out, rest, lse, partial in zip(outs, rests, lses, call.partials):
             if partial:
                 partial.out, partial.rest, partial.lse = out, rest, lse
             else:
                 finals.append(out)
+            final_rests.append(None if partial else rest)
         # Saved: the outputs (the next sublayers' inputs, alive anyway), their remainders and lse
         # (the only new activations), and the sources: held alive by the first launch that read
         # them, which completes them, and whose backward runs after this one's.
         ctx.save_for_backward(*finals)
-        ctx.rests = [None if partial else rest for rest, partial in zip(rests, call.partials)]
-        ctx.lses, ctx.call = lses, call
+        ctx.rests, ctx.lses, ctx.call = final_rests, lses, call
         ctx.set_materialize_grads(False)
         return (*finals, carrier)
 
@@ -985,6 +920,18 @@ class RouteSites(torch.autograd.Function):
             qg_grad = qg_grad if ctx.needs_input_grad[1] else None
         carrier_grad = buffer if ctx.needs_input_grad[0] else None
         return carrier_grad, qg_grad, None, *source_grads
+
+
+def _apply(*args):
+    """RouteSites.apply(*args) without Function.apply's Python layer (torch/autograd/function.py),
+    which outside functorch transforms only unwraps their dead wrappers (a history holds none)
+    before the C apply: 1.3 µs a launch. Under a transform, RouteSites.apply: it refuses them."""
+    if torch._C._are_functorch_transforms_active():
+        return RouteSites.apply(*args)
+    return _C_APPLY(*args)
+
+
+_C_APPLY = super(torch.autograd.Function, RouteSites).apply
 
 
 # %% The schedule of one forward pass, and the traffic model and roofline that pick G
@@ -1146,6 +1093,7 @@ class FusedHistory:
         self.plans, self.lse_count, continued = _plans(reads, group, self.heads, self.eps)
         self.rows_total = reads[-1][0]
         self.rows = []              # the history's committed sources (eager: aligned)
+        self.addresses = []         # eager: theirs
         self.appended = 0
         self.traced = torch.compiler.is_compiling()   # traced code cannot read addresses
         self.table = None           # eager: the sources' addresses, each written by its first reader
@@ -1175,6 +1123,7 @@ class FusedHistory:
             self.rows += self.history.sources[known:]
         else:   # aligned: the kernels load rows as 16-byte vectors
             self.rows += [_aligned(committed) for committed in self.history.sources[known:]]
+            self.addresses += [row.data_ptr() for row in self.rows[known:]]
         self.appended += 1
 
     def _start(self, source):
@@ -1228,14 +1177,14 @@ class FusedHistory:
             partials = [Partial() if cont else None for cont in plan.continued]
             first = launch.site == 0 and launch.phase == 1
             # the rows no earlier launch read (own_lo: the first that this one completes)
-            new_rows = tuple(row.data_ptr() for row in self.rows[launch.lo + launch.own_lo:launch.hi])
+            new_rows = self.addresses[launch.lo + launch.own_lo:launch.hi]
             call = Call(launch=launch, spec=spec, sources=sources, table=self.table,
                         new_rows=new_rows, partial=partial.data_ptr() if launch.partial else None,
                         init=self.partials.pop(launch.site) if launch.phase == 2 else None,
                         partials=partials, qg=qg, qg_parts=self.qg_parts,
                         lses=self.lses[plan.first_lse:plan.first_lse + launch.sites])
-            *finals, self.carrier = RouteSites.apply(self.carrier, self.qg_all if first else None,
-                                                     call, *sources[spec.own_lo:])
+            *finals, self.carrier = _apply(self.carrier, self.qg_all if first else None, call,
+                                           *sources[spec.own_lo:])
         finals = iter(finals)
         for site, partial in zip(range(launch.site, launch.site + launch.sites), partials):
             if partial:

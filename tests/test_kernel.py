@@ -13,6 +13,7 @@ import torch
 
 import bench_kernel
 import kernel
+import launcher
 import mhar
 from helpers import fused_history, gpt_pair, interpreted, rel_err, route_and_grads, route_inputs
 from bench_kernel import HEADS
@@ -677,7 +678,7 @@ def test_triton_specializes_scalars_as_the_bound_keys_assume(value, specialized,
 @pytest.mark.parametrize("address", [0, 2**31 - 16, 2**31, 2**31 + 8, 2**40, 2**63 - 16, 2**63,
                                      2**64 - 16])
 def test_the_keys_take_exactly_the_addresses_triton_makes_i64_D(address):
-    assert kernel._all_bind((address,)) == (_specialize(address, True) == ("i64", "D"))
+    assert launcher.all_bind((address,)) == (_specialize(address, True) == ("i64", "D"))
 
 
 # (dtype, offset in elements, attribute): 'D' exactly when the data pointer is 16-byte aligned
@@ -787,15 +788,15 @@ def test_a_launch_passed_an_address_triton_would_specialize_otherwise_goes_unbou
         monkeypatch, out_of_range, block):
     """Addresses passed as arguments are checked at each launch: a source's where the forward that
     reads it first takes it (and writes it into the history's table), a partial sum's and the
-    sites' where a route kernel takes them. One that would not bind (here: kernel._all_bind refuses
+    sites' where a route kernel takes them. One that would not bind (here: launcher.all_bind refuses
     the embedding's, or each partial sum's) sends exactly the launches that pass it through
     kernel[grid], and the outputs and gradients are the same. (Interpreted: every launch runs
     unbound; the keys are what is checked.)"""
     sites, d = 5, 32
     refused, unbound = set(), []
     monkeypatch.setattr(kernel, "BOUND_LAUNCHES", True)
-    monkeypatch.setattr(kernel, "_unhooked", lambda jit: True)
-    monkeypatch.setattr(kernel, "_launch", lambda jit, grid, key, args, constexprs, launch=kernel._launch:
+    monkeypatch.setattr(launcher, "unhooked", lambda jit: True)
+    monkeypatch.setattr(launcher, "launch", lambda jit, grid, key, args, constexprs, launch=launcher.launch:
                         (unbound.append((jit, args)) if key is None else None,
                          launch(jit, grid, None, args, constexprs)))
 
@@ -813,7 +814,7 @@ def test_a_launch_passed_an_address_triton_would_specialize_otherwise_goes_unbou
         launch = kernel.FusedHistory._launch
         monkeypatch.setattr(kernel.FusedHistory, "_launch", lambda self, plan: (
             plan.launch.partial and refused.add(self.history.partial.data_ptr()), launch(self, plan)))
-    monkeypatch.setattr(kernel, "_all_bind", lambda entries, binds=kernel._all_bind:
+    monkeypatch.setattr(launcher, "all_bind", lambda entries, binds=launcher.all_bind:
                         not refused.intersection(entries) and binds(entries))
     history, results = run()
     passed = [args[1] for jit, args in unbound]                                       # entries
@@ -855,7 +856,7 @@ def test_an_address_table_holds_the_sources_to_whole_chunks_each_keyed_on_its_ow
     TABLE_CHUNK, each chunk one launch keyed on the addresses it passes."""
     keyed, grids = [], []
     monkeypatch.setattr(kernel, "_table_key", lambda table, entries: keyed.append((table, entries)))
-    monkeypatch.setattr(kernel, "_launch", lambda jit, grid, *args, launch=kernel._launch:
+    monkeypatch.setattr(launcher, "launch", lambda jit, grid, *args, launch=launcher.launch:
                         (grids.append(grid), launch(jit, grid, *args)))
     like = torch.empty(4, device=DEVICE)
     sources = [2**40 + 16 * i for i in range(n_sources)]
@@ -937,7 +938,7 @@ BOUND_BYTES = """
 import collections, ctypes, os
 import torch, triton
 from triton.backends.nvidia.driver import CudaLauncher
-import bench_kernel, kernel, mhar
+import bench_kernel, kernel, launcher, mhar
 
 # the stand-in driver, its launch recording what it is handed (the kernel parameters' sizes are
 # set from Python before each launch) and a function handle of its own for each kernel loaded
@@ -979,7 +980,7 @@ with bench_kernel.stand_in_gpu() as launched:
     record_len = ctypes.c_ulonglong.in_dll(library, "record_len")
     param_sizes = (ctypes.c_int * 1024).in_dll(library, "param_sizes")
     n_params = ctypes.c_int.in_dll(library, "n_params")
-    counts, launch = collections.Counter(), kernel._launch
+    counts, launch = collections.Counter(), launcher.launch
 
     def recorded(run):
         before = launched()
@@ -990,7 +991,7 @@ with bench_kernel.stand_in_gpu() as launched:
     def checked(jit, grid, key, args, constexprs):
         active = triton.runtime.driver.active
         device = active.get_current_device()
-        if key is None or (active, device, id(jit), key) not in kernel._bound:
+        if key is None or (active, device, id(jit), key) not in launcher.cache:
             counts["unbound", jit.__name__, key is None] += 1
             return launch(jit, grid, key, args, constexprs)
         # the parameters' sizes, as the launcher packs them: no constexpr, then its two scratch pointers
@@ -1006,7 +1007,7 @@ with bench_kernel.stand_in_gpu() as launched:
         n_params.value = 0
         counts["bound", jit.__name__, "identical" if bound == tritons else "differ",
                "direct" if launcher_calls == calls else "through CudaLauncher"] += 1
-    kernel._launch = checked
+    launcher.launch = checked
 
     heads, d, sites = 8, 32, 5
     for dtype in (torch.bfloat16, torch.float32):

@@ -84,9 +84,10 @@ def test_the_model_file_is_a_leaf_that_teaches():
     assert hidden.end_lineno - hidden.lineno + 1 <= 20
 
 
-# kernel.py: 1,100 until its bound launches (about 120 lines, their own section) came in; to split
-# off. train.py: 1,100 until the baseline's and --fused's own micro-batch (lean_batch_size)
-@pytest.mark.parametrize("name, most", [("kernel", 1250), ("train", 1115)])
+# kernel.py: 1,100 until its bound launches came in, 1,250 with them; split off into launcher.py
+# (but for the launch sites' keys). train.py: 1,100 until the baseline's and --fused's own
+# micro-batch (lean_batch_size)
+@pytest.mark.parametrize("name, most", [("kernel", 1200), ("train", 1115)])
 def test_files_stay_readable_in_one_sitting(name, most):
     assert len(MODULES[name].read_text().splitlines()) <= most
 

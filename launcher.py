@@ -1,0 +1,86 @@
+"""
+Triton launches bound once compiled: kernel.py's, through Triton's C launcher alone.
+
+kernel[grid](...) costs the host ~10 µs a launch in Triton's JITFunction.run (triton/runtime/jit.py:
+binding and specializing every argument, the cache key, the knobs, launch metadata) before ~2 µs in
+its C launcher. launch(jit, grid, key, args, constexprs) sends a launch whose key (kernel.py's guard
+on its arguments: None to refuse) has compiled straight to the C launcher of what Triton compiled
+for it; the first launch with a key goes through kernel[grid] and binds the kernel Triton returns
+(_bind). The bound calls follow the launchers' private layouts in triton 3.6 and 3.9
+(triton/backends/nvidia/driver.py CudaLauncher); the tests check that they pass the driver the
+bytes Triton's own launches do. Importing this file imports triton.
+"""
+import math
+import types
+
+from triton import knobs
+from triton.runtime import driver
+
+I32, I64 = 1 << 31, 1 << 63
+cache = {}              # (driver, device, id(kernel), key) -> its bound launch(stream, args)
+
+
+def launch(jit, grid, key, args, constexprs):
+    """jit[grid](*args, **constexprs), bound once a launch with `key` (None: launch unbound) has
+    compiled. The driver is in the entry, held (no later driver can take its id): another one
+    (the stand-in, then a GPU's) never calls what was bound under the first. The kernel is in it
+    by id (hashing a JITFunction hashes its source), held by what is bound."""
+    if key is None:
+        jit[grid](*args, **constexprs)
+        return
+    active = driver.active
+    device = active.get_current_device()
+    entry = active, device, id(jit), key
+    bound = cache.get(entry)
+    if bound is not None:
+        bound(active.get_current_stream(device), args)
+        return
+    compiled = jit[grid](*args, **constexprs)
+    if compiled is not None:            # (None: knobs.runtime.jit_cache_hook skipped it)
+        cache[entry] = _bind(jit, compiled, grid, args, constexprs, device)
+
+
+def _bind(jit, compiled, grid, args, constexprs, device):
+    """A launch(stream, args) of `compiled` that passes its launcher what JITFunction.run passes:
+    the runtime args, then the constexprs in the kernel's parameter order (its binder's), which the
+    launcher drops by the signature; no launch metadata and no hooks (unhooked)."""
+    values = tuple(jit.device_caches[device][4](*args, **constexprs)[0].values())
+    tail = values[len(args):]
+    launcher = compiled.run                         # loads the module: a CudaLauncher
+    function, metadata = compiled.function, compiled.packed_metadata
+    gx, gy, gz = (*grid, 1, 1)[:3]
+    # CudaLauncher.__call__ allocates scratch, adds gsan's arguments; wrap_handle_tensordesc wraps
+    # the C launch for tensor descriptors: with none of them, the C launch is all it does
+    direct = (launcher.global_scratch_size == 0 and launcher.profile_scratch_size == 0
+              and not getattr(launcher, "gsan_enabled", False)
+              and isinstance(launcher.launch, types.BuiltinFunctionType))
+    c_launch, coop, pdl = launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl
+    if direct and hasattr(launcher, "arg_annotations"):    # triton 3.9: one C launch, args a tuple
+        annotations, signature = launcher.arg_annotations, launcher.kernel_signature
+
+        def bound(stream, args):
+            c_launch(gx, gy, gz, stream, function, coop, pdl, metadata, None, None, None, None,
+                     None, annotations, signature, args + tail)
+    elif direct:                                # triton 3.6: a C launch per kernel, args spread
+        def bound(stream, args):
+            c_launch(gx, gy, gz, stream, function, coop, pdl, None, None, metadata, None, None,
+                     None, *args, *tail)
+    else:
+        def bound(stream, args):
+            launcher(gx, gy, gz, stream, function, metadata, None, None, None, *args, *tail)
+    bound.jit, bound.constexprs = jit, constexprs   # held: their ids, in the entry, stay theirs
+    return bound
+
+
+def unhooked(jit):
+    """No pre-run, launch or pipeline hook: a launch would pass the launcher nothing a bound one
+    does not (JITFunction.run calls empty HookChains, with metadata no hook reads)."""
+    runtime = knobs.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return not (jit.pre_run_hooks or getattr(enter, "calls", enter)
+                or getattr(leave, "calls", leave) or runtime.add_stages_inspection_hook)
+
+
+def all_bind(entries):
+    """Whether every address passed as an argument is i64 'D': 16-byte aligned, in [2^31, 2^63)."""
+    return I32 <= min(entries) and max(entries) < I64 and not math.gcd(*entries) & 15
