@@ -98,6 +98,60 @@ def test_fused_route_rejects_what_it_cannot_run():
         fused_route(wide, ones, ones, 1)
 
 
+@pytest.mark.parametrize("sites", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_phase_2_in_place_writes_over_its_init_what_a_fresh_one_would(nan_outputs, dtype, sites):
+    """in_place (eager phase 2s): each site's output and remainder are written over its init's, bitwise
+    what a launch into new tensors writes; without an init (a phase 1) the outputs are new."""
+    generator = torch.Generator().manual_seed(0)
+    first, later = ([torch.randn(1, 5, 24, generator=generator).to(dtype, copy=True) for _ in range(n)]
+                    for n in (3, 2))
+    route = functools.partial(kernel._route_forward, qg=torch.randn(sites, 24, generator=generator),
+                              heads=4, eps=1e-6)
+    outs, rests, lses = route(sources=first, init=[])
+    started = route(sources=first, init=[], in_place=True)
+    assert all(torch.equal(a, b) and a is not b for a, b in zip([*outs, *rests], [*started[0], *started[1]]))
+    init = [*outs, *rests, *lses]
+    fresh = route(sources=later, init=[t.clone() for t in init])
+    placed = route(sources=later, init=init, in_place=True)
+    assert all(a is b for a, b in zip([*placed[0], *placed[1]], [*outs, *rests]))
+    for name, a, b in zip(("outs", "rests", "lses"), placed, fresh):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), name
+
+
+def test_a_histories_phase_2_writes_its_output_over_the_phase_1_state_it_continues():
+    """Eagerly, a site read in a phase 2 gets the tensor its phase 1 wrote its partial state into."""
+    s0, layers, queries, norms, _ = network_parameters(5, 24, dtype=torch.bfloat16)
+    history = fused_history(queries, norms, 2, group=3)
+    history.append(s0)
+    out = history.read(0)
+    for site in (1, 2):                                 # continued by a phase 2 each
+        history.append(layers[site - 1](out))
+        state = history.partials[site].out.data_ptr(), history.partials[site].rest.data_ptr()
+        out = history.read(site)
+        assert out.data_ptr() == state[0] and out.grad_fn is not None
+
+
+def test_the_custom_operator_leaves_the_state_it_continues_as_it_was():
+    """route_sites declares no mutation: its phase 2 writes new tensors, not over its init."""
+    generator = torch.Generator().manual_seed(0)
+    sources = [torch.randn(1, 5, 24, generator=generator).bfloat16() for _ in range(3)]
+    qg = torch.randn(1, 24, generator=generator)
+    ints = dict(heads=4, eps=1e-6, rows=3, row0=0, own_lo=0, fresh_lo=0, last=True, continued=0)
+    carrier = kernel._carrier(sources[0], 0)
+    init = kernel.route_sites(carrier, sources[:2], qg, [], **ints)[:3]
+    kept = [t.clone() for t in init]
+    out = kernel.route_sites(carrier, sources[2:], qg, list(init), **ints)[0]
+    assert all(torch.equal(a, b) for a, b in zip(init, kept)) and out.data_ptr() != init[0].data_ptr()
+
+
+def test_eager_launches_under_a_functorch_transform_are_refused_as_torch_refuses_them():
+    """FusedHistory's launches skip Function.apply's Python layer, but not under a functorch
+    transform: there RouteSites.apply refuses them (RouteSites has no setup_context)."""
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda x: kernel._apply(x, None, None)[0].sum())(torch.ones(3))
+
+
 # ----------------------------------------------------------------------------------------------
 # A network of sites: FusedHistory against the readable history, both algorithms.
 
@@ -317,7 +371,12 @@ def test_fused_history_refuses_misuse():
     history.append(s0)
     with pytest.raises(ValueError, match="right after"):
         history.read(1)                                                 # site 1's source is not there yet
-    history.append(layers[0](history.read(0)))
+    out = history.read(0)
+    for wrong in (out[:, :1], out.bfloat16()):          # the second source: another shape, another dtype
+        with pytest.raises(ValueError, match=re.escape(f"(1, 5, 24) torch.float32, got "
+                                                       f"{tuple(wrong.shape)} {wrong.dtype}")):
+            history.append(wrong)
+    history.append(layers[0](out))
     with pytest.raises(RuntimeError, match="checkpoint the sublayers"):
         history.append(s0)                                              # a third source for two sites
     with pytest.raises(ValueError, match="fused_group"):
