@@ -437,7 +437,7 @@ def memoized(fn):
     results = {}
     @functools.wraps(fn)
     def cached(*args):
-        result = results.get(args, results)                 # (results: not a result)
+        result = results.get(args, results)         # (the dict itself: what fn never returns)
         if result is results:
             result = results[args] = fn(*args)
         return result
@@ -877,7 +877,7 @@ class RouteSites(torch.autograd.Function):
             first_source=call.launch.lo, partial=call.partial, lses=call.lses,
             new_rows=call.new_rows, in_place=True)
         if init:
-            init.out = init.rest = None                  # free: only the lse is read again
+            init.out = init.rest = None     # now this launch's output: only the lse is read again
         finals, final_rests = [], []
         for out, rest, lse, partial in zip(outs, rests, lses, call.partials):
             if partial:
