@@ -11,10 +11,17 @@ for it; the first launch with a key goes through kernel[grid] and binds the kern
 bytes Triton's own launches do. Importing this file imports triton.
 """
 import math
+import sys
 import types
 
-from triton import knobs
-from triton.runtime import driver
+try:
+    from triton import knobs
+    from triton.runtime import driver
+except ImportError:
+    if __name__ == "__main__":  # python launcher.py: one line, as every script's
+        print("launcher.py: error: triton is not installed (pip install triton)", file=sys.stderr)
+        raise SystemExit(2)
+    raise
 
 I32, I64 = 1 << 31, 1 << 63
 cache = {}              # (driver, device, id(kernel), key) -> its bound launch(stream, args)
@@ -84,3 +91,9 @@ def unhooked(jit):
 def all_bind(entries):
     """Whether every address passed as an argument is i64 'D': 16-byte aligned, in [2^31, 2^63)."""
     return I32 <= min(entries) and max(entries) < I64 and not math.gcd(*entries) & 15
+
+
+if __name__ == "__main__":  # a library: kernel.py's launches use it
+    print("launcher.py: error: the bound launches' library runs nothing; python bench_kernel.py "
+          "--host measures them", file=sys.stderr)
+    raise SystemExit(2)

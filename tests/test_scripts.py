@@ -219,7 +219,7 @@ def test_ctrl_c_while_probing_is_one_line(monkeypatch, capsys):
     assert "interrupted (Ctrl-C)" in line
 
 
-@pytest.mark.parametrize("script", ["kernel", "bench_kernel", "gpu_check"])
+@pytest.mark.parametrize("script", ["kernel", "launcher", "bench_kernel", "gpu_check"])
 def test_a_kernel_script_without_triton_is_one_line(script):
     """Without an importable triton, the kernels' scripts say so in one line, status 2, as
     train.py --fused does (a RuntimeError traceback from kernel.py's import before)."""
@@ -229,3 +229,11 @@ def test_a_kernel_script_without_triton_is_one_line(script):
                        timeout=120)
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
     assert p.stderr.startswith(f"{script}.py: error: ") and "triton is not installed" in p.stderr
+
+
+@pytest.mark.parametrize("library", ["kernel", "launcher"])
+def test_a_kernel_library_run_as_a_script_says_what_runs_it(library):
+    p = subprocess.run([sys.executable, f"{library}.py"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith(f"{library}.py: error: ") and "bench_kernel.py" in p.stderr
