@@ -45,11 +45,11 @@ each launch hands to the next, adding its share in place (see own_lo, fresh_lo).
 every position belongs to one program, and dq, dg come from one per-program partial of Σ dℓ·r·V
 that torch sums in a fixed order, so the backward is bitwise deterministic.
 
-The file reads (# %%): the kernels; their launchers; autograd (the shared launch, the custom
-operators, the eager path); the schedule, the traffic model (`launch_bytes`, which a test checks
-against the interpreter's count) and the roofline that pick G; `FusedHistory`. bench_kernel.py
-checks the kernels against `mhar.route`, prints the bytes both algorithms move, benchmarks them and
-measures the host's time per site. Without a CUDA GPU the kernels run in the Triton interpreter,
+The file reads (# %%): the kernels; their launches' keys (launcher.py binds the launches) and
+launchers; autograd (the shared launch, the custom operators, the eager path); the schedule, the
+traffic model (`launch_bytes`, which a test checks against the interpreter's count) and the
+roofline that pick G; `FusedHistory`. bench_kernel.py checks the kernels against `mhar.route`,
+prints the bytes both algorithms move, benchmarks them and measures the host's time per site. Without a CUDA GPU the kernels run in the Triton interpreter,
 on CPU tensors, when TRITON_INTERPRET=1 is set before this file is imported (slow; for tests).
 """
 import functools
@@ -803,8 +803,9 @@ def fused_route(V, q, g, heads, eps=1e-6):
 
 class Partial:
     """A site's phase-1 state on its way to its phase 2, outside autograd (eager code): forward
-    hands over (out, rest, lse), of which phase 2 leaves only the lse (the two backwards read
-    nothing else); backward hands back `grads`, the gradients of its output and coupling."""
+    hands over (out, rest, lse); phase 2 writes its own output over out and rest and leaves only
+    the lse (the two backwards read nothing else); backward hands back `grads`, the gradients of
+    its output and coupling."""
     __slots__ = ("out", "rest", "lse", "grads")
 
 
