@@ -49,13 +49,13 @@ The file reads (# %%): the kernels; their launches' keys (launcher.py binds the 
 launchers; autograd (the shared launch, the custom operators, the eager path); the schedule, the
 traffic model (`launch_bytes`, which a test checks against the interpreter's count) and the
 roofline that pick G; `FusedHistory`. bench_kernel.py checks the kernels against `mhar.route`,
-prints the bytes both algorithms move, benchmarks them and measures the host's time per site. Without a CUDA GPU the kernels run in the Triton interpreter,
-on CPU tensors, when TRITON_INTERPRET=1 is set before this file is imported (slow; for tests).
+prints the bytes both algorithms move, benchmarks them and measures the host's time per site.
+Without a CUDA GPU the kernels run in the Triton interpreter, on CPU tensors, when
+TRITON_INTERPRET=1 is set before this file is imported (slow; for tests).
 """
 import functools
 import math
 import sys
-import types
 from collections import namedtuple
 from typing import Optional
 
@@ -604,11 +604,10 @@ def _route_forward(*, sources, qg, init, heads, eps, table=None, first_source=0,
         table = _address_table(addresses, source)
     width = source.shape[-1]
     M = source.numel() // width
-    # (empty_like and new_empty: a third of torch.empty's host time with dtype and device given)
-    split = source.dtype == torch.bfloat16
     if in_place and init:
         outs, rests = init[:G], init[G:2 * G]
-    else:
+    else:   # (empty_like and new_empty: a third of torch.empty's host time, dtype and device given)
+        split = source.dtype == torch.bfloat16
         outs = [torch.empty_like(source) for _ in range(G)]
         rests = [torch.empty_like(source) if split else source.new_empty(0) for _ in range(G)]
     if lses is None:
@@ -854,7 +853,8 @@ def _index(values, device):
     return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
 
 
-Call = namedtuple("Call", "launch spec sources table new_rows partial init partials qg qg_parts lses")
+Call = namedtuple("Call",
+                  "launch spec sources table new_rows partial init partials qg qg_parts lses")
 Call.__doc__ = """What one eager launch needs besides its autograd inputs: its Launch and Spec, the
 sources it reads, the history's address table (their rows from launch.lo), the addresses of those
 it reads first (its forward writes them there), the partial sum's it reads last (None: none),
@@ -1097,7 +1097,7 @@ class FusedHistory:
         self.addresses = []         # eager: theirs
         self.appended = 0
         self.traced = torch.compiler.is_compiling()   # traced code cannot read addresses
-        self.table = None           # eager: the sources' addresses, each written by its first reader
+        self.table = None           # eager: the sources' addresses, written by their first readers
         self.qg = None              # q ⊙ g (fp32) by group and by site: made at the first append
         self.carrier = None         # hands the source-gradient buffer backward, launch to launch
         self.qg_parts = None if self.traced else QGGradients(n_sites, group, continued)   # eager

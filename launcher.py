@@ -1,14 +1,14 @@
 """
 Triton launches bound once compiled: kernel.py's, through Triton's C launcher alone.
 
-kernel[grid](...) costs the host ~10 µs a launch in Triton's JITFunction.run (triton/runtime/jit.py:
-binding and specializing every argument, the cache key, the knobs, launch metadata) before ~2 µs in
-its C launcher. launch(jit, grid, key, args, constexprs) sends a launch whose key (kernel.py's guard
-on its arguments: None to refuse) has compiled straight to the C launcher of what Triton compiled
-for it; the first launch with a key goes through kernel[grid] and binds the kernel Triton returns
-(_bind). The bound calls follow the launchers' private layouts in triton 3.6 and 3.9
-(triton/backends/nvidia/driver.py CudaLauncher); the tests check that they pass the driver the
-bytes Triton's own launches do. Importing this file imports triton.
+kernel[grid](...) costs the host ~10 µs a launch in Triton's JITFunction.run (triton/runtime/
+jit.py: binding and specializing every argument, the cache key, the knobs, launch metadata) before
+~2 µs in its C launcher. launch(jit, grid, key, args, constexprs) sends a launch whose key
+(kernel.py's guard on its arguments: None to refuse) has compiled straight to the C launcher of what
+Triton compiled for it; the first launch with a key goes through kernel[grid] and binds the kernel
+Triton returns (_bind). The bound calls follow the launchers' private layouts in triton 3.6 and 3.9
+(triton/backends/nvidia/driver.py CudaLauncher); the tests check that they pass the driver the bytes
+Triton's own launches do. Importing this file imports triton.
 """
 import math
 import sys
