@@ -145,6 +145,17 @@ def test_the_custom_operator_leaves_the_state_it_continues_as_it_was():
     assert all(torch.equal(a, b) for a, b in zip(init, kept)) and out.data_ptr() != init[0].data_ptr()
 
 
+@pytest.mark.parametrize("result", [None, 0, (), "the result"], ids=["None", "0", "empty", "a string"])
+def test_memoized_calls_once_per_arguments_whatever_it_returns(result):
+    """A result that is falsy or None is kept like any other; other arguments call again."""
+    calls = []
+    remembered = kernel.memoized(lambda *args: calls.append(args) or result)
+    assert [remembered(1, 2), remembered(1, 2), remembered(1, 3)] == [result] * 3
+    assert calls == [(1, 2), (1, 3)]
+    remembered.cache_clear()
+    assert remembered(1, 2) == result and calls[-1] == (1, 2) and len(calls) == 3
+
+
 def test_eager_launches_under_a_functorch_transform_are_refused_as_torch_refuses_them():
     """FusedHistory's launches skip Function.apply's Python layer, but not under a functorch
     transform: there RouteSites.apply refuses them (RouteSites has no setup_context)."""
