@@ -798,7 +798,7 @@ def fused_route(V, q, g, heads, eps=1e-6):
 # first): a partial state to its phase 2 and its gradients back (Partial); the per-program partials
 # of q ⊙ g's gradient (QGGradients). The sources' addresses are in FusedHistory's table, each
 # written once by its first reader; each site's own go to the kernels as arguments. (Each cut the
-# host's time: `python bench_kernel.py --host` measures it.)
+# host's time: `python -m scripts.bench_kernel --host` measures it.)
 
 class Partial:
     """A site's phase-1 state on its way to its phase 2, outside autograd (eager code): forward
@@ -1195,6 +1195,6 @@ class FusedHistory:
 
 
 if __name__ == "__main__":  # a library: its checks and benchmarks are bench_kernel.py's
-    print("kernel.py: error: the kernels' library runs nothing; python bench_kernel.py "
+    print("kernel.py: error: the kernels' library runs nothing; python -m scripts.bench_kernel "
           "[--traffic | --host] checks and benchmarks them", file=sys.stderr)
     raise SystemExit(2)

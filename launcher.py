@@ -94,6 +94,6 @@ def all_bind(entries):
 
 
 if __name__ == "__main__":  # a library: kernel.py's launches use it
-    print("launcher.py: error: the bound launches' library runs nothing; python bench_kernel.py "
+    print("launcher.py: error: the bound launches' library runs nothing; python -m scripts.bench_kernel "
           "--host measures them", file=sys.stderr)
     raise SystemExit(2)

@@ -70,7 +70,7 @@ import sys
 
 INTERRUPTED = b"prepare.py: error: interrupted (SIGINT); nothing written\n"
 try:  # the script's first instruction: a Ctrl-C or SIGTERM until the work begins is its line (interrupts.py)
-    import interrupts
+    from lib import interrupts
     interrupts.guard(__name__, INTERRUPTED, sigterm=INTERRUPTED.replace(b"SIGINT", b"SIGTERM"))
 except KeyboardInterrupt:  # one in the microseconds before
     os.write(2, INTERRUPTED)
@@ -97,9 +97,9 @@ from typing import Callable  # noqa: E402
 import numpy as np  # noqa: E402
 import tiktoken  # noqa: E402
 
-from common import (DEFAULT_CORPUS, FlagParser, MachineError, UserError, exit_error,  # noqa: E402
-                    ignore_stop_signals, one_line, output_folder, remove_staging)
-from common import seed as SEED  # noqa: E402
+from lib.common import (DEFAULT_CORPUS, FlagParser, MachineError, UserError, exit_error,  # noqa: E402
+                        ignore_stop_signals, one_line, output_folder, remove_staging)
+from lib.common import seed as SEED  # noqa: E402
 
 VOCAB_SIZE = 50257  # GPT-2's vocabulary; under 2**16, so every id fits in uint16
 EOT = 50256  # GPT-2's <|endoftext|>, the last id; written after every document

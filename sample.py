@@ -28,7 +28,7 @@ import sys
 
 INTERRUPTED = b"sample.py: error: interrupted (Ctrl-C)\n"
 try:  # the script's first instruction: a Ctrl-C until sampling begins is this line at once (interrupts.py)
-    import interrupts
+    from lib import interrupts
     interrupts.guard(__name__, INTERRUPTED)
 except KeyboardInterrupt:  # one in the microseconds before
     os.write(2, INTERRUPTED)
@@ -39,9 +39,9 @@ import math  # noqa: E402
 
 import torch  # noqa: E402
 
-from common import (FlagParser, UserError, exit_error, ignore_stop_signals, load_model,  # noqa: E402
-                    pick_device, training_data)
-from common import seed as SEED  # noqa: E402
+from lib.common import (FlagParser, UserError, exit_error, ignore_stop_signals, load_model,  # noqa: E402
+                        pick_device, training_data)
+from lib.common import seed as SEED  # noqa: E402
 
 
 class Codec:

@@ -25,7 +25,7 @@ import sys
 
 INTERRUPTED = b"train.py: error: interrupted before training started\n"
 try:  # the first instruction: a Ctrl-C until main() begins is this line at once (interrupts.py)
-    import interrupts
+    from lib import interrupts
     interrupts.guard(__name__, INTERRUPTED)
 except KeyboardInterrupt:  # one in the microseconds before
     os.write(2, INTERRUPTED)
@@ -50,20 +50,20 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import head  # noqa: E402
-import hf  # noqa: E402
+from lib import head  # noqa: E402
+from lib import hf  # noqa: E402
 import mhar  # noqa: E402
-import midtrain  # noqa: E402
-import parallel  # noqa: E402
+from lib import midtrain  # noqa: E402
+from lib import parallel  # noqa: E402
 import prepare  # noqa: E402
-from common import (DEFAULT_CORPUS, CheckpointError, FlagParser, MachineError,  # noqa: E402
-                    StopSignals, UserError, AMOUNT, COUNT, RATE, STEPS, adamw, claim_out_dir,
-                    decay_rate, estimate_mfu, exit_error, fingerprint, fraction,
-                    ignore_stop_signals, largest_id, load_optimizer, logged_until, memory_for,
-                    one_line, os_error, padded_vocab, peak_memory, read_checkpoint, read_tokens,
-                    rng_states, rows_at, sample_rows, save_checkpoint, seed as SEED, set_rng_states,
-                    unigram_entropy, unwrapped, whole_split, write_text)
-from parallel import Session, set_precision, start_session, start_sharding, wrap_model  # noqa: E402
+from lib.common import (DEFAULT_CORPUS, CheckpointError, FlagParser, MachineError,  # noqa: E402
+                        StopSignals, UserError, AMOUNT, COUNT, RATE, STEPS, adamw, claim_out_dir,
+                        decay_rate, estimate_mfu, exit_error, fingerprint, fraction,
+                        ignore_stop_signals, largest_id, load_optimizer, logged_until, memory_for,
+                        one_line, os_error, padded_vocab, peak_memory, read_checkpoint, read_tokens,
+                        rng_states, rows_at, sample_rows, save_checkpoint, seed as SEED, set_rng_states,
+                        unigram_entropy, unwrapped, whole_split, write_text)
+from lib.parallel import Session, set_precision, start_session, start_sharding, wrap_model  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # The recipe (Multi-Head Attention Residuals, Luo, Cai, Hu 2026, "Training and reproducibility

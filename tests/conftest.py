@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(autouse=True, scope="session")
 def bf16_rounded_to_nearest():
     """Interpreted kernels round fp32 to bf16 as compiled ones do (bench_kernel.rounded_to_nearest)."""
-    import bench_kernel
+    from scripts import bench_kernel
     with bench_kernel.rounded_to_nearest():
         yield
 

@@ -25,6 +25,31 @@ def sigint_as_in_a_terminal():
     its children inherit that, and Python then installs no KeyboardInterrupt handler: the signal would do
     nothing."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+def script_path(name):
+    """A script's path from the repository root, by its name: "train.py", "scripts/compare.py", "lib/hf.py"."""
+    return next(f"{folder}{name}.py" for folder in ("", "scripts/", "lib/") if (ROOT / f"{folder}{name}.py").exists())
+
+
+def script_module(name):
+    """A script's module by its name, imported: train, scripts.compare, lib.hf."""
+    import importlib
+    return importlib.import_module(script_path(name).removesuffix(".py").replace("/", "."))
+
+
+def script_command(script):
+    """How a user runs `script` from the repository root: `python train.py`, or for one in a package
+    (scripts/compare.py, lib/hf.py) `python -m scripts.compare`."""
+    if "/" in script:
+        return [sys.executable, "-m", script.removesuffix(".py").replace("/", ".")]
+    return [sys.executable, script]
+
+
+def command_line(argv):
+    """[python, argv...], a script's path first in argv run as script_command runs it."""
+    argv = [str(a) for a in argv]
+    return [*script_command(argv[0]), *argv[1:]] if argv[0].endswith(".py") else [sys.executable, *argv]
+
+
 def interrupted_while_importing(argv, module, tmp_path):
     """`python argv` from the repository root, SIGINT'd (as a terminal's Ctrl-C) while it imports
     `module`, which a sitecustomize.py holds (after a marker file) until the signal comes:
@@ -42,7 +67,7 @@ def interrupted_while_importing(argv, module, tmp_path):
         "            for _ in range(1200):\n"
         "                time.sleep(0.1)\n"
         "sys.meta_path.insert(0, SlowImport())\n")
-    p = subprocess.Popen([sys.executable, *map(str, argv)], cwd=ROOT,
+    p = subprocess.Popen(command_line(argv), cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_in_a_terminal)
     deadline = time.time() + 60
@@ -60,7 +85,7 @@ def _held_run(argv, tmp_path, hook, then):
     there, then(process) -> (returncode, stdout, stderr)."""
     marker = tmp_path / "marker"
     (tmp_path / "sitecustomize.py").write_text(hook.replace("MARKER", repr(str(marker))))
-    p = subprocess.Popen([sys.executable, *map(str, argv)], cwd=ROOT,
+    p = subprocess.Popen(command_line(argv), cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1"},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          preexec_fn=sigint_as_in_a_terminal)
@@ -147,7 +172,7 @@ def error_line(capsys, main, argv, status=2, prog=None):
         main([str(a) for a in argv])
     err = capsys.readouterr().err
     assert exit.value.code == status, err
-    script = prog or main.__module__
+    script = prog or main.__module__.rpartition(".")[2]
     assert err.startswith(f"{script}.py: error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err, err
     return err.strip()
@@ -206,18 +231,21 @@ try:
     safetensors.torch.serialize_file = guarded_serialize_file
 except ImportError:
     pass
-sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-runpy.run_path(script, run_name="__main__")
+if os.sep in script:  # a script in a package (scripts/, lib/), run as python -m does
+    runpy.run_module(script.removesuffix(".py").replace(os.sep, "."), run_name="__main__", alter_sys=True)
+else:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
 """
 
 
 def run_script(script, *argv, fault=None, under=None, timeout=300):
-    """`python <script> argv` from the repository root in a subprocess -> CompletedProcess (text). fault "full"
-    or "read-only" makes the files it writes under the folder `under` fail as on a full disk or in a read-only
-    folder (FAULTS)."""
+    """`python <script> argv` (or `python -m <package.script> argv`: script_command) from the repository root in
+    a subprocess -> CompletedProcess (text). fault "full" or "read-only" makes the files it writes under the
+    folder `under` fail as on a full disk or in a read-only folder (FAULTS)."""
     argv = [str(a) for a in argv]
     command = [sys.executable, "-c", FAULTS, fault, str(under), script, *argv] if fault else \
-        [sys.executable, script, *argv]
+        [*script_command(script), *argv]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 

@@ -5,10 +5,10 @@ string or an argument dropped) and runs the tests that call the mutated function
 "survives", and names a behaviour that no test pins.
 
     pip install mutmut==3.8.1
-    python tests/mutate.py compare.py paired versus           # two functions, tests/test_compare.py
-    python tests/mutate.py common.py seed --tests tests/test_common.py tests/test_train.py
+    python tests/mutate.py scripts/compare.py paired versus   # two functions, tests/test_compare.py
+    python tests/mutate.py lib/common.py seed --tests tests/test_common.py tests/test_train.py
     python tests/mutate.py mhar.py GPT.hidden                  # a method: Class.method
-    python tests/mutate.py compromise.py                       # every function of the file
+    python tests/mutate.py scripts/compromise.py               # every function of the file
 
 The working tree (what git tracks, and new files it does not ignore) is copied into .mutmut/<file's stem>/, with
 a pyproject.toml that tells mutmut the file to mutate and the tests to run (default tests/test_<stem>.py), and
@@ -44,8 +44,8 @@ COUNTED = ("killed", "timeout", "survived", "no tests", "suspicious", "skipped",
 
 
 def mutant_pattern(module, function=None):
-    """mutmut's name of a function's mutants, as a glob: seed -> "common.x_seed__mutmut_*", GPT.hidden ->
-    "mhar.xǁGPTǁhidden__mutmut_*"; none: every mutant of the module."""
+    """mutmut's name of a function's mutants, as a glob: seed of lib.common -> "lib.common.x_seed__mutmut_*",
+    GPT.hidden -> "mhar.xǁGPTǁhidden__mutmut_*"; none: every mutant of the module."""
     if function is None:
         return f"{module}.*"
     *cls, name = function.split(".")
@@ -108,6 +108,16 @@ def generate_mutants(folder, jobs):
     subprocess.run([sys.executable, "-c", code], cwd=folder, check=True, capture_output=True)
 
 
+def also_copy(listed, file):
+    """What mutmut copies beside the mutated file for the tests to import: every top-level file and folder of
+    the tree but the file and tests/, and for a file in a package (lib/common.py) the package's other entries
+    (lib/__init__.py, lib/head.py, lib/remote), not the package whole, whose copy would hold the unmutated file."""
+    tops = sorted({p.split("/")[0] for p in listed if p})
+    package = file.split("/")[0] if "/" in file else None
+    siblings = sorted({"/".join(p.split("/")[:2]) for p in listed if p.startswith(f"{package}/")} - {file})
+    return [t for t in tops if t not in (file, "tests", package)] + (siblings if package else [])
+
+
 def workspace(file, tests):
     """.mutmut/<stem>/ holding a copy of the working tree and mutmut's configuration for `file`."""
     listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
@@ -125,7 +135,7 @@ def workspace(file, tests):
     (folder / "pyproject.toml").write_text(
         "[tool.mutmut]\n"
         f"source_paths = [{json.dumps(file)}]\n"
-        f"also_copy = {json.dumps([t for t in tops if t not in (file, 'tests')])}\n"  # what the tests import
+        f"also_copy = {json.dumps(also_copy(listed, file))}\n"  # what the tests import
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
         'process_isolation = "forkserver"\n')  # torch is not safe to fork once it has run
     return folder
@@ -133,19 +143,19 @@ def workspace(file, tests):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="mutate.py", description=__doc__.split("\n\n")[0].strip())
-    p.add_argument("file", help="a Python file at the repository's top level, e.g. compare.py")
+    p.add_argument("file", help="a Python file of the project, e.g. mhar.py, lib/common.py, scripts/compare.py")
     p.add_argument("functions", nargs="*", help="its functions (Class.method for a method); none: all of them")
     p.add_argument("--tests", nargs="+", help="test files to run (default tests/test_<stem>.py)")
     p.add_argument("--jobs", type=int, help="mutants tested at a time (default: one per core)")
     p.add_argument("--skip_help", action="store_true",
                    help="leave out (and count) the mutants that change only what --help prints")
     args = p.parse_args(argv)
-    if not re.fullmatch(r"[\w]+\.py", args.file) or not (ROOT / args.file).is_file():
-        p.error(f"{args.file} is not a Python file at the repository's top level")
+    if not re.fullmatch(r"((lib|scripts)/)?\w+\.py", args.file) or not (ROOT / args.file).is_file():
+        p.error(f"{args.file} is not a Python file at the root, in lib/ or in scripts/")
     if shutil.which("mutmut") is None:
         p.error("mutmut is not installed: pip install mutmut==3.8.1")
-    module = Path(args.file).stem
-    tests = args.tests or [f"tests/test_{module}.py"]
+    module = args.file.removesuffix(".py").replace("/", ".")  # lib/common.py: lib.common
+    tests = args.tests or [f"tests/test_{Path(args.file).stem}.py"]
     missing = [t for t in tests if not (ROOT / t).is_file()]
     if missing:
         p.error(f"no test file {missing[0]}: name the tests with --tests")

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import bench_step
+from scripts import bench_step
 import mhar
 
 
@@ -65,7 +65,7 @@ def test_device_time_and_memory_grow_with_the_micro_batch_and_fused_adds_the_ker
 
 
 def test_device_time_chunks_the_head_as_on_a_gpu_and_puts_the_cpus_budget_back(monkeypatch):
-    import head
+    from lib import head
     budgets, chunks = {"cpu": 7 << 20, "cuda": 3 << 28}, []      # this test's: any order of tests
     monkeypatch.setattr(head, "HEAD_CHUNK_BYTES", dict(budgets))
     monkeypatch.setattr(head, "head_chunk", lambda vocab, device, chunk=head.head_chunk:
@@ -79,7 +79,7 @@ def test_device_time_chunks_the_head_as_on_a_gpu_and_puts_the_cpus_budget_back(m
 def test_memory_is_16_bytes_a_parameter_and_the_saved_tensors_and_fused_adds_what_it_keeps():
     """Against the saved tensors counted here (each storage once), and bench_kernel.traffic."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    import bench_kernel
+    from scripts import bench_kernel
     config, saved = mhar.preset("100m", residual="baseline"), {}
 
     def keep(tensor):
@@ -87,7 +87,7 @@ def test_memory_is_16_bytes_a_parameter_and_the_saved_tensors_and_fused_adds_wha
         return tensor
 
     _, memory = bench_step.device_time("100m", "baseline", 2)
-    import head
+    from lib import head
     with pytest.MonkeyPatch.context() as patched:
         patched.setitem(head.HEAD_CHUNK_BYTES, "cpu", head.HEAD_CHUNK_BYTES["cuda"])
         with FakeTensorMode(), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
@@ -128,7 +128,9 @@ def test_host_time_is_the_best_of_its_repeats_on_one_thread(monkeypatch):
 
 
 FUSED_HOST = """
-import bench_kernel, bench_step, kernel, mhar
+import kernel
+import mhar
+from scripts import bench_kernel, bench_step
 assert not kernel.INTERPRETED
 fused, readable = (bench_step.host_time("100m", mode, repeats=1)[0] for mode in ("mhar fused", "mhar"))
 config = mhar.preset("100m", **bench_step.MODES["mhar fused"], **bench_step.TINY)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-import common
+from lib import common
 import mhar
 from helpers import ROOT, files_in, tiny
 
@@ -158,7 +158,7 @@ def test_a_script_exiting_on_a_signal_ignores_more_but_a_test_calling_it_does_no
         common.exit_error("sample.py", "interrupted (Ctrl-C)", status=130)
     assert {s: signal.getsignal(s) for s in before} == before
     script = tmp_path / "sample.py"
-    script.write_text("import signal, common\n"
+    script.write_text("import signal\nfrom lib import common\n"
                       "try:\n"
                       "    common.exit_error('sample.py', 'interrupted (Ctrl-C)', status=130)\n"
                       "finally:\n"

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import compare
+from scripts import compare
 import mhar
 import prepare
 from helpers import PNG_SIGNATURE, ROOT, VOCAB, error_line, files_in, needs, write_task
@@ -1128,7 +1128,7 @@ def test_a_run_stopped_before_its_end_goes_on_from_its_checkpoint(data, tmp_path
 
 @pytest.mark.slow
 def test_eval_tasks_add_eval_pys_metrics_as_columns(compared, words):
-    import eval
+    from scripts import eval
     out, _, rows = compared
     # the columns are eval.py's own numbers for the same run folder
     direct = eval.main(["--ckpt", str(out / "mhar-s0"), "--tasks", EVAL_TASKS,
@@ -1156,7 +1156,7 @@ def test_eval_tasks_add_eval_pys_metrics_as_columns(compared, words):
 
 @pytest.mark.slow
 def test_a_rerun_reuses_runs_and_evaluations(compared, monkeypatch):
-    import eval
+    from scripts import eval
     out, argv, _ = compared
     first_log, table = (out / "baseline-s0" / "log.jsonl").read_text(), (out / "results.md").read_text()
     monkeypatch.setattr(eval, "evaluate", lambda *args, **kwargs: pytest.fail("evaluated again"))
@@ -1185,7 +1185,7 @@ def test_tables_that_cannot_be_written_keep_the_previous_ones(compared, monkeypa
     """The disk fills up before the tables are written, or between them: one line, exit status 1,
     results.md and results.json both as they were (never a new one beside an old one), no temporary
     file; the runs are kept for a rerun."""
-    import eval
+    from scripts import eval
     out, argv, _ = compared
     before = {name: (out / name).read_text() for name in ("results.md", "results.json")}
     monkeypatch.setattr(eval, "evaluate", lambda folder, tasks, **options: json.loads(
@@ -1211,8 +1211,8 @@ def test_tables_that_cannot_be_written_keep_the_previous_ones(compared, monkeypa
 def test_figures_that_cannot_be_written_keep_the_previous_ones(compared, monkeypatch, capsys):
     """The disk fills up while the loss curves are drawn, after the tables (half a PNG written): one line,
     exit status 1, not matplotlib's OSError traceback; both figures as they were, no staging folder."""
-    import eval
-    import probe
+    from scripts import eval
+    from scripts import probe
     out, argv, _ = compared
     before = {name: (out / name).read_bytes() for name in ("loss_curves.png", "paired_curves.png")}
     monkeypatch.setattr(eval, "evaluate", lambda folder, tasks, **options: json.loads(
@@ -1284,7 +1284,7 @@ def test_a_signal_to_compare_alone_stops_its_run_at_a_checkpoint(data, tmp_path)
     argv = ["--methods", "baseline,mhar", "--out_dir", out, "--data", data, *TINY, "--max_steps", "100000",
             "--eval_interval", "100000"]  # no checkpoint until the signal's
     with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
-        p = subprocess.Popen([sys.executable, "compare.py", *map(str, argv)], cwd=ROOT, stdout=stdout, stderr=stderr,
+        p = subprocess.Popen([sys.executable, "-m", "scripts.compare", *map(str, argv)], cwd=ROOT, stdout=stdout, stderr=stderr,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     child, config = None, out / "baseline-s0" / "config.json"  # written once train.py handles the signals
     try:

@@ -22,8 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import compromise
-from common import duration
+from scripts import compromise
+from lib.common import duration
 from helpers import (PNG_SIGNATURE, ROOT, error_line, files_in, interrupted_while_importing,
                      sigint_as_in_a_terminal)
 
@@ -409,7 +409,7 @@ def test_a_signal_while_the_files_are_written_waits_for_both(tmp_path, capsys, m
 
 def test_ctrl_c_while_it_imports_says_as_much_as_later(tmp_path):
     """torch takes seconds to import; the import is held until the signal comes."""
-    status, _, err = interrupted_while_importing(["compromise.py"], "torch", tmp_path)
+    status, _, err = interrupted_while_importing(["-m", "scripts.compromise"], "torch", tmp_path)
     assert status == 130 and err == ("compromise.py: error: interrupted (SIGINT): nothing "
                                      "written; the same command runs it again from the start\n")
 
@@ -506,7 +506,7 @@ def test_a_stop_signal_ends_every_process_with_one_line(signum, everyone, tmp_pa
     it (it waits for them), the resource tracker right after (at the end of its pipe from every
     other process: a moment, here a few ms, so it gets a few seconds)."""
     out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, "compromise.py", "--steps", "100000", "--seeds", "0",
+    p = subprocess.Popen([sys.executable, "-m", "scripts.compromise", "--steps", "100000", "--seeds", "0",
                           "--d", "32", "--out_dir", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"},

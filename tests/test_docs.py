@@ -1,9 +1,10 @@
 """README.md and docs/*.md as written, one test id per page: every ```python block runs; every script that
-a ```bash block runs is a file of the repository and takes the flags written, through its own parser and
-nothing more (train.py's model flags through mhar.Config, compare.py's grid cell by cell); the Python and
+a ```bash block runs (python X.py, python -m scripts.X, torchrun ... X.py) is a file of the repository and
+takes the flags written, through its own parser and nothing more (train.py's model flags through mhar.Config, compare.py's grid cell by cell); the Python and
 YAML that a block hands to a program parse; every relative link and #anchor resolves."""
 import argparse
 import contextlib
+import importlib
 import io
 import re
 import shlex
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from common import one_line
+from lib.common import one_line
 from helpers import ROOT
 
 README = ROOT / "README.md"
@@ -64,7 +65,7 @@ def parse_script(module):
     """A script's flags through its own parser, run up to the parse and no further: its parse_args(argv),
     or, for a script that builds its parser inside main(argv), main."""
     def parse(argv, monkeypatch):
-        script = __import__(module)
+        script = importlib.import_module(module)
         strict("parse_args", monkeypatch)
         with pytest.raises(Parsed):
             getattr(script, "parse_args", script.main)(argv)
@@ -86,7 +87,7 @@ def parse_train(argv, monkeypatch):
 def parse_compare(argv, monkeypatch):
     """compare.py's flags and every run of its grid (compare.check_shapes builds each run's mhar.Config),
     then the flags it passes on to train.py; in a temporary folder holding the --eval_include it names."""
-    import compare
+    from scripts import compare
     with tempfile.TemporaryDirectory() as folder:
         monkeypatch.chdir(folder)
         if "--eval_include" in argv:
@@ -98,10 +99,13 @@ def parse_compare(argv, monkeypatch):
     parse_train(train_flags, monkeypatch)
 
 
-PARSERS = {"train.py": parse_train, "compare.py": parse_compare,
-           **{f"{m}.py": parse_script(m) for m in ("eval", "export", "probe", "sample", "prepare", "bench_head", "hf",
-                                                    "bench_kernel", "compromise", "gpu_check", "trend")},
-           "tests/mutate.py": parse_script("mutate")}
+PARSERS = {"train.py": parse_train, "scripts/compare.py": parse_compare,
+           **{f"{m}.py": parse_script(m) for m in ("sample", "prepare")},
+           **{f"scripts/{m}.py": parse_script(f"scripts.{m}") for m in (
+               "eval", "export", "probe", "bench_head", "bench_kernel", "bench_step", "compromise", "gpu_check",
+               "trend")},
+           "lib/hf.py": parse_script("lib.hf"), "tests/mutate.py": parse_script("mutate")}
+PACKAGES = ("scripts", "lib")  # run as python -m PACKAGE.NAME from the root
 SEPARATORS = {";", "&&", "||", "|", "&", "(", ")", "\n"}
 
 
@@ -182,11 +186,16 @@ def check_command(words, body, monkeypatch):
             return [f"python {words[1]}: {e.msg} at line {e.lineno}: {e.text!r}"]
         return []
     if words[0] != "torchrun" and words[1:2] == ["-m"]:
-        return []
-    scripts = [i for i, w in enumerate(words) if w.endswith(".py")]
-    if not scripts:
-        return [f"{' '.join(words)}: no script"]
-    script, argv = words[scripts[0]], words[scripts[0] + 1:]
+        if words[2].split(".")[0] not in PACKAGES:  # python -m pytest, torch.distributed.run: not ours
+            return []
+        script, argv = words[2].replace(".", "/") + ".py", words[3:]
+    else:
+        scripts = [i for i, w in enumerate(words) if w.endswith(".py")]
+        if not scripts:
+            return [f"{' '.join(words)}: no script"]
+        script, argv = words[scripts[0]], words[scripts[0] + 1:]
+        if script.split("/")[0] in PACKAGES:
+            return [f"{script}: a module of a package, run as python -m {script.removesuffix('.py').replace('/', '.')}"]
     if not (ROOT / script).is_file():
         return [f"{script}: no such file in the repository"]
     if script not in PARSERS:
@@ -206,8 +215,9 @@ def check_command(words, body, monkeypatch):
 
 @pytest.mark.parametrize("page", PAGES, ids=IDS)
 def test_bash_blocks_name_scripts_and_flags_that_exist(page, monkeypatch):
-    """Every `python X.py ...` and `torchrun ... X.py ...` of a page's ```bash blocks names a script of the
-    repository, and its flags parse with that script's parser; `python -c` and here-document code compiles."""
+    """Every `python X.py ...`, `python -m scripts.X ...` and `torchrun ... X.py ...` of a page's ```bash blocks
+    names a script of the repository, and its flags parse with that script's parser; `python -c` and
+    here-document code compiles."""
     problems, checked = [], 0
     for block in fenced(page, "bash"):
         variables = {}
@@ -275,37 +285,19 @@ def test_every_document_is_linked_from_the_readme_and_links_back():
     assert unlinked == [], "documents without a link back to the README"
 
 
-def suite_count_problems(text):
-    """What is wrong with a page's counts of the suite: its quick start's "N tests (G need a GPU)"
-    against the summary line it says pytest prints, "P passed, S skipped" (P + S = N, and the skips
-    are the G GPU tests and the one that needs mutmut). [] when they agree."""
-    total, gpu = re.search(r"the test suite: ([\d,]+) tests \((\d+) need a GPU\)", text).groups()
-    passed, skipped = re.search(r"summary line, `([\d,]+) passed, (\d+) skipped`", text).groups()
-    total, gpu, passed, skipped = (int(n.replace(",", "")) for n in (total, gpu, passed, skipped))
-    problems = []
-    if passed + skipped != total:
-        problems.append(f"{passed} passed + {skipped} skipped != {total} tests")
-    if skipped != gpu + 1:
-        problems.append(f"{skipped} skipped, but {gpu} GPU tests and one that needs mutmut")
-    return problems
-
-
-@pytest.mark.parametrize("counts, summary, problems", [
-    ("1,907 tests (15 need a GPU)", "`1891 passed, 16 skipped`", 0),
-    ("1,907 tests (15 need a GPU)", "`1,891 passed, 16 skipped`", 0),
-    ("1,907 tests (15 need a GPU)", "`1800 passed, 16 skipped`", 1),
-    ("1,907 tests (15 need a GPU)", "`1890 passed, 16 skipped`", 1),
-    ("1,907 tests (15 need a GPU)", "`1892 passed, 16 skipped`", 1),
-    ("1,907 tests (15 need a GPU)", "`1892 passed, 15 skipped`", 1),
-    ("1,907 tests (16 need a GPU)", "`1891 passed, 16 skipped`", 1),
-    ("1,907 tests (17 need a GPU)", "`1800 passed, 16 skipped`", 2),
-    ("0 tests (0 need a GPU)", "`0 passed, 1 skipped`", 1),
-], ids=["agree", "comma", "stale", "one-less", "one-more", "skip-one-less", "gpu-one-more", "both",
-        "empty"])
-def test_suite_count_problems(counts, summary, problems):
-    assert len(suite_count_problems(f"the test suite: {counts} ... summary line, {summary}")) == problems
-
-
-def test_the_readmes_suite_counts_agree():
-    """The README's count of the suite and the summary line it quotes tell one story."""
-    assert suite_count_problems(README.read_text()) == []
+@pytest.mark.parametrize("command, problem", [
+    ("python -m scripts.compare --methods baseline,mhar --seeds 0,1", None),
+    ("python -m scripts.compare --no_such_flag 1", "unrecognized arguments: --no_such_flag"),
+    ("python -m scripts.trend runs/d64 runs/d128 --no_such_flag", "unrecognized arguments: --no_such_flag"),
+    ("python -m lib.hf --no_such_flag", "unrecognized arguments: --no_such_flag"),
+    ("python -m scripts.no_such_script", "scripts/no_such_script.py: no such file"),
+    ("python scripts/compare.py --seeds 0", "run as python -m scripts.compare"),
+    ("python train.py --no_such_flag 1", "unrecognized arguments: --no_such_flag"),
+    ("python -m pytest -q", None),
+], ids=["module-flags", "module-bad-flag", "trend-bad-flag", "lib-bad-flag", "module-missing", "module-as-a-file",
+        "file-bad-flag", "another-program"])
+def test_a_documented_command_with_a_bad_flag_or_script_is_a_problem(command, problem, monkeypatch):
+    """The check itself, on planted commands: a `python -m scripts.X` command with a flag its parser refuses is
+    found, as a `python X.py` one is."""
+    found = [p for words in simple_commands(command, {}) for p in check_command(words, None, monkeypatch)]
+    assert (found == []) if problem is None else (len(found) == 1 and problem in found[0]), found

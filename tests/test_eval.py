@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import eval
-import head
+from scripts import eval
+from lib import head
 import mhar
 import prepare
-from common import UserError
+from lib.common import UserError
 from helpers import ROOT, files_in, foreign_model, needs, one_error_line, run_script, save_tiny_qwen3, write_task
 
 SEQ_LEN = 64
@@ -321,7 +321,7 @@ def test_eval_py_bad_input_is_one_line_in_a_subprocess(run, tmp_path, case):
         checkpoint, message = run.folder, "--limit must be a positive number"
     else:
         checkpoint, message = foreign_model(tmp_path, case)
-    p = run_script("eval.py", "--ckpt", checkpoint, "--tasks", "tiny_choice", "--include_path", run.folder,
+    p = run_script("scripts/eval.py", "--ckpt", checkpoint, "--tasks", "tiny_choice", "--include_path", run.folder,
                    "--limit", "inf" if case == "limit_inf" else "1", "--output", tmp_path / "eval.json")
     assert message in one_error_line(p, "eval.py", status=2)
     assert not (tmp_path / "eval.json").exists()
@@ -430,7 +430,7 @@ def test_results_that_cannot_be_written_are_one_line_and_status_1(run, tmp_path,
 
 
 @pytest.mark.parametrize("script,command", [
-    ("eval.py", "import eval; eval.main(['--ckpt', 'out/ckpt.pt', '--tasks', 'hellaswag'])"),
+    ("eval.py", "from scripts import eval; eval.main(['--ckpt', 'out/ckpt.pt', '--tasks', 'hellaswag'])"),
     ("compare.py", "compare.main(['--methods', 'baseline', '--preset', 'tiny', '--data', 'synthetic', "
                    "'--eval_tasks', 'hellaswag', '--out_dir', sys.argv[1]])"),
 ], ids=["eval", "compare_eval_tasks"])
@@ -438,7 +438,7 @@ def test_lm_eval_stays_optional(script, command, tmp_path):
     """Every other module imports without lm-eval; eval.py, and compare.py asked for benchmarks, say
     in one line how to install it, before anything runs."""
     code = ("import sys; sys.modules['lm_eval'] = None\n"  # then `import lm_eval` fails
-            "import common, compare, kernel, mhar, prepare, probe, sample, train\n" + command)
+            "import kernel, mhar, prepare, sample, train\nfrom lib import common\nfrom scripts import compare, probe\n" + command)
     p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "runs")], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr
@@ -450,8 +450,8 @@ def test_lm_eval_stays_optional(script, command, tmp_path):
 def test_only_eval_py_imports_lm_eval():
     """With lm-eval installed, importing the other modules loads none of it (nor datasets): compare.py
     imports eval.py only when asked for benchmarks."""
-    code = ("import sys, common, compare, kernel, mhar, prepare, probe, sample, train\n"
-            "print(sorted(m for m in ('eval', 'lm_eval', 'datasets') if m in sys.modules))")
+    code = ("import sys, kernel, mhar, prepare, sample, train\nfrom lib import common\nfrom scripts import compare, probe\n"
+            "print(sorted(m for m in ('scripts.eval', 'lm_eval', 'datasets') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert (p.returncode, p.stdout) == (0, "[]\n"), p.stderr

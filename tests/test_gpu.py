@@ -36,7 +36,6 @@ def test_compiled_kernels_match_the_route_fp32(N, d, heads):
 
 
 def test_compiled_chain_bf16_as_close_to_float64_as_the_readable_path():
-    import kernel
     from test_kernel import ReadableHistory, chain_grads
     exact = chain_grads(lambda q, g: ReadableHistory(q, g, 4), torch.float64, 0, device=CUDA)
     errors = {}

@@ -19,11 +19,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import bench_kernel
-import gpu_check
+from scripts import bench_kernel
+from scripts import gpu_check
 import train
-from bench_kernel import HEADS, traffic
-from helpers import (ROOT, error_line, interpreted, interrupted_while_importing,
+from scripts.bench_kernel import HEADS, traffic
+from helpers import (ROOT, error_line, interpreted, interrupted_while_importing, script_path,
                      sigint_as_in_a_terminal)
 
 
@@ -263,7 +263,7 @@ def test_a_part_writes_each_row_as_it_ends_and_flushes_each_line(tmp_path):
     """A part's process, killed once its first row is printed: the line came at once (stdout a
     pipe), and the row is in its JSON file."""
     path = tmp_path / "part.json"
-    p = subprocess.Popen([sys.executable, "gpu_check.py", "--tiny", "--part", "tiny baseline",
+    p = subprocess.Popen([sys.executable, "-m", "scripts.gpu_check", "--tiny", "--part", "tiny baseline",
                           "tiny readable", "--json", str(path)], cwd=ROOT, stdout=subprocess.PIPE,
                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -331,7 +331,7 @@ def test_ctrl_c_in_the_kernel_check_is_one_line_and_status_130(monkeypatch, caps
 @pytest.mark.parametrize("script", ["gpu_check", "bench_kernel"])
 def test_ctrl_c_while_a_kernel_script_imports_is_one_line(script, tmp_path):
     """torch and triton take seconds to import; the import of torch is held until the signal."""
-    status, _, stderr = interrupted_while_importing([f"{script}.py"], "torch", tmp_path)
+    status, _, stderr = interrupted_while_importing([script_path(script)], "torch", tmp_path)
     assert status == 130 and stderr == f"{script}.py: error: interrupted (Ctrl-C)\n", stderr
 
 
@@ -339,7 +339,7 @@ def test_ctrl_c_while_a_kernel_script_imports_is_one_line(script, tmp_path):
 @pytest.mark.parametrize("delay", [0.0, 1.0], ids=["as-it-starts", "a-second-in"])
 def test_ctrl_c_in_bench_kernels_cpu_check_is_one_line_and_status_130(delay):
     """The real thing, in the Triton interpreter, at two moments after the check has begun."""
-    p = subprocess.Popen([sys.executable, "bench_kernel.py"], cwd=ROOT, stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-m", "scripts.bench_kernel"], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_in_a_terminal,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:

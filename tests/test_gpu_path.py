@@ -6,9 +6,8 @@ import argparse
 import pytest
 import torch
 
-import kernel
 import mhar
-import parallel
+from lib import parallel
 import train
 from helpers import fused_history, gpt_pair, interpreted, rel_err, tiny
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import head
+from lib import head
 import mhar
 from helpers import rel_err, tiny
 

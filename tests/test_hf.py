@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import hf
-import midtrain
-from common import CheckpointError
+from lib import hf
+from lib import midtrain
+from lib.common import CheckpointError
 from helpers import ROOT, error_line, files_in, foreign_model, one_error_line, rel_err, run_script, save_tiny_qwen3, tiny
 from mhar import GPT, Config, route
 
@@ -222,7 +222,9 @@ def test_the_scripts_import_without_the_optional_packages(qwen3):
 import sys
 for name in ("transformers", "tokenizers", "safetensors", "huggingface_hub"):
     sys.modules[name] = None  # `import name` raises ImportError
-import mhar, train, sample, hf, export
+import mhar, train, sample
+from lib import hf
+from scripts import export
 try:
     hf.load({str(qwen3['tied'][0])!r})
 except hf.CheckpointError as e:
@@ -433,7 +435,7 @@ def write_checkpoint(path, model, **args):
 
 @pytest.mark.parametrize("residual", ["baseline", "mhar"])
 def test_export_writes_a_checkpoint_as_a_hugging_face_directory(qwen3, tmp_path, capsys, residual):
-    import export
+    from scripts import export
     source = qwen3["untied-hd32"][0]
     model = hf.load(source, residual=residual)
     if residual == "mhar":
@@ -456,7 +458,7 @@ def test_export_writes_a_checkpoint_as_a_hugging_face_directory(qwen3, tmp_path,
 
 
 def test_export_errors_are_one_line(tmp_path, capsys):
-    import export
+    from scripts import export
     ckpt = write_checkpoint(tmp_path / "ckpt.pt", GPT(tiny("baseline")))
     for argv in ([str(tmp_path / "missing.pt"), str(tmp_path / "hf")],
                  [str(ckpt), str(tmp_path / "hf"), "--tokenizer", str(tmp_path / "nowhere")],
@@ -479,7 +481,7 @@ def test_export_onto_a_full_disk_or_into_a_read_only_folder(tmp_path, fault, rea
     if fault == "read-only-existing":
         hf.save(model, out)
     before = {name: (disk / name).read_bytes() for name in files_in(disk) if (disk / name).is_file()}
-    p = run_script("export.py", ckpt, out / "new" if fault == "full" else out, fault=fault.removesuffix("-existing"),
+    p = run_script("scripts/export.py", ckpt, out / "new" if fault == "full" else out, fault=fault.removesuffix("-existing"),
                    under=disk)
     assert reason in one_error_line(p, "export.py", status=1)
     assert files_in(disk) == (["hf", "hf/config.json", "hf/model.safetensors"] if fault == "read-only-existing"
@@ -543,7 +545,7 @@ def test_export_writes_over_nothing_but_an_earlier_export(tmp_path, capsys, kind
     (a baseline's here, replaced by a routed model); onto another model, a train.py run folder (the mistake
     `export.py RUN/ckpt.pt RUN`) or a file it did not write, one line, status 2, and every file there keeps
     its bytes."""
-    import export
+    from scripts import export
     model = open_routing(GPT(tiny("mhar")))
     ckpt, out = tmp_path / "ckpt.pt", tmp_path / "out"
     if kind == "llama":  # a Llama's config.json and weights
@@ -620,18 +622,18 @@ def test_every_exported_file_has_the_mode_a_new_file_gets(tmp_path, umask):
 def test_export_out_dir_naming_a_file_is_one_line(tmp_path):
     ckpt = write_checkpoint(tmp_path / "ckpt.pt", GPT(tiny("baseline")))
     (tmp_path / "notes.txt").write_text("mine")
-    p = run_script("export.py", ckpt, tmp_path / "notes.txt" / "hf")
+    p = run_script("scripts/export.py", ckpt, tmp_path / "notes.txt" / "hf")
     assert "notes.txt is a file, not a folder" in one_error_line(p, "export.py", status=2)
     assert (tmp_path / "notes.txt").read_text() == "mine" and files_in(tmp_path) == ["ckpt.pt", "notes.txt"]
 
 
 @pytest.mark.parametrize("kind", ["llama", "broken"])
 def test_hf_py_refuses_a_foreign_directory_in_one_line_and_leaves_it(tmp_path, kind):
-    """python hf.py DIR writes its random Qwen3 over DIR: a Llama directory or a broken config.json there is
+    """python -m lib.hf DIR writes its random Qwen3 over DIR: a Llama directory or a broken config.json there is
     one line, status 2, and the directory is left as it was."""
     directory, _ = foreign_model(tmp_path, kind)
     before = {name: (directory / name).read_bytes() for name in files_in(directory)}
-    p = run_script("hf.py", directory)
+    p = run_script("lib/hf.py", directory)
     err = one_error_line(p, "hf.py", status=2)
     assert str(directory) in err and ("holds something else (model_type 'llama')" if kind == "llama" else
                                       "config.json (") in err, err
@@ -641,7 +643,7 @@ def test_hf_py_refuses_a_foreign_directory_in_one_line_and_leaves_it(tmp_path, k
 
 def test_hf_py_takes_a_directory_and_nothing_else(tmp_path, capsys):
     """--help is help, not a folder named --help; a file, or a second argument, is one line."""
-    p = run_script("hf.py", "--help")
+    p = run_script("lib/hf.py", "--help")
     assert p.returncode == 0 and p.stdout.startswith("usage: hf.py") and not (ROOT / "--help").exists()
     (tmp_path / "notes.txt").write_text("mine")
     assert "notes.txt is a file" in error_line(capsys, hf.main, [tmp_path / "notes.txt"])
@@ -1122,7 +1124,7 @@ def test_lm_evals_hf_model_gives_eval_pys_loglikelihoods_and_generations(fresh):
     if fresh.samples is None:
         pytest.skip("lm-eval's hf model needs lm-eval and accelerate: pip install lm-eval "
                     "accelerate")
-    import eval
+    from scripts import eval
     tasks = ["tiny_choice", "tiny_text", "tiny_gen"]
     ours = eval.evaluate(fresh.dirs["mhar-full-tied"], tasks, include_path=fresh.root,
                          batch_size=4, device="cpu", log_samples=True,

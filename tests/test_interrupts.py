@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-import interrupts
+from lib import interrupts
 from helpers import ROOT
 
 LINE = b"x.py: error: interrupted\n"
@@ -66,7 +66,7 @@ def test_the_work_hands_sigint_back_to_keyboard_interrupt(guarded):
 def test_the_handler_writes_the_line_and_ends_the_process_at_once(signame, line):
     """128 + the signal's number and the line alone on stderr (none: bench_head.py's child), while the
     process sleeps (a Ctrl-C during an import meets it as one during any other instruction)."""
-    code = (f"import os, signal, time, interrupts; interrupts.guard('__main__', {line!r}, sigterm={line!r}); "
+    code = (f"import os, signal, time; from lib import interrupts; interrupts.guard('__main__', {line!r}, sigterm={line!r}); "
             f"os.kill(os.getpid(), signal.{signame}); time.sleep(60)")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, timeout=60)
     assert p.returncode == 128 + getattr(signal, signame) and p.stderr == line, p.stderr

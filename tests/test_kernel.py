@@ -11,12 +11,12 @@ import sys
 import pytest
 import torch
 
-import bench_kernel
+from scripts import bench_kernel
 import kernel
 import launcher
 import mhar
 from helpers import fused_history, gpt_pair, interpreted, rel_err, route_and_grads, route_inputs
-from bench_kernel import HEADS
+from scripts.bench_kernel import HEADS
 from kernel import FusedHistory, fused_route
 
 DEVICE = "cuda" if torch.cuda.is_available() and not kernel.INTERPRETED else "cpu"
@@ -447,7 +447,7 @@ def test_compiled_fused_model_compiles_once_for_training_and_once_for_evaluation
     evaluation at its first call only, however the two alternate (dynamo's count of graphs, which
     every recompile adds to). A recompile of a 1B model costs minutes on a GPU."""
     from torch._dynamo.utils import counters
-    import head
+    from lib import head
     for cache in (fn for fn in vars(kernel).values() if hasattr(fn, "cache_clear")):
         cache.cache_clear()
     counters.clear()
@@ -624,7 +624,8 @@ def test_benchmark_code_runs_on_the_cpu(capsys):
 
 
 HOST_COST = """
-import os, triton, bench_kernel, kernel
+import os, triton, kernel
+from scripts import bench_kernel
 check, programs = kernel.check_available, kernel._device_programs
 ratios = bench_kernel.host_cost([("tiny", 32, 2, 1, 3)], repeats=1)
 print("ratios", sorted(ratios) == [("tiny", 1), ("tiny", 3)], bench_kernel.auto_group(5, 32, 8) == 3,
@@ -636,7 +637,7 @@ print("restored", kernel.check_available is check, kernel._device_programs is pr
 
 @pytest.mark.slow
 def test_host_cost_goes_through_tritons_launcher_to_the_stand_in_driver():
-    """python bench_kernel.py --host at a tiny shape (5 sites, G = 1 and the automatic 3), in a process without
+    """python -m scripts.bench_kernel --host at a tiny shape (5 sites, G = 1 and the automatic 3), in a process without
     the interpreter: the kernels compile for sm_90 and every launch of a site reaches the stand-in driver through
     Triton's own launcher (at G = 1 two: the forward, which also writes its new source's address into the table,
     and the backward; at G = 3 a phase 1 for sites 0-2 and 3-4, one phase 2 for each site it continues, both
@@ -652,7 +653,8 @@ def test_host_cost_goes_through_tritons_launcher_to_the_stand_in_driver():
 
 
 STAND_IN_QUERIES = """
-import sys, triton, bench_kernel
+import sys, triton
+from scripts import bench_kernel
 from triton.backends.nvidia.driver import CudaDriver
 if sys.argv[1] == "none":                   # triton 3.6's CudaDriver: no queries of its own
     for name in ("_get_current_device", "_get_current_stream", "_get_device_capability"):
@@ -1008,7 +1010,10 @@ BOUND_BYTES = """
 import collections, ctypes, os
 import torch, triton
 from triton.backends.nvidia.driver import CudaLauncher
-import bench_kernel, kernel, launcher, mhar
+import kernel
+import launcher
+import mhar
+from scripts import bench_kernel
 
 # the stand-in driver, its launch recording what it is handed (the kernel parameters' sizes are
 # set from Python before each launch) and a function handle of its own for each kernel loaded
@@ -1151,7 +1156,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import bench_kernel
+from scripts import bench_kernel
 import kernel
 assert not kernel.INTERPRETED
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import common
+from lib import common
 import mhar
 from helpers import ROOT, interpreted, rel_err, route_inputs, tiny
 from mhar import GPT, Config, preset, route, route_weights

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import head
-import hf
-import midtrain
+from lib import head
+from lib import hf
+from lib import midtrain
 import train
 from helpers import save_tiny_qwen3
 from test_train import assert_same_state, error_of, load, read_log
@@ -220,7 +220,7 @@ def test_data_of_another_tokenizer_or_a_contradicting_shape_is_one_line(
 
 @pytest.mark.parametrize("raw", [False, True], ids=["average", "raw"])
 def test_export_writes_the_weight_average_unless_raw(midtrained, tmp_path, raw):
-    import export
+    from scripts import export
     export.main([str(midtrained / "ckpt.pt"), str(tmp_path / "hf")] + (["--raw"] if raw else []))
     ckpt, back = load(midtrained), hf.load(tmp_path / "hf").state_dict()
     written = ckpt["model"] if raw else ckpt["ema"]
@@ -233,7 +233,7 @@ def test_a_sharded_midtraining_run_is_the_unsharded_one_and_resumes(qwen3, token
     are handed out; the weight average is sharded with the weights, evaluated between steps,
     saved in the shards, read back by --resume and by export.py. Stopped after step 2 and
     resumed, it ends where the unsharded run does."""
-    from common import load_model
+    from lib.common import load_model
     every_2 = ("--eval_interval", "2")  # the average swapped in and out while training goes on
     train.main(flags(qwen3[0], tokens, tmp_path / "plain", *every_2))
     out = tmp_path / "sharded"

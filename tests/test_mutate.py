@@ -16,11 +16,12 @@ from mutate import mutant_pattern, score, tally
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("function, pattern", [
-    (None, "mhar.*"), ("route", "mhar.x_route__mutmut_*"), ("GPT.hidden", "mhar.xǁGPTǁhidden__mutmut_*")],
-    ids=["file", "function", "method"])
-def test_mutant_pattern_names_mutmuts_mangled_functions(function, pattern):
-    assert mutant_pattern("mhar", function) == pattern
+@pytest.mark.parametrize("module, function, pattern", [
+    ("mhar", None, "mhar.*"), ("mhar", "route", "mhar.x_route__mutmut_*"),
+    ("mhar", "GPT.hidden", "mhar.xǁGPTǁhidden__mutmut_*"), ("lib.common", "seed", "lib.common.x_seed__mutmut_*")],
+    ids=["file", "function", "method", "in-a-package"])
+def test_mutant_pattern_names_mutmuts_mangled_functions(module, function, pattern):
+    assert mutant_pattern(module, function) == pattern
 
 
 @pytest.mark.parametrize("function", ["", "a.b.c", "GPT.", "1x", "route*"],
@@ -70,6 +71,25 @@ def test_each_run_starts_from_a_fresh_copy_of_the_tree(tmp_path, monkeypatch):
     assert (folder / "a.py").read_text() == "def f():\n    return 1\n"
     config = (folder / "pyproject.toml").read_text()
     assert 'source_paths = ["a.py"]' in config and json.dumps(["tests/test_a.py"]) in config
+
+
+LISTED = ["README.md", "mhar.py", "train.py", "lib/__init__.py", "lib/common.py", "lib/head.py",
+          "lib/remote/modeling_mhar.py", "scripts/__init__.py", "scripts/compare.py", "tests/test_mhar.py", ""]
+
+
+@pytest.mark.parametrize("file, copied", [
+    ("mhar.py", ["README.md", "lib", "scripts", "train.py"]),
+    ("lib/common.py", ["README.md", "mhar.py", "scripts", "train.py", "lib/__init__.py", "lib/head.py", "lib/remote"]),
+    ("scripts/compare.py", ["README.md", "lib", "mhar.py", "train.py", "scripts/__init__.py"]),
+], ids=["root", "lib", "scripts"])
+def test_also_copy_is_the_tree_but_the_mutated_file_and_the_tests(file, copied):
+    """What the tests import beside the mutant: a package's other files one by one (its folder whole would carry
+    the unmutated file), never the file itself nor tests/."""
+    assert mutate.also_copy(LISTED, file) == copied
+
+
+def test_also_copy_of_an_empty_tree_is_empty():
+    assert mutate.also_copy([], "lib/common.py") == [] and mutate.also_copy([""], "mhar.py") == []
 
 
 @pytest.mark.parametrize("slow_last", [False, True], ids=["the-suite", "under-mutate"])

@@ -13,7 +13,7 @@ import torch
 
 import sample
 import train
-from common import read_shards
+from lib.common import read_shards
 from helpers import ROOT, error_line, rel_err
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tiktoken
 
-import common
+from lib import common
 import prepare
 from helpers import error_line, files_in, one_error_line, run_script
 
@@ -876,7 +876,7 @@ def test_prepare_stores_uint32_ids_when_the_vocabulary_outgrows_uint16(tmp_path)
     pytest.importorskip("tokenizers", reason="prepare.py --tokenizer needs it: pip install tokenizers")
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-    from common import read_tokens
+    from lib.common import read_tokens
     n_words = 70_000
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(n_words)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

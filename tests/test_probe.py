@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import mhar
-import probe
+from scripts import probe
 import sample
-from common import load_model, sample_rows
+from lib.common import load_model, sample_rows
 from helpers import PNG_SIGNATURE, VOCAB, error_line, files_in, one_error_line, run_script
 from mhar import GPT
 
@@ -425,7 +425,7 @@ def test_probe_absent_device_is_one_line(device, message, tmp_path, capsys, monk
 def test_probe_onto_a_full_disk_or_into_a_read_only_folder(probe_runs, tmp_path, fault, reason):
     """One line, status 1; no half-written figure or probe.json, no folder left behind."""
     (tmp_path / "disk").mkdir()
-    p = run_script("probe.py", "--ckpt", probe_runs["mhar"] / "ckpt.pt", "--out", tmp_path / "disk" / "probe",
+    p = run_script("scripts/probe.py", "--ckpt", probe_runs["mhar"] / "ckpt.pt", "--out", tmp_path / "disk" / "probe",
                    "--batches", 1, "--batch_size", 2, "--null_draws", 2, fault=fault, under=tmp_path / "disk")
     err = one_error_line(p, "probe.py", status=1)
     assert f"cannot write into {tmp_path / 'disk' / 'probe'} ({reason}): nothing written" in err, err
@@ -434,7 +434,7 @@ def test_probe_onto_a_full_disk_or_into_a_read_only_folder(probe_runs, tmp_path,
 
 def test_probe_out_naming_a_file_is_one_line(probe_runs, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
-    p = run_script("probe.py", "--ckpt", probe_runs["mhar"] / "ckpt.pt", "--out", tmp_path / "notes.txt")
+    p = run_script("scripts/probe.py", "--ckpt", probe_runs["mhar"] / "ckpt.pt", "--out", tmp_path / "notes.txt")
     assert "notes.txt is a file, not a folder" in one_error_line(p, "probe.py", status=2)
     assert (tmp_path / "notes.txt").read_text() == "mine" and files_in(tmp_path) == ["notes.txt"]
 

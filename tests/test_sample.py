@@ -15,7 +15,7 @@ import torch
 import mhar
 import prepare
 import sample
-from common import load_model
+from lib.common import load_model
 from helpers import ROOT, VOCAB, error_line, sigint_as_in_a_terminal
 from mhar import GPT
 

@@ -1,7 +1,6 @@
 """What every script does with a mistake in its command line: one line, "<script>.py: error: ...",
 and exit status 2, never argparse's usage block (one style for every script, as the README's
 "Files" section says)."""
-import importlib
 import os
 import signal
 import subprocess
@@ -11,7 +10,7 @@ import time
 import pytest
 
 from helpers import (ROOT, error_line, files_in, interrupted_after, interrupted_while_exiting,
-                     interrupted_while_importing, tiny)
+                     interrupted_while_importing, script_module, script_path, tiny)
 
 SCRIPTS = ["bench_head", "bench_kernel", "compare", "compromise", "eval", "export", "gpu_check", "hf", "prepare",
            "probe", "sample", "train"]
@@ -25,7 +24,7 @@ def test_an_unknown_flag_is_one_line(script, capsys, tmp_path, monkeypatch):
     """compare.py hands the flags it does not know to train.py: train.py's parser refuses them,
     before the first run starts."""
     monkeypatch.chdir(tmp_path)                                  # where a run would have written
-    main = importlib.import_module(script).main
+    main = script_module(script).main
     line = error_line(capsys, main, REQUIRED.get(script, []) + ["--no_such_flag"],
                       prog="train" if script == "compare" else script)
     assert "--no_such_flag" in line and "--help lists the flags" in line
@@ -36,7 +35,7 @@ def test_an_unknown_flag_is_one_line(script, capsys, tmp_path, monkeypatch):
                                           ("prepare", ["--seed", "x"]), ("sample", ["--top_k"])],
                          ids=["eval-missing", "export-missing", "prepare-type", "sample-no-value"])
 def test_a_missing_or_malformed_value_is_one_line(script, argv, capsys):
-    error_line(capsys, importlib.import_module(script).main, argv)
+    error_line(capsys, script_module(script).main, argv)
 
 
 @pytest.mark.parametrize("argv", [["nope", "full"], ["small", "nope"], ["", ""], ["Small", "full"], ["small"]],
@@ -45,7 +44,7 @@ def test_bench_heads_child_with_bad_arguments_is_one_line(argv, capsys):
     """bench_head.py --child CASE HEAD, the process peak_cpu starts for one measurement: a case or head it does not
     have is one line, status 2 (before: a KeyError traceback for a case, and an unknown head measured the chunked
     one), checked before any model is built."""
-    import bench_head
+    from scripts import bench_head
     line = error_line(capsys, bench_head.main, ["--child", *argv])
     assert "--child" in line, line
 
@@ -60,7 +59,7 @@ def test_a_seed_is_an_int64_at_or_above_zero_in_every_script(script, text, capsy
     """--seed takes common.seed: [0, 2**63 - 1] gets through argument parsing, anything else is one line that
     names the flag and the range, status 2 (before: torch.manual_seed's overflow traceback once the run had
     started, or numpy's for -1 in prepare.py)."""
-    module = importlib.import_module(script)
+    module = script_module(script)
     parse = (lambda argv: module.parse_args(argv)[0]) if script == "train" else module.parse_args
     if isinstance(SEEDS[text], int):
         assert parse(["--seed", text]).seed == SEEDS[text]
@@ -87,14 +86,14 @@ def test_ctrl_c_while_a_script_imports_is_one_line(script, module, tmp_path):
     signal comes. argparse: the first import, before torch's; datetime: numpy's C code imports it
     (PyCapsule_Import) and turns a KeyboardInterrupt there into an ImportError (status 1, a
     paragraph about a bad install)."""
-    status, _, stderr = interrupted_while_importing([f"{script}.py"], module, tmp_path)
+    status, _, stderr = interrupted_while_importing([script_path(script)], module, tmp_path)
     assert status == 130 and stderr == INTERRUPTED[script], stderr
 
 
 def test_ctrl_c_ends_bench_heads_child_without_a_word(tmp_path):
     """A terminal's Ctrl-C reaches bench_head.py and its measuring child alike: the child ends with
     status 130 without a word (its parent says the one line), even while it imports torch."""
-    status, stdout, stderr = interrupted_while_importing(["bench_head.py", "--child", "small", "full"], "torch",
+    status, stdout, stderr = interrupted_while_importing(["-m", "scripts.bench_head", "--child", "small", "full"], "torch",
                                                          tmp_path)
     assert status == 130 and stdout == stderr == "", stderr
 
@@ -104,7 +103,7 @@ def test_ctrl_c_while_benchmarking_is_one_line_and_stops_the_child(monkeypatch, 
     is stopped (a Ctrl-C sent to the parent alone, kill -INT, would have left it running)."""
     import threading
 
-    import bench_head
+    from scripts import bench_head
     children, popen = [], subprocess.Popen
 
     def child(argv, **kwargs):  # a child that would measure for a minute
@@ -197,7 +196,7 @@ def test_ctrl_c_once_the_run_has_finished_is_too_late(script, help, runs, tmp_pa
     put SIGINT back to its default) a death by the signal without a word. --help too, which argparse ends by
     itself (before: the script's line, status 130, and the help lost when stdout is a pipe)."""
     out = tmp_path / "data"
-    argv = [f"{script}.py", "--help"] if help else runs[script] + (["--out", out] if script == "prepare" else [])
+    argv = [script_path(script), "--help"] if help else runs[script] + (["--out", out] if script == "prepare" else [])
     status, stdout, stderr = interrupted_while_exiting(argv, tmp_path)
     assert status == 0, stderr
     if help:
@@ -207,7 +206,7 @@ def test_ctrl_c_once_the_run_has_finished_is_too_late(script, help, runs, tmp_pa
 
 
 def test_ctrl_c_while_probing_is_one_line(monkeypatch, capsys):
-    import probe
+    from scripts import probe
 
     def interrupted(args):
         raise KeyboardInterrupt

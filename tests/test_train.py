@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import importlib.util
 import io
 import json
 import math
@@ -21,11 +22,11 @@ import numpy as np
 import pytest
 import torch
 
-import common
-import head
+from lib import common
+from lib import head
 import mhar
 import train
-from common import adamw, load_model, sample_rows, seed_of
+from lib.common import adamw, load_model, sample_rows, seed_of
 from helpers import ROOT, VOCAB, error_line, interrupted_while_importing, sigint_as_in_a_terminal
 
 
@@ -855,11 +856,9 @@ def test_corrupt_or_foreign_checkpoints_give_one_clear_error(data, tmp_path, cap
 
 
 def test_wandb_without_the_package_gives_one_line(data, tmp_path, capsys):
-    try:
-        import wandb  # noqa: F401
+    if importlib.util.find_spec("wandb"):
         pytest.skip("wandb is installed here")
-    except ImportError:
-        assert "pip install wandb" in error_of(capsys, flags(data, tmp_path, "--wandb"))
+    assert "pip install wandb" in error_of(capsys, flags(data, tmp_path, "--wandb"))
 
 
 def test_command_line_error_exits_2_without_traceback(data, tmp_path):

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-import compare
-import trend
-from common import MachineError
+from scripts import compare
+from scripts import trend
+from lib.common import MachineError
 from helpers import PNG_SIGNATURE, ROOT, error_line, files_in, one_error_line, run_script
 
 VARIANTS = ("baseline", "attnres", "attnres-T4", "mhar-H4")
@@ -192,7 +192,7 @@ def test_the_probes_disagreement_is_the_mean_over_the_seeds_probed(widths):
 @pytest.mark.slow
 def test_trend_writes_its_tables_and_figure(widths, tmp_path):
     out = tmp_path / "out"
-    done = run_script("trend.py", *widths, "--out_dir", out)
+    done = run_script("scripts/trend.py", *widths, "--out_dir", out)
     assert done.returncode == 0, done.stderr
     assert "n_embd = 64 (" in done.stdout and "| mhar-H4 - attnres-T4 | 0,1,2 | 3 |" in done.stdout
     assert json.loads((out / "trend.json").read_text())["flag"] == "n_embd"
@@ -271,7 +271,7 @@ def test_the_figure_has_a_panel_for_the_baseline_and_one_between_methods(widths,
 def test_trend_onto_a_full_disk_or_into_a_read_only_folder(widths, tmp_path, fault, reason):
     """One line, status 1; no half-written table or figure, no folder left behind."""
     (tmp_path / "disk").mkdir()
-    done = run_script("trend.py", *widths, "--out_dir", tmp_path / "disk" / "trend", fault=fault,
+    done = run_script("scripts/trend.py", *widths, "--out_dir", tmp_path / "disk" / "trend", fault=fault,
                       under=tmp_path / "disk")
     err = one_error_line(done, "trend.py", status=1)
     assert f"cannot write into {tmp_path / 'disk' / 'trend'} ({reason}): nothing written" in err, err

@@ -3,10 +3,10 @@ Checks and benchmarks of the fused routing kernels of kernel.py: the kernels aga
 the bytes they move (the traffic model, and the Triton interpreter's count of every load and
 store), their time on a GPU and the host's (Python's) time per routing site.
 
-    python bench_kernel.py              # with CUDA: parity check, then the routing and whole-step benchmarks
-    python bench_kernel.py              # without: the parity check in the Triton interpreter (CPU, slow)
-    python bench_kernel.py --traffic    # the bytes both algorithms move at the paper's kernel-table shapes
-    python bench_kernel.py --host       # the host's time per routing site, through Triton's launcher (CPU)
+    python -m scripts.bench_kernel              # with CUDA: parity check, then the routing and whole-step benchmarks
+    python -m scripts.bench_kernel              # without: the parity check in the Triton interpreter (CPU, slow)
+    python -m scripts.bench_kernel --traffic    # the bytes both algorithms move at the paper's kernel-table shapes
+    python -m scripts.bench_kernel --host       # the host's time per routing site, through Triton's launcher (CPU)
 
 docs/kernels.md reports what they print.
 """
@@ -591,7 +591,7 @@ def _copy_bandwidth(timer):
 
 
 def main(argv=None):
-    from common import FlagParser, exit_error  # one line for a wrong flag, as every script
+    from lib.common import FlagParser, exit_error  # one line for a wrong flag, as every script
     parser = FlagParser(prog="bench_kernel.py", description="Check the fused routing against "
                         "mhar.route; with a GPU, benchmark it; --traffic prints the modeled bytes.")
     parser.add_argument("--traffic", action="store_true", help="the traffic model at the kernel-table shapes")
@@ -612,7 +612,7 @@ def run(args):
         print_traffic()
         return 0
     if args.host:
-        from common import exit_error, one_line
+        from lib.common import exit_error, one_line
         if kernel.INTERPRETED:
             exit_error("bench_kernel.py", "--host measures Triton's launcher, which the interpreter replaces: "
                                           "unset TRITON_INTERPRET")

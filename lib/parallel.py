@@ -42,7 +42,7 @@ from torch.distributed.fsdp import (FSDPModule, MixedPrecisionPolicy, fully_shar
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import mhar
-from common import UserError, pick_device
+from lib.common import UserError, pick_device
 
 # -------------------------------------------------------------------------------------------
 # The ranks, the device, precision, the wrapper around the model.

@@ -4,8 +4,8 @@ side by side: the peak memory and the time of one training step (forward, backwa
 two heads alternate step by step in one process, so that a busy machine slows both alike; the
 process's CPU time per step is printed beside the wall time, as a busy machine inflates it less.
 
-    python bench_head.py                        # the three cases, 5 timed steps of each head
-    python bench_head.py --cases small --steps 10
+    python -m scripts.bench_head                        # the three cases, 5 timed steps of each head
+    python -m scripts.bench_head --cases small --steps 10
 
 Cases:
     qwen3-4k     one 4096-token sequence at Qwen3's vocabulary, 151,936, through the tiny preset
@@ -26,7 +26,7 @@ import sys
 
 INTERRUPTED = b"bench_head.py: error: interrupted (Ctrl-C)\n"
 try:  # the script's first instruction: a Ctrl-C until the work begins is this line (interrupts.py)
-    import interrupts
+    from lib import interrupts
     # a measuring child (--child) ends without a word: its parent, whom the Ctrl-C reaches too, says it
     interrupts.guard(__name__, b"" if "--child" in sys.argv else INTERRUPTED)
 except KeyboardInterrupt:  # one in the microseconds before
@@ -46,9 +46,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 import mhar  # noqa: E402
-from head import linear_cross_entropy, squared_log_z  # noqa: E402
-from common import (FlagParser, UserError, adamw, exit_error, ignore_stop_signals,  # noqa: E402
-                    max_resident_bytes, peak_memory, pick_device)
+from lib.head import linear_cross_entropy, squared_log_z  # noqa: E402
+from lib.common import (ROOT, FlagParser, UserError, adamw, exit_error, ignore_stop_signals,  # noqa: E402
+                        max_resident_bytes, peak_memory, pick_device)
 
 QWEN3_4K = dict(vocab_size=151936, seq_len=4096, n_embd=128, n_head=4, n_kv_head=2, ffn_hidden=384)
 CASES = {  # name: (preset, overrides, batch size, z_loss)
@@ -102,8 +102,8 @@ def child(case, head):
 
 def peak_cpu(case, head):
     """(resident set before the steps, maximum resident set) of a child running two steps."""
-    proc = subprocess.Popen([sys.executable, __file__, "--child", case, head],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.bench_head", "--child", case, head],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         out = proc.stdout.read()
         _, status, usage = os.wait4(proc.pid, 0)

@@ -2,17 +2,17 @@
 The GPU check: one run of at most four minutes on one H200 (by its own plan) that answers what a
 first GPU is for, on the machine's own packages (the repository copied, nothing installed).
 
-    python gpu_check.py                # on a CUDA GPU: the whole check, about 3 min on an H200
-    python gpu_check.py --quick        # does every mode run, is fused faster: under 2 min
-    python gpu_check.py --plan         # each part's expected seconds on an H200 and hard timeout,
+    python -m scripts.gpu_check                # on a CUDA GPU: the whole check, about 3 min on an H200
+    python -m scripts.gpu_check --quick        # does every mode run, is fused faster: under 2 min
+    python -m scripts.gpu_check --plan         # each part's expected seconds on an H200 and hard timeout,
                                        # what the budget leaves out, the total (no GPU needed)
-    python gpu_check.py --budget 200   # start no part expected to end past 200 s (default 240,
+    python -m scripts.gpu_check --budget 200   # start no part expected to end past 200 s (default 240,
                                        # --quick 120), and kill any part at it
-    python gpu_check.py --tiny         # the same code at tiny shapes on this machine: kernels in
+    python -m scripts.gpu_check --tiny         # the same code at tiny shapes on this machine: kernels in
                                        # Triton's interpreter, compiled configurations traced with
                                        # aot_eager, the GPU's timings faked (the suite runs it)
 
-Each part runs in a process of its own (python gpu_check.py --part ROW... --json FILE), killed
+Each part runs in a process of its own (python -m scripts.gpu_check --part ROW... --json FILE), killed
 at a hard timeout (twice its expected seconds, never past the budget): a part that overruns is a
 row "timed out after N s", one that crashes a row with its last line of error, and the others
 still run. The captured steps (CUDA graphs, whose errors are sticky) each have a process alone.
@@ -67,9 +67,9 @@ try:  # torch and triton take seconds to import: Ctrl-C meanwhile ends as it doe
         print(f"gpu_check.py: error: {error}", file=sys.stderr)
         raise SystemExit(2)
     import mhar
-    from bench_kernel import (HEADS, KERNEL_TABLE, auto_group, fused_network,
-                              rounded_to_nearest, stacked_network, traffic)
-    from common import AMOUNT, FlagParser, exit_error
+    from scripts.bench_kernel import (HEADS, KERNEL_TABLE, auto_group, fused_network,
+                                      rounded_to_nearest, stacked_network, traffic)
+    from lib.common import AMOUNT, ROOT, FlagParser, exit_error
 except KeyboardInterrupt:
     print("gpu_check.py: error: interrupted (Ctrl-C)", file=sys.stderr)
     raise SystemExit(130)
@@ -197,7 +197,7 @@ class FakeClock(CudaClock):
         pass
 
     def peak_bytes(self):
-        from common import peak_memory
+        from lib.common import peak_memory
         return peak_memory(torch.device("cpu"))
 
 
@@ -368,8 +368,8 @@ def train_steps(flags, clock, steps, warm=2):
     (compiling), `warm` more (reduce-overhead records its CUDA graphs in these), `steps` timed
     (tokens/s counts every micro-step's):
     {"first s", "tok/s", "peak GiB", "graphs", "recompiles", "cudagraph skips"}."""
-    import head
-    import parallel
+    from lib import head
+    from lib import parallel
     import train
     from torch._dynamo.utils import counters
     try:
@@ -437,7 +437,7 @@ def print_step(preset, config, r, fake=False):
               f"{r['recompiles']:10} {r['cudagraph skips']:15}")
 
 
-# %% A part: its rows measured in a process of its own (python gpu_check.py --part ROW... --json F)
+# %% A part: its rows measured in a process of its own (python -m scripts.gpu_check --part ROW... --json F)
 
 def step_header(steps, warm):
     print(f"3. train.py's step: the first, {warm} more, {steps} timed; recompiles after the first")
@@ -496,7 +496,7 @@ def print_row(row, result, fake):
 
 def part_command(rows, mode, path):
     """The command line of a part's process."""
-    return [sys.executable, os.path.abspath(__file__), "--part", *rows, "--json", str(path),
+    return [sys.executable, "-m", "scripts.gpu_check", "--part", *rows, "--json", str(path),
             *([f"--{mode}"] if mode != "full" else [])]
 
 
@@ -504,7 +504,7 @@ def run_process(command, timeout):
     """Run `command` in a session of its own, relaying its output line by line; kill it and its own
     processes (inductor's compile workers) after `timeout` seconds. Returns (its exit status, None if
     killed at the timeout; the last line it wrote on stderr)."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
     last = [""]
 

@@ -2,10 +2,10 @@
 Benchmarks with lm-evaluation-harness (lm-eval) for any checkpoint of this project, or for a
 Hugging Face Qwen3 directory.
 
-    python eval.py --ckpt out/ckpt.pt --tasks hellaswag,lambada_openai,wikitext  # network
-    python eval.py --ckpt runs/compare/mhar-s0 --tasks hellaswag --limit 500 --device cuda
-    python eval.py --ckpt models/Qwen3-8B --tasks gsm8k,gpqa_main_zeroshot --batch_size 16
-    python eval.py --ckpt out/ckpt.pt --tasks pyval_text,pyval_line --include_path data/pyval
+    python -m scripts.eval --ckpt out/ckpt.pt --tasks hellaswag,lambada_openai,wikitext  # network
+    python -m scripts.eval --ckpt runs/compare/mhar-s0 --tasks hellaswag --limit 500 --device cuda
+    python -m scripts.eval --ckpt models/Qwen3-8B --tasks gsm8k,gpqa_main_zeroshot --batch_size 16
+    python -m scripts.eval --ckpt out/ckpt.pt --tasks pyval_text,pyval_line --include_path data/pyval
 
 --ckpt is a train.py checkpoint, a run folder holding one (ckpt.pt), or a Hugging Face directory
 (config.json, weights, tokenizer.json), read by hf.load. --tasks names lm-eval's tasks
@@ -45,8 +45,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import prepare  # noqa: E402
-from common import (FlagParser, MachineError, UserError, exit_error, load_model, one_line,  # noqa: E402
-                    output_folder, pick_device, training_data, write_atomically)
+from lib.common import (FlagParser, MachineError, UserError, exit_error, load_model, one_line,  # noqa: E402
+                        output_folder, pick_device, training_data, write_atomically)
 
 try:  # lm-eval is optional: only this file imports it, and main() says how to install it
     from lm_eval.api.model import TemplateLM
@@ -86,7 +86,7 @@ def tokenizer_of_checkpoint(ckpt, path):
 def load(path, device, tokenizer=None):
     """(model in eval mode, prepare.Tokenizer, info for the results) from any of the three;
     UserError if it cannot be used. `tokenizer` (a folder with tokenizer.json) overrides."""
-    import hf
+    from lib import hf
     path = Path(path)
     if path.is_dir() and (path / "ckpt.pt").is_file():  # a run folder
         path = path / "ckpt.pt"
@@ -163,7 +163,7 @@ class MHARLM(TemplateLM or object):
         """
         from tqdm import tqdm  # a dependency of lm-eval
 
-        import head
+        from lib import head
         inputs = []
         for context, continuation in pairs:
             if len(continuation) > self.seq_len:

@@ -1,7 +1,7 @@
 """Does the eager training step keep a GPU busy? Its host time against its device time, per preset.
 
-    python bench_step.py                       # every preset, micro-batches 1 to 32 sequences
-    python bench_step.py --preset 100m --micro_batches 4,16
+    python -m scripts.bench_step                       # every preset, micro-batches 1 to 32 sequences
+    python -m scripts.bench_step --preset 100m --micro_batches 4,16
 
 Each row is one micro-step (forward and backward, the loss through the chunked head) of a preset:
 - host ms: the aten ops it dispatches × the host's time per op, both measured here: the preset's
@@ -30,10 +30,10 @@ import time
 
 import torch
 
-import bench_kernel
-import head
+from scripts import bench_kernel
+from lib import head
 import mhar
-from common import PEAK_FLOPS, FlagParser, exit_error, one_line
+from lib.common import PEAK_FLOPS, FlagParser, exit_error, one_line
 
 H200_FLOPS = PEAK_FLOPS["NVIDIA H200"]     # bf16 dense, vendor datasheet
 H200_BYTES = bench_kernel.HBM["H200"]      # bytes/s, vendor datasheet

@@ -1,9 +1,9 @@
 """
 The forced compromise of single-head depth routing, on a task built to show it.
 
-    python compromise.py                                   # 6 methods x 3 seeds, 2 processes
-    python compromise.py --d 32 --seeds 0,1,2,3,4          # a narrower model, more seeds
-    python compromise.py --steps 3 --seeds 0 --d 32 --out_dir /tmp/compromise   # a smoke run
+    python -m scripts.compromise                                   # 6 methods x 3 seeds, 2 processes
+    python -m scripts.compromise --d 32 --seeds 0,1,2,3,4          # a narrower model, more seeds
+    python -m scripts.compromise --steps 3 --seeds 0 --d 32 --out_dir /tmp/compromise   # a smoke run
 
 Attention Residuals (H = 1) give every sublayer one softmax over depth, shared by the whole width:
 when one slice of the width needs the embedding and another must avoid it, a single head has to
@@ -28,7 +28,7 @@ H = --heads, then AttnRes and MHAR on the rotated codes. AdamW (lr 3e-3, weight 
 a seed every method starts from the same weights and sees the same batches; seeds are paired.
 
 Measured (2026-12-01, 2-core CPU loaded by another experiment's two training runs, load average
-3 to 4; `python compromise.py`, 2 min 56 s): the validation cross-entropy over 512 fixed
+3 to 4; `python -m scripts.compromise`, 2 min 56 s): the validation cross-entropy over 512 fixed
 sequences at the end and at step 50, the mean of seeds 0, 1, 2, and the paired difference to the
 reference, ± its standard error:
 
@@ -91,9 +91,9 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile ends as it does later
     import torch.nn.functional as F
 
     import mhar
-    from common import (FlagParser, MachineError, UserError, adamw, duration, exit_error, one_line,
-                        output_folder, progress, remove_staging, seed_of, staged, write_atomically)
-    from probe import FIGURE_DPI, pyplot
+    from lib.common import (FlagParser, MachineError, UserError, adamw, duration, exit_error, one_line,
+                            output_folder, progress, remove_staging, seed_of, staged, write_atomically)
+    from scripts.probe import FIGURE_DPI, pyplot
 except KeyboardInterrupt:
     print("compromise.py: error: interrupted (SIGINT): nothing written; the same command runs it "
           "again from the start", file=sys.stderr)

@@ -1,8 +1,8 @@
 """
 Export a train.py checkpoint as a Hugging Face directory.
 
-    python export.py out/ckpt.pt out/hf                          # tensors as trained (float32)
-    python export.py runs/qwen3-mhar/ckpt.pt out/qwen3-mhar --dtype bfloat16 \\
+    python -m scripts.export out/ckpt.pt out/hf                          # tensors as trained (float32)
+    python -m scripts.export runs/qwen3-mhar/ckpt.pt out/qwen3-mhar --dtype bfloat16 \\
         --tokenizer models/Qwen3-0.6B
 
 A baseline becomes a Qwen3 checkpoint (config.json, model.safetensors) that transformers loads
@@ -18,12 +18,11 @@ by default those of the directory the run was initialized from, when there is on
 kept a weight average (train.py --ema) is exported with the averaged weights, which the paper
 evaluates and releases; --raw writes the trained weights instead.
 """
-import argparse
 import shutil
 from pathlib import Path
 
-import hf
-from common import FlagParser, MachineError, UserError, exit_error, load_model, one_line, output_folder
+from lib import hf
+from lib.common import FlagParser, MachineError, UserError, exit_error, load_model, one_line, output_folder
 
 
 def parse_args(argv=None):

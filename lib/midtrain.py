@@ -19,7 +19,7 @@ scale unless noted"); weight decay on the matrices alone (param_groups).
 """
 import hashlib
 
-from common import UserError, largest_id
+from lib.common import UserError, largest_id
 
 RECIPE = {  # train.py flag: (default, where it comes from)
     "residual": ("mhar", "'We convert with the delta (additive-stream) form of attention "

@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+ROOT = Path(__file__).resolve().parent.parent  # the repository: what `python -m scripts.NAME` runs from
+
 # -----------------------------------------------------------------------------
 # Errors a user can fix: one line that says what is wrong and what to do, exit status 2.
 
@@ -76,12 +78,21 @@ def exit_error(prog, message, status=2):
     sys.exit(status)
 
 
+def command(prog):
+    """How a user runs the script `prog` from the repository's root: python train.py, or for one in a
+    folder of its own python -m scripts.compare (python -m lib.hf)."""
+    for package in ("scripts", "lib"):
+        if (ROOT / package / prog).is_file():
+            return f"python -m {package}.{Path(prog).stem}"
+    return f"python {prog}"
+
+
 class FlagParser(argparse.ArgumentParser):
     """Every script's argparse: a bad flag is one line and exit status 2, as every other mistake
     of the user's (argparse itself prints its usage block first)."""
 
     def error(self, message):
-        exit_error(self.prog, f"{message} (python {self.prog} --help lists the flags)")
+        exit_error(self.prog, f"{message} ({command(self.prog)} --help lists the flags)")
 
 
 # argparse types for flags: a value out of range is argparse's one-line error

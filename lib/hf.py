@@ -52,7 +52,7 @@ an earlier export; a folder that holds another model, a train.py run or a file o
 refused, untouched (export_folder).
 
 Only safetensors is needed here (and huggingface_hub to fetch a model by its hub id);
-transformers, the tests' oracle, is imported by the CPU demonstration alone (python hf.py), at the
+transformers, the tests' oracle, is imported by the CPU demonstration alone (python -m lib.hf), at the
 end of the file; the paper's 8B mid-training recipe, for train.py --init_from DIR, is midtrain.py.
 """
 import dataclasses
@@ -65,7 +65,7 @@ from pathlib import Path
 
 import torch
 
-from common import CheckpointError, FlagParser, MachineError, exit_error, one_line, staged
+from lib.common import ROOT, CheckpointError, FlagParser, MachineError, exit_error, one_line, staged
 from mhar import ADDED_BY_RESIDUAL, GPT, Config
 
 # Absent fields take the defaults of transformers' Qwen3Config (transformers 5), as it would.
@@ -94,6 +94,8 @@ MODEL_TYPE = "mhar"                          # a routed model's: its class is in
 WEIGHTS = {"qwen3": "model", "remote": "model", "mhar": "mhar"}
 # what transformers runs a routed model with (trust_remote_code): the adapter and the model itself
 REMOTE_CODE = ("configuration_mhar.py", "modeling_mhar.py", "mhar.py")
+# where each comes from: lib/remote/ and the repository's own mhar.py
+REMOTE_SOURCES = {name: ROOT / ("lib/remote" if name != "mhar.py" else "") / name for name in REMOTE_CODE}
 AUTO_MAP = {"AutoConfig": "configuration_mhar.MHARConfig", "AutoModel": "modeling_mhar.MHARModel",
             "AutoModelForCausalLM": "modeling_mhar.MHARForCausalLM"}
 MAX_SHARD_SIZE = "5GB"  # the hub's habit (Qwen3-8B: five files of <= 4 GB): each downloads alone
@@ -496,7 +498,6 @@ def save(model, directory, source=None, dtype=None, max_shard_size=MAX_SHARD_SIZ
                for file_name, name in names.items()}
     files = shards(tensors, WEIGHTS[kind], max_shard_size)
     index = f"{WEIGHTS[kind]}.safetensors.index.json"
-    here = Path(__file__).resolve().parent
     # every file written into a staging folder inside the directory, then moved in: a full disk or a
     # read-only folder leaves no half-written export (MachineError, with the reason)
     with staged(directory) as tmp:
@@ -518,7 +519,7 @@ def save(model, directory, source=None, dtype=None, max_shard_size=MAX_SHARD_SIZ
             (tmp / index).write_text(json.dumps({"metadata": {"total_size": total},
                                                  "weight_map": weight_map}, indent=2) + "\n")
         for name in REMOTE_CODE if kind == "remote" else ():
-            shutil.copyfile(here / name, tmp / name)
+            shutil.copyfile(REMOTE_SOURCES[name], tmp / name)
         for name in TOKENIZER_FILES:
             if source and (source / name).is_file() and source.resolve() != directory.resolve():
                 shutil.copyfile(source / name, tmp / name)
@@ -534,7 +535,7 @@ def save(model, directory, source=None, dtype=None, max_shard_size=MAX_SHARD_SIZ
 
 
 # ----------------------------------------------------------------------------------------------
-# The CPU demonstration: python hf.py [DIR]. transformers saves a tiny random Qwen3 into DIR (no
+# The CPU demonstration: python -m lib.hf [DIR]. transformers saves a tiny random Qwen3 into DIR (no
 # download); it is read, converted, trained five steps with the recipe's groups, written back and
 # run by transformers.
 
@@ -551,14 +552,14 @@ def check_demo_folders(directory):
     folder = Path(directory)
     if folder.exists() and not folder.is_dir():
         raise CheckpointError(f"{folder} is a file: give the demonstration a directory, "
-                              f"python hf.py DIR")
+                              f"python -m lib.hf DIR")
     if folder.is_dir() and any(folder.iterdir()):
         config = read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
         shape = [k for k in DEMO_SHAPE if k.endswith(("_size", "_heads", "_layers", "_dim"))]
         if any(config.get(k) != DEMO_SHAPE[k] for k in shape):
             raise CheckpointError(f"{folder} holds something else (model_type "
                                   f"{config.get('model_type')!r}), which the demonstration would "
-                                  f"overwrite: give it a new directory, python hf.py DIR")
+                                  f"overwrite: give it a new directory, python -m lib.hf DIR")
     for folder in (Path(f"{directory}-mhar"), Path(f"{directory}-baseline")):
         export_folder(folder)
 
@@ -593,7 +594,7 @@ def demo(directory, steps=5):
         print(f"converted (mhar, delta, H 8, one delta per 4 layers): max |logit difference| to "
               f"the baseline {max_diff(model(x)[0], baseline(x)[0]):g}")
         first_baseline_loss = baseline(x, y)[1].item()
-    import midtrain  # the recipe's optimizer groups
+    from lib import midtrain  # the recipe's optimizer groups
     groups = midtrain.param_groups(model, lr=midtrain.RECIPE["lr"][0])
     optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-8)
     for step in range(steps):

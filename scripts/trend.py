@@ -2,8 +2,8 @@
 How a comparison's paired differences move along one flag: compare.py run once per width (or depth, ...),
 each in a folder of its own, read back and set side by side.
 
-    python trend.py runs/width-d64 runs/width-d128 runs/width-d256 --out_dir results/width
-    python trend.py runs/depth-L2 runs/depth-L4 runs/depth-L8 --flag n_layer --metric tail_val_loss
+    python -m scripts.trend runs/width-d64 runs/width-d128 runs/width-d256 --out_dir results/width
+    python -m scripts.trend runs/depth-L2 runs/depth-L4 runs/depth-L8 --flag n_layer --metric tail_val_loss
 
 The flag. The folders' comparisons are told apart by the train.py flags their runs were trained with (each
 run's config.json): the flag is the first one, in train.py's order, whose value differs between folders
@@ -19,7 +19,7 @@ sampled evaluations. The trend of a difference is its change from the flag's fir
 seeds of two widths are different models, so the two means are unpaired, and the change carries Welch's
 standard error sqrt(se_first^2 + se_last^2) and his degrees of freedom.
 
-The probe. Where a routed run's folder holds probe.json (python probe.py --ckpt RUN/ckpt.pt), the table
+The probe. Where a routed run's folder holds probe.json (python -m scripts.probe --ckpt RUN/ckpt.pt), the table
 adds how much its routing disagrees, against the probe's null (random queries of the same norm): a
 multi-head run's head deviation (mean |α_h - mean over heads|), a single-head run's width disagreement (the
 KL of its query's slices from the shared α); the mean over the seeds probed, and the mean z.
@@ -32,7 +32,7 @@ import os
 
 INTERRUPTED = b"trend.py: error: interrupted (Ctrl-C); nothing written\n"
 try:  # the script's first instruction: a Ctrl-C until the files begin is this line at once (interrupts.py)
-    import interrupts
+    from lib import interrupts
     interrupts.guard(__name__, INTERRUPTED)
 except KeyboardInterrupt:  # one in the microseconds before
     os.write(2, INTERRUPTED)
@@ -43,9 +43,9 @@ import math  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import compare  # noqa: E402
-import probe  # noqa: E402
-from common import FlagParser, MachineError, UserError, exit_error, output_folder, staged  # noqa: E402
+from scripts import compare  # noqa: E402
+from scripts import probe  # noqa: E402
+from lib.common import FlagParser, MachineError, UserError, exit_error, output_folder, staged  # noqa: E402
 
 # train.py's flags that belong to one run of a comparison, not to the comparison: never its axis
 PER_RUN = ("residual", "route_heads", "route_temperature", "seed", "out_dir", "resume", "init_from", "delta")

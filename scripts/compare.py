@@ -2,15 +2,15 @@
 The paper's comparison in one command: train each method with the same seeds and data order, then print
 the paired differences to the baseline and every run's row, and draw the loss curves.
 
-    python compare.py                                               # the four methods, small preset, CPU
-    python compare.py --methods baseline,mhar --seeds 0,1,2         # three seeds: paired Δ ± standard error
-    python compare.py --baseline_seeds 1,2                          # the four, and the baseline's noise level
-    python compare.py --route_heads 1,2,4,8                         # the H sweep (the U-curve), with the baseline
-    python compare.py --route_heads 1,2,4,8 --n_head 8 --n_kv_head 1,2,4,8   # the KV x H grid, a baseline per KV
-    python compare.py --preset small-bytes --methods baseline,attnres,attnres-T4,mhar --route_heads 2,4,8 \
+    python -m scripts.compare                                               # the four methods, small preset, CPU
+    python -m scripts.compare --methods baseline,mhar --seeds 0,1,2         # three seeds: paired Δ ± standard error
+    python -m scripts.compare --baseline_seeds 1,2                          # the four, and the baseline's noise level
+    python -m scripts.compare --route_heads 1,2,4,8                         # the H sweep (the U-curve), with the baseline
+    python -m scripts.compare --route_heads 1,2,4,8 --n_head 8 --n_kv_head 1,2,4,8   # the KV x H grid, a baseline per KV
+    python -m scripts.compare --preset small-bytes --methods baseline,attnres,attnres-T4,mhar --route_heads 2,4,8 \
         --seeds 0,1,2 --jobs 2 --versus attnres,attnres-T4          # the CPU comparison of the README
-    python compare.py --preset 100m --out_dir runs/100m --nproc_per_node 8   # GPUs: each run under torchrun
-    python compare.py --methods baseline,mhar --eval_tasks hellaswag,lambada_openai  # and benchmarks
+    python -m scripts.compare --preset 100m --out_dir runs/100m --nproc_per_node 8   # GPUs: each run under torchrun
+    python -m scripts.compare --methods baseline,mhar --eval_tasks hellaswag,lambada_openai  # and benchmarks
 
 Runs. A run is a method (with --route_heads: mhar once per H, named mhar-H<h>), a model shape and a seed.
 A routed method with -T<tau> (attnres-T4, mhar-T0.5) trains at train.py's --route_temperature tau: attnres-T4
@@ -73,12 +73,11 @@ from pathlib import Path
 
 import mhar
 import prepare
-import probe
-from common import (FlagParser, MachineError, UserError, duration, exit_error, fingerprint, ignore_stop_signals,
-                    one_line, output_folder, pick_device, progress, read_checkpoint, seed, staged, training_data,
-                    write_atomically)
+from scripts import probe
+from lib.common import (ROOT, FlagParser, MachineError, UserError, duration, exit_error, fingerprint, ignore_stop_signals,
+                        one_line, output_folder, pick_device, progress, read_checkpoint, seed, staged, training_data,
+                        write_atomically)
 
-HERE = Path(__file__).resolve().parent
 METHODS = ("baseline", "hyper", "attnres", "mhar")
 TEMPERATURE = re.compile(r"(?P<method>attnres|mhar)-T(?P<tau>\d+(\.\d+)?)")  # attnres-T4: --route_temperature 4
 # the shape fields of mhar.Config that a grid can sweep, and their tags in run names (n_head "nh": "H" is
@@ -387,7 +386,7 @@ def check_eval(args, train_flags):
     None without --eval_tasks."""
     if not args.eval_tasks:
         return None
-    import eval as benchmarks  # imports lm-eval: only with --eval_tasks
+    from scripts import eval as benchmarks  # imports lm-eval: only with --eval_tasks
     data = argparse.ArgumentParser(add_help=False)
     data.add_argument("--data")
     data, meta = training_data({"args": vars(data.parse_known_args(train_flags)[0])})
@@ -550,7 +549,7 @@ def evaluate_once(out_dir, step, args, device, manager):
     """{task/metric: value} of a finished run on --eval_tasks: read from out_dir/eval.json when that
     holds these tasks at this --eval_limit for the run's final step, else evaluated now by eval.py,
     which writes it."""
-    import eval as benchmarks
+    from scripts import eval as benchmarks
     try:
         results = json.loads((out_dir / "eval.json").read_text())
     except (OSError, ValueError):  # none yet (ValueError: not JSON)
@@ -750,7 +749,7 @@ def planned(runs, train_flags, asked, data_print, out_dir, launcher):
             print(f"=== {run.name}: trained before with these flags, reused", flush=True)
             continue
         resume = ["--resume"] if prior == "stopped" else []
-        commands[out_dir / run.name] = [*launcher, str(HERE / "train.py"), *train_argv(run, train_flags, out_dir),
+        commands[out_dir / run.name] = [*launcher, str(ROOT / "train.py"), *train_argv(run, train_flags, out_dir),
                                         *resume]
     return commands
 

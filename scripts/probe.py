@@ -1,10 +1,10 @@
 """
 Look at what the routing learned, and compare training runs.
 
-    python probe.py --ckpt out/ckpt.pt                           # depth maps and head deviations -> out/probe/
-    python probe.py --ckpt runs/attnres/ckpt.pt --slices 4       # AttnRes (H = 1): the width-disagreement probe
-    python probe.py --logs runs/baseline runs/attnres runs/mhar --out runs/probe    # loss curves, one line per run
-    python probe.py --ckpt out/ckpt.pt --data data/pystdlib --batches 8 --batch_size 8 --null_draws 64 --seed 0
+    python -m scripts.probe --ckpt out/ckpt.pt                           # depth maps and head deviations -> out/probe/
+    python -m scripts.probe --ckpt runs/attnres/ckpt.pt --slices 4       # AttnRes (H = 1): the width-disagreement probe
+    python -m scripts.probe --logs runs/baseline runs/attnres runs/mhar --out runs/probe    # loss curves, one line per run
+    python -m scripts.probe --ckpt out/ckpt.pt --data data/pystdlib --batches 8 --batch_size 8 --null_draws 64 --seed 0
 
 The routing is read on --batches batches of --batch_size sequences of the model's seq_len tokens: train.py's
 fixed validation batches of --data (default: the checkpoint's training data), or random tokens when the
@@ -86,7 +86,7 @@ import os
 
 INTERRUPTED = b"probe.py: error: interrupted (Ctrl-C); nothing written\n"
 try:  # the script's first instruction: a Ctrl-C until the files begin is this line at once (interrupts.py)
-    import interrupts
+    from lib import interrupts
     interrupts.guard(__name__, INTERRUPTED)
 except KeyboardInterrupt:  # one in the microseconds before
     os.write(2, INTERRUPTED)
@@ -103,10 +103,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import mhar  # noqa: E402
-from common import (FlagParser, MachineError, UserError, exit_error, ignore_stop_signals,  # noqa: E402
-                    load_model, output_folder, pick_device, read_tokens, sample_rows, staged,
-                    training_data)
-from common import seed as SEED  # noqa: E402
+from lib.common import (FlagParser, MachineError, UserError, exit_error, ignore_stop_signals,  # noqa: E402
+                        load_model, output_folder, pick_device, read_tokens, sample_rows, staged,
+                        training_data)
+from lib.common import seed as SEED  # noqa: E402
 
 FIGURE_DPI = 110  # README-sized PNGs (tens of KB)
 
