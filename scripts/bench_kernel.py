@@ -291,7 +291,8 @@ def _benchmark(device="cuda", shapes=KERNEL_TABLE, timer=None, compile_backend="
     """Route every site of a network (identity sublayers: only the routing is timed), forward +
     backward: readable, torch.compile'd, fused one pass per site, fused grouped at every group
     size that fits (auto_group's marked *). Prints ms, achieved GB/s (the modeled bytes over the
-    time) and % of the copy bandwidth; returns {(preset, "fused 1" | "fused G"): ms}, G auto_group's."""
+    time) and % of the copy bandwidth; returns {(preset, "eager" | "fused 1" | "fused G"): ms}, G
+    auto_group's."""
     timer = timer or _do_bench
     bandwidth = _copy_bandwidth(timer) if device == "cuda" else None
     if bandwidth:
@@ -325,6 +326,7 @@ def _benchmark(device="cuda", shapes=KERNEL_TABLE, timer=None, compile_backend="
                 if device == "cuda":
                     torch.cuda.empty_cache()
             line = f"{preset:6} {method:8} {group or '':>2} {ms:10.2f} {host:7.2f}"
+            routing.update({(preset, "eager"): ms} if method == "eager" else {})
             if group:
                 moved = traffic(L, d, HEADS, B * T, group, source_bytes=s0.element_size())
                 moved = sum(sum(moved[way].values()) for way in ("forward", "backward"))
@@ -339,20 +341,20 @@ def _benchmark(device="cuda", shapes=KERNEL_TABLE, timer=None, compile_backend="
 
 
 def _step_benchmark(routing, device="cuda", steps=None, timer=None, vocab_size=50304):
-    """A whole training step (forward + backward, bf16 autocast on a GPU, one microbatch of the
-    kernel-table shape): the baseline, MHAR eager and fused (both algorithms), and the grouped
-    routing's share of its step, and the peak memory of the baseline's and the fused step. Speed =
-    baseline ms / fused ms, the tokens/s ratio (the paper: 0.88 / 0.71 / 0.55)."""
+    """The readable and the fused routing side by side in a whole training step (forward + backward,
+    bf16 autocast on a GPU, one microbatch of the kernel-table shape): tokens per second of the step,
+    the routing's own time (from `routing`, _benchmark's), fused over readable for both, and the
+    baseline's step for scale with the peak memory of the baseline's and the fused step. fused/base is
+    the fused step's tokens/s over the baseline's (the paper: 0.88 / 0.71 / 0.55)."""
     timer = timer or _do_bench
     steps = steps or [(preset, B, T) for preset, _, _, B, T in KERNEL_TABLE]
-    print(f"\n{'shape':6} {'baseline ms':>11} {'eager ms':>9} {'fused 1 ms':>10} {'fused G ms':>10} "
-          f"{'speed G':>7} {'routing share G':>15} {'peak GB base/fused G':>20}")
+    print(f"\n{'shape':6} {'tok/s readable':>14} {'fused':>8} {'speedup':>7} {'routing ms readable':>19} "
+          f"{'fused':>6} {'speedup':>7} {'tok/s baseline':>14} {'fused/base':>10} {'peak GB base/fused':>18}")
     for preset, B, T in steps:
         idx = torch.randint(0, vocab_size, (B, T), device=device)
         step_ms, peak = {}, {}
-        for name, overrides in (("baseline", dict(residual="baseline")), ("eager", dict(route_heads=HEADS)),
-                                ("fused 1", dict(route_heads=HEADS, fused=True, fused_group=1)),
-                                ("fused G", dict(route_heads=HEADS, fused=True))):
+        for name, overrides in (("baseline", dict(residual="baseline")), ("readable", dict(route_heads=HEADS)),
+                                ("fused", dict(route_heads=HEADS, fused=True))):
             model = mhar.GPT(mhar.preset(preset, vocab_size=vocab_size, **overrides)).to(device)
 
             def step():
@@ -370,11 +372,13 @@ def _step_benchmark(routing, device="cuda", steps=None, timer=None, vocab_size=5
                 model = None                                        # frees its memory before the next
                 if device == "cuda":
                     torch.cuda.empty_cache()
-        share = routing.get((preset, "fused G"), float("nan")) / step_ms["fused G"]
-        print(f"{preset:6} {step_ms['baseline']:11.1f} {step_ms['eager']:9.1f} {step_ms['fused 1']:10.1f} "
-              f"{step_ms['fused G']:10.1f} {step_ms['baseline'] / step_ms['fused G']:6.2f}x "
-              f"{100 * share:14.0f}% {peak.get('baseline', float('nan')):9.1f}/"
-              f"{peak.get('fused G', float('nan')):.1f}")
+        tokens_per_s = {name: B * T / ms * 1e3 for name, ms in step_ms.items()}
+        readable_ms, fused_ms = (routing.get((preset, m), float("nan")) for m in ("eager", "fused G"))
+        print(f"{preset:6} {tokens_per_s['readable']:14,.0f} {tokens_per_s['fused']:8,.0f} "
+              f"{tokens_per_s['fused'] / tokens_per_s['readable']:6.2f}x {readable_ms:19.2f} {fused_ms:6.2f} "
+              f"{readable_ms / fused_ms:6.2f}x {tokens_per_s['baseline']:14,.0f} "
+              f"{tokens_per_s['fused'] / tokens_per_s['baseline']:9.2f}x "
+              f"{peak.get('baseline', float('nan')):9.1f}/{peak.get('fused', float('nan')):.1f}")
 
 
 # A stand-in for the CUDA driver, libcuda.so.1: every call succeeds and answers as an H100 or H200 would

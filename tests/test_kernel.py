@@ -615,12 +615,26 @@ def test_benchmark_code_runs_on_the_cpu(capsys):
         fn()
         return 1.0
     routing = bench_kernel._benchmark("cpu", [("tiny", 24, 2, 1, 3)], call_once, "eager", torch.float32)
-    assert set(routing) == {("tiny", "fused 1"), ("tiny", "fused G")}
+    assert set(routing) == {("tiny", "eager"), ("tiny", "fused 1"), ("tiny", "fused G")}
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in lines[1:]] == ["eager", "compile", "fused", "fused", "fused",
                                                         "fused", "fused"]          # G = 1 .. 5
-    bench_kernel._step_benchmark(routing, "cpu", [("tiny", 1, 3)], call_once, vocab_size=128)
-    assert "tiny" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_the_step_table_sets_readable_and_fused_side_by_side(capsys):
+    """One row a shape: tokens/s of the readable and the fused step and their ratio, the routing's own ms
+    (readable, fused) and theirs, the baseline's tokens/s and the fused step's over it. A clock that says the
+    baseline's step takes 2 ms, the readable one 4 and the fused one 1 (3 tokens each)."""
+    times = iter([2.0, 4.0, 1.0])
+
+    def clock(fn, grad_to_none=None):
+        fn()
+        return next(times)
+    routing = {("tiny", "eager"): 3.0, ("tiny", "fused 1"): 9.0, ("tiny", "fused G"): 0.5}
+    bench_kernel._step_benchmark(routing, "cpu", [("tiny", 1, 3)], clock, vocab_size=128)
+    header, row = capsys.readouterr().out.strip().splitlines()
+    assert header.split()[:5] == ["shape", "tok/s", "readable", "fused", "speedup"]
+    assert row.split()[:9] == ["tiny", "750", "3,000", "4.00x", "3.00", "0.50", "6.00x", "1,500", "2.00x"]
 
 
 HOST_COST = """
