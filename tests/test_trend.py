@@ -400,8 +400,7 @@ def test_each_widths_table_row_by_row(metric, widths):
     assert "| difference | n_embd 64 | n_embd 128 | n_embd 256 | change 64 → 256 | Welch t (df) |" in text
 
 
-# The width tables' row labels -> trend.py's differences (the README's: all but attnres-T4 − attnres); the
-# README's probe rows -> the variant probed.
+# The width tables' row labels (docs/comparison.md's) -> trend.py's differences
 DIFFERENCES = {"mhar H4 − baseline": "mhar-H4 - baseline", "attnres-T4 − baseline": "attnres-T4 - baseline",
                "attnres − baseline": "attnres - baseline", "mhar H4 − attnres": "mhar-H4 - attnres",
                "mhar H4 − attnres-T4": "mhar-H4 - attnres-T4", "attnres-T4 − attnres": "attnres-T4 - attnres"}
@@ -438,27 +437,70 @@ def width_row_problems(label, cells, points):
             for problem in width_cell_problems(cell, point["differences"][DIFFERENCES[label]])]
 
 
-def test_the_readmes_width_table_is_trend_py_on_the_committed_results():
-    """Every figure of the README's width table, recomputed by trend.gather from results/width-d*/ as
-    committed: each width's paired difference (mean ± s.e., t), the change from d 64 to d 256 (Welch),
-    and the probe's disagreement with its null."""
-    gathered = trend.gather(WIDTH_FOLDERS)
-    assert [p["value"] for p in gathered["points"]] == [64, 128, 256] and gathered["metric"] == "full_val_loss"
-    rows, problems = width_table((ROOT / "README.md").read_text()), []
-    assert set(rows) == set(DIFFERENCES) - {"attnres-T4 − attnres"} | set(README_PROBES)
-    for label in rows.keys() - README_PROBES.keys():
-        *widths, change = rows[label]
-        problems += width_row_problems(label, widths, gathered["points"])
-        c = gathered["trend"][DIFFERENCES[label]]
-        said = f"{c['mean']:+.4f} ± {c['se']:.4f}, t({c['df']:.1f}) = {c['t']:+.1f}"
-        if change != said:
-            problems.append(f"{label}, change: {change!r}, the results say {said!r}")
-    for label, variant in README_PROBES.items():
-        said = [f"{p['disagreement'][variant]['value']:.3f} ({p['disagreement'][variant]['null']:.3f})"
-                for p in gathered["points"]]
-        if rows[label][:3] != said:
-            problems.append(f"{label}: {rows[label][:3]}, the probes say {said}")
+def headline_rows(text):
+    """The README's table under "What it shows": [(difference, value)], the experiment column carried down to
+    the rows that leave it empty: {(experiment, difference): value}, minus signs as ASCII hyphens."""
+    section = text.split("## What it shows\n")[1].split("\n## ")[0]
+    rows, experiment = {}, None
+    for line in section.split("| experiment |")[1].split("\n\n")[0].splitlines()[2:]:
+        cells = [c.strip().replace("−", "-") for c in line.strip("|").split("|")]
+        experiment = cells[0] or experiment
+        rows[(experiment, cells[1])] = cells[2]
+    return rows
+
+
+def headline_cell(pair, resolved=True):
+    """A pair's cell as the README writes it: "m ± se, t(2) = x" (or "m ± se" and, unresolved, a note)."""
+    cell = f"{pair['mean']:+.4f} ± {pair['se']:.4f}"
+    t = pair["mean"] / pair["se"]
+    if abs(t) > 4.30:                               # two-sided p < 0.05 at 2 degrees of freedom
+        return f"{cell}, t(2) = {t:+.1f}"
+    return cell if resolved else f"{cell} (not resolved)"
+
+
+def compromise_pair(runs, variant, reference):
+    """The paired difference of the final val losses of two methods of compromise.py's results, by seed."""
+    loss = {(r["method"], r["seed"]): r["val_loss"] for r in runs}
+    seeds = sorted(seed for method, seed in loss if method == variant)
+    return mean_se_pair([loss[(variant, seed)] - loss[(reference, seed)] for seed in seeds])
+
+
+def mean_se_pair(deltas):
+    mean = sum(deltas) / len(deltas)
+    return {"mean": mean, "se": math.sqrt(sum((d - mean) ** 2 for d in deltas) / (len(deltas) - 1) / len(deltas))}
+
+
+def test_the_readmes_headline_table_is_the_committed_results():
+    """Every figure of the README's "What it shows" table, recomputed from the committed results: the forced
+    compromise's paired differences from results/compromise/results.json, the CPU comparison's from
+    results/compare-bytes/results.json, the width study's by trend.gather from results/width-d*/."""
+    rows = headline_rows((ROOT / "README.md").read_text())
+    runs = json.loads((ROOT / "results" / "compromise" / "results.json").read_text())["runs"]
+    cpu = json.loads((ROOT / "results" / "compare-bytes" / "results.json").read_text())
+    cpu_pairs = {(p["variant"], p["baseline"]): p for p in cpu["pairs"] + cpu["versus"]["attnres-T4"]}
+    width = {p["value"]: p["differences"] for p in trend.gather(WIDTH_FOLDERS)["points"]}
+    expected = [
+        (compromise_pair(runs, "mhar", "attnres"), True),
+        (compromise_pair(runs, "mhar-rotated", "attnres-rotated"), True),
+        (cpu_pairs[("mhar-H4", "baseline")], True), (cpu_pairs[("mhar-H4", "attnres-T4")], True),
+        (width[256]["mhar-H4 - baseline"], True), (width[256]["mhar-H4 - attnres-T4"], True),
+        (width[64]["mhar-H4 - baseline"], False)]
+    assert len(rows) == len(expected), rows
+    problems = [f"{key}: {value!r}, the results say {headline_cell(pair, resolved)!r}"
+                for (key, value), (pair, resolved) in zip(rows.items(), expected)
+                if value != headline_cell(pair, resolved).replace("−", "-")]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("pair, resolved, cell", [
+    ({"mean": -0.04876, "se": 0.00617}, True, "-0.0488 ± 0.0062, t(2) = -7.9"),
+    ({"mean": -0.0043, "se": 0.001}, True, "-0.0043 ± 0.0010"),             # t = -4.30: not beyond 4.30
+    ({"mean": -0.00431, "se": 0.001}, True, "-0.0043 ± 0.0010, t(2) = -4.3"),
+    ({"mean": 0.0008, "se": 0.0002}, True, "+0.0008 ± 0.0002"),
+    ({"mean": -0.0052, "se": 0.0051}, False, "-0.0052 ± 0.0051 (not resolved)"),
+], ids=["resolved", "at-the-edge", "past-the-edge", "positive-unresolved-unmarked", "unresolved"])
+def test_a_headline_cell_gives_t_only_where_it_is_resolved(pair, resolved, cell):
+    assert headline_cell(pair, resolved) == cell
 
 
 @pytest.mark.parametrize("cell, problems", [
