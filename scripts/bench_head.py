@@ -46,9 +46,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 import mhar  # noqa: E402
-from lib.head import linear_cross_entropy, squared_log_z  # noqa: E402
 from lib.common import (ROOT, FlagParser, UserError, adamw, exit_error, ignore_stop_signals,  # noqa: E402
                         max_resident_bytes, peak_memory, pick_device)
+from lib.head import linear_cross_entropy, squared_log_z  # noqa: E402
 
 QWEN3_4K = dict(vocab_size=151936, seq_len=4096, n_embd=128, n_head=4, n_kv_head=2, ffn_hidden=384)
 CASES = {  # name: (preset, overrides, batch size, z_loss)

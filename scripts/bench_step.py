@@ -30,10 +30,10 @@ import time
 
 import torch
 
-from scripts import bench_kernel
-from lib import head
 import mhar
+from lib import head
 from lib.common import PEAK_FLOPS, FlagParser, exit_error, one_line
+from scripts import bench_kernel
 
 H200_FLOPS = PEAK_FLOPS["NVIDIA H200"]     # bf16 dense, vendor datasheet
 H200_BYTES = bench_kernel.HBM["H200"]      # bytes/s, vendor datasheet

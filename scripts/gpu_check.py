@@ -67,9 +67,9 @@ try:  # torch and triton take seconds to import: Ctrl-C meanwhile ends as it doe
         print(f"gpu_check.py: error: {error}", file=sys.stderr)
         raise SystemExit(2)
     import mhar
+    from lib.common import AMOUNT, ROOT, FlagParser, exit_error
     from scripts.bench_kernel import (HEADS, KERNEL_TABLE, auto_group, fused_network,
                                       rounded_to_nearest, stacked_network, traffic)
-    from lib.common import AMOUNT, ROOT, FlagParser, exit_error
 except KeyboardInterrupt:
     print("gpu_check.py: error: interrupted (Ctrl-C)", file=sys.stderr)
     raise SystemExit(130)
@@ -368,9 +368,9 @@ def train_steps(flags, clock, steps, warm=2):
     (compiling), `warm` more (reduce-overhead records its CUDA graphs in these), `steps` timed
     (tokens/s counts every micro-step's):
     {"first s", "tok/s", "peak GiB", "graphs", "recompiles", "cudagraph skips"}."""
+    import train
     from lib import head
     from lib import parallel
-    import train
     from torch._dynamo.utils import counters
     try:
         with contextlib.redirect_stderr(io.StringIO()):     # the row says it, in a line

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scripts import bench_step
 import mhar
+from helpers import ROOT
+from scripts import bench_step
 
 
 def test_meter_counts_ops_flops_and_bytes_and_sums_each_ops_roofline():
@@ -152,7 +153,7 @@ def test_host_time_of_the_fused_path_counts_its_launches():
     stand-in driver): fewer ops than the readable path's, at least a launch a site each way."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", FUSED_HOST], env=env, capture_output=True,
-                          text=True, cwd=os.path.dirname(os.path.abspath(bench_step.__file__)),
+                          text=True, cwd=ROOT,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     fused, readable, ops, launches = map(int, done.stdout.split())

@@ -19,12 +19,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scripts import eval
-from lib import head
 import mhar
 import prepare
+from lib import head
 from lib.common import UserError
 from helpers import ROOT, files_in, foreign_model, needs, one_error_line, run_script, save_tiny_qwen3, write_task
+from scripts import eval
 
 SEQ_LEN = 64
 GPT2_VOCAB = 50257      # ids 0..50256 are text; 50257..50303 pad the vocabulary to 50304

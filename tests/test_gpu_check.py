@@ -19,12 +19,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from scripts import bench_kernel
-from scripts import gpu_check
 import train
-from scripts.bench_kernel import HEADS, traffic
 from helpers import (ROOT, error_line, interpreted, interrupted_while_importing, script_path,
                      sigint_as_in_a_terminal)
+from scripts import bench_kernel
+from scripts import gpu_check
+from scripts.bench_kernel import HEADS, traffic
 
 
 def takes_compile_mode():

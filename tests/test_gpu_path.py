@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import mhar
-from lib import parallel
 import train
+from lib import parallel
 from helpers import fused_history, gpt_pair, interpreted, rel_err, tiny
 
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lib import head
 import mhar
+from lib import head
 from helpers import rel_err, tiny
 
 B, T = 2, 32                                   # 64 positions: chunks of 7, the last of 1

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import tiktoken
 
-from lib import common
 import prepare
+from lib import common
 from helpers import error_line, files_in, one_error_line, run_script
 
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import mhar
-from scripts import probe
 import sample
+from mhar import GPT
 from lib.common import load_model, sample_rows
 from helpers import PNG_SIGNATURE, VOCAB, error_line, files_in, one_error_line, run_script
-from mhar import GPT
+from scripts import probe
 
 
 def save_untrained(path, data="synthetic", **overrides):
@@ -372,7 +372,7 @@ def test_missing_or_corrupt_checkpoint_is_one_clear_line(script, tmp_path, capsy
     corrupt.write_bytes(b"not a checkpoint")
     for path, reason in ((tmp_path / "missing.pt", "no checkpoint at"), (corrupt, "cannot read checkpoint")):
         err = error_line(capsys, script.main, ["--ckpt", path])
-        assert err.startswith(f"{script.__name__}.py: error: {reason}")
+        assert err.startswith(f"{script.__name__.rpartition('.')[2]}.py: error: {reason}")
 
 
 

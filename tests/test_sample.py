@@ -15,9 +15,9 @@ import torch
 import mhar
 import prepare
 import sample
+from mhar import GPT
 from lib.common import load_model
 from helpers import ROOT, VOCAB, error_line, sigint_as_in_a_terminal
-from mhar import GPT
 
 PADDING_LOGIT = 1e3  # the scale of the padding rows below: their logits dwarf every real token's
 

@@ -222,8 +222,9 @@ def test_ctrl_c_while_probing_is_one_line(monkeypatch, capsys):
 def test_a_kernel_script_without_triton_is_one_line(script):
     """Without an importable triton, the kernels' scripts say so in one line, status 2, as
     train.py --fused does (a RuntimeError traceback from kernel.py's import before)."""
+    module = script_path(script).removesuffix(".py").replace("/", ".")
     code = (f"import runpy, sys; sys.modules['triton'] = None; sys.argv = ['{script}.py']; "
-            f"runpy.run_path('{script}.py', run_name='__main__')")
+            f"runpy.run_module('{module}', run_name='__main__', alter_sys=True)")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
@@ -235,4 +236,4 @@ def test_a_kernel_library_run_as_a_script_says_what_runs_it(library):
     p = subprocess.run([sys.executable, f"{library}.py"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
-    assert p.stderr.startswith(f"{library}.py: error: ") and "bench_kernel.py" in p.stderr
+    assert p.stderr.startswith(f"{library}.py: error: ") and "python -m scripts.bench_kernel" in p.stderr

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from scripts import compare
-from scripts import trend
 from lib.common import MachineError
 from helpers import PNG_SIGNATURE, ROOT, error_line, files_in, one_error_line, run_script
+from scripts import compare
+from scripts import trend
 
 VARIANTS = ("baseline", "attnres", "attnres-T4", "mhar-H4")
 
