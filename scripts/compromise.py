@@ -93,6 +93,7 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile ends as it does later
     import mhar
     from lib.common import (FlagParser, MachineError, UserError, adamw, duration, exit_error, one_line,
                             output_folder, progress, remove_staging, seed_of, staged, write_atomically)
+    from lib.schedule import lr_factor
     from scripts.probe import FIGURE_DPI, pyplot
 except KeyboardInterrupt:
     print("compromise.py: error: interrupted (SIGINT): nothing written; the same command runs it "
@@ -203,17 +204,9 @@ def model(method, d, heads, seed):
 # validation sequences are the same for every run.
 
 LR, WEIGHT_DECAY, BETAS = 3e-3, 0.1, (0.9, 0.95)
-WARMUP, MIN_LR_RATIO = 30, 0.1       # linear warmup, then cosine down to 0.1x the peak
+WARMUP, MIN_LR_RATIO = 30, 0.1       # linear warmup, then cosine down to 0.1x (lib/schedule.py)
 BATCH_SIZE, CLIP = 32, 1.0
 VAL_SEQUENCES, EVAL_EVERY = 512, 50
-
-
-def lr_factor(step, steps):
-    """The multiplier of the peak lr at update `step` (0-based), as train.py's schedule."""
-    if step < WARMUP:
-        return (step + 1) / WARMUP
-    progress = min(1.0, (step - WARMUP) / max(1, steps - WARMUP))
-    return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def loss_of(net, idx, targets):
@@ -244,7 +237,7 @@ def fit(net, seed, steps, val=None):
     curve = []
     for step in range(steps):
         for group in opt.param_groups:
-            group["lr"] = LR * lr_factor(step, steps)
+            group["lr"] = LR * lr_factor(step, WARMUP, steps, MIN_LR_RATIO)
         loss, _ = loss_of(net, *batch(data, BATCH_SIZE))
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -22,10 +22,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from scripts import compromise
 from lib.common import duration
 from helpers import (PNG_SIGNATURE, ROOT, error_line, files_in, interrupted_while_importing,
                      sigint_as_in_a_terminal)
+from scripts import compromise
 
 
 @pytest.mark.parametrize("n", [1, 7], ids=["one-sequence", "seven-sequences"])
@@ -165,7 +165,8 @@ def test_the_paired_statistics_use_only_the_seeds_both_methods_ran():
         "last-step", "past-the-end", "short-run-first", "short-run-last"])
 def test_the_learning_rate_warms_up_from_its_first_step_then_decays_to_a_tenth(step, steps,
                                                                               factor):
-    assert compromise.lr_factor(step, steps) == pytest.approx(factor)
+    schedule = compromise.lr_factor(step, compromise.WARMUP, steps, compromise.MIN_LR_RATIO)
+    assert schedule == pytest.approx(factor)
 
 
 def test_the_first_update_is_taken_at_a_nonzero_learning_rate(monkeypatch):
@@ -549,7 +550,8 @@ def test_a_stop_signal_ends_every_process_with_one_line(signum, everyone, tmp_pa
 def test_the_cosine_of_a_run_barely_longer_than_the_warmup(step, steps, factor):
     """The cosine spans the steps - WARMUP updates after the warmup however few: over one it goes
     from the peak to the floor; a run no longer than the warmup does not divide by zero."""
-    assert compromise.lr_factor(step, steps) == pytest.approx(factor)
+    schedule = compromise.lr_factor(step, compromise.WARMUP, steps, compromise.MIN_LR_RATIO)
+    assert schedule == pytest.approx(factor)
 
 
 def test_fit_takes_each_step_at_the_schedules_rate(monkeypatch):
