@@ -961,7 +961,7 @@ def train(args, given=frozenset()):
     with memory_for("a step's batch of token ids", "--grad_accum or --batch_size"):
         rows = train_batch(data.train if data else None, args, progress.step, s.rank)
     out = Path(args.out_dir)
-    with claim_out_dir(out, s), StopSignals(s.master) as stop:
+    with claim_out_dir(out, s), StopSignals("train.py", s.master) as stop:
         run = Run(args, config, s, gpt, wrap_model(gpt, args, s), optimizer, progress, data, out,
                   Report(out, s.master), None if data is None else unigram_entropy(data.train),
                   fingerprint(data), ema)

@@ -702,34 +702,54 @@ def ignore_stop_signals(prog):
 
 
 class StopSignals:
-    """Ctrl-C (SIGINT) or SIGTERM (how clusters preempt a job) asks the run to stop after the
-    step in progress, with a checkpoint of it, and to exit with 128 + the signal's number (130,
-    143). A second signal stops at once, without a checkpoint of that step. One second's grace:
-    under torchrun a terminal's Ctrl-C reaches each rank twice, directly and forwarded. Once a
-    stopped run leaves the block, its process only exits (with 128 + that signal's number):
-    further signals are ignored (ignore_stop_signals)."""
+    """SIGINT (Ctrl-C) or SIGTERM (how clusters preempt a job) inside the block asks script `prog`
+    to stop where it safely can: `signum` holds the first one's number (0 while none came), and the
+    script exits with 128 + it (130, 143). Once a stopped script leaves the block, its process only
+    exits: further signals are ignored (ignore_stop_signals). Who stops, and how:
 
-    def __init__(self, master):
-        self.signum, self.first_at, self.master = 0, 0.0, master
+    - a training run (train.py): after the step in progress, with a checkpoint of it, said on rank
+      0 (`master`). A second signal stops it at once, without a checkpoint of that step. One
+      second's grace: under torchrun a terminal's Ctrl-C reaches each rank twice, directly and
+      forwarded.
+    - a queue of runs (compare.py; `running`: the processes under way, read at each signal): each
+      run gets every signal too and stops as above, and no other run starts. A `kill PID` or
+      `timeout` reaches compare.py alone, and its runs would otherwise go on writing without it; a
+      terminal's Ctrl-C reaches them directly as well, which train.py's grace takes as one."""
+
+    def __init__(self, prog, master=True, running=None):
+        self.prog, self.master, self.running = prog, master, running
+        self.signum, self.first_at = 0, 0.0
 
     def __enter__(self):
         self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def __exit__(self, *exc):
-        if self.signum and ignore_stop_signals("train.py"):  # the stopped run's process exits
+        if self.signum and ignore_stop_signals(self.prog):  # the stopped script's process exits
             return
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
     def handle(self, signum, frame):
+        if self.running is not None:  # a queue: its runs stop themselves, and it waits for them
+            self.signum = self.signum or signum
+            for process in list(self.running):
+                self.forward(process, signum)
+            return
         name = signal.Signals(signum).name
         if not self.signum:
             self.signum, self.first_at = signum, time.monotonic()
             if self.master:  # os.write: print() is not safe inside a signal handler
-                os.write(2, f"train.py: {name}: stopping after this step, with a checkpoint "
+                os.write(2, f"{self.prog}: {name}: stopping after this step, with a checkpoint "
                             f"(again to stop at once)\n".encode())
         elif time.monotonic() - self.first_at > 1.0:
-            os.write(2, f"train.py: {name} again: stopped at once, without a checkpoint of "
+            os.write(2, f"{self.prog}: {name} again: stopped at once, without a checkpoint of "
                         f"this step\n".encode())
             raise SystemExit(128 + signum)
+
+    @staticmethod
+    def forward(process, signum):
+        """Pass a signal on to a run's process (one that has just ended is not signalled:
+        send_signal checks)."""
+        with suppress(OSError):
+            process.send_signal(signum)

@@ -73,10 +73,10 @@ from pathlib import Path
 
 import mhar
 import prepare
-from scripts import probe
-from lib.common import (ROOT, FlagParser, MachineError, UserError, duration, exit_error, fingerprint, ignore_stop_signals,
+from lib.common import (ROOT, FlagParser, MachineError, StopSignals, UserError, duration, exit_error, fingerprint,
                         one_line, output_folder, pick_device, progress, read_checkpoint, seed, staged, training_data,
                         write_atomically)
+from scripts import probe
 
 METHODS = ("baseline", "hyper", "attnres", "mhar")
 TEMPERATURE = re.compile(r"(?P<method>attnres|mhar)-T(?P<tau>\d+(\.\d+)?)")  # attnres-T4: --route_temperature 4
@@ -414,46 +414,12 @@ def interrupted(signum, saved, unsaved):
             + ": run the same command to go on")
 
 
-class Forwarded:
-    """SIGINT and SIGTERM to compare.py while runs train: each run under way gets it too (train.py then
-    saves a checkpoint after its step and exits with 128 + the signal's number; a second one stops it at
-    once), and no other run starts. A `kill PID` or `timeout` reaches compare.py alone, and its runs would
-    otherwise go on writing without it; a terminal's Ctrl-C reaches the runs directly as well, and train.py
-    takes a second SIGINT within a second as the same one. Once compare.py stops because of a signal, as a
-    script it ignores any other while it exits (common.ignore_stop_signals)."""
-
-    def __init__(self, running):
-        self.running, self.signum = running, 0  # running: the processes under way
-
-    def __enter__(self):
-        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc):
-        if self.signum and ignore_stop_signals("compare.py"):
-            return
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-    def handle(self, signum, frame):
-        self.signum = self.signum or signum
-        for process in list(self.running):
-            self.forward(process, signum)
-
-    @staticmethod
-    def forward(process, signum):
-        try:  # (a process that has just ended is not signalled: send_signal checks)
-            process.send_signal(signum)
-        except OSError:
-            pass
-
-
 def train_all(commands, jobs):
     """Train each run (its folder: its train.py command) in a process of its own, `jobs` at a time, each on
     1/jobs of the cores with its output in <folder>.out (one at a time: on this terminal), and say when
     each ends. After a run fails no other starts (the runs under way finish), and compare.py exits with one
-    line, status 1; after SIGINT or SIGTERM (Forwarded), once every run under way has stopped, with one line
-    and 128 + the signal's number."""
+    line, status 1; after SIGINT or SIGTERM (passed on to the runs under way: common.StopSignals), once every
+    run under way has stopped, with one line and 128 + the signal's number."""
     todo = list(commands.items())
     env = dict(os.environ)
     if jobs > 1:
@@ -464,7 +430,7 @@ def train_all(commands, jobs):
     def heartbeat():  # minutes pass between the lines of runs whose output goes to files
         print(f"=== under way: {under_way(running.values())} "
               f"({progress(done, len(commands), time.monotonic() - began)})", flush=True)
-    with Forwarded(running) as signals:
+    with StopSignals("compare.py", running=running) as signals:
         while todo and not failed and not signals.signum or running:
             while todo and len(running) < jobs and not failed and not signals.signum:
                 out_dir, command = todo.pop(0)

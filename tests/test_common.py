@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from lib import common
 import mhar
+from lib import common
 from helpers import ROOT, files_in, tiny
 
 
@@ -925,7 +925,7 @@ def test_stop_signals_are_ignored_only_by_the_scripts_own_process(monkeypatch, s
 
 
 def test_stop_signals_hold_the_handlers_inside_the_block_only(stop_signals_restored):
-    with common.StopSignals(master=True) as stop:
+    with common.StopSignals("train.py", master=True) as stop:
         assert (stop.signum, stop.first_at, stop.master) == (0, 0.0, True)
         assert signal.getsignal(signal.SIGINT) == stop.handle == signal.getsignal(signal.SIGTERM)
     assert {s: signal.getsignal(s) for s in stop_signals_restored} == stop_signals_restored
@@ -937,7 +937,7 @@ def test_stop_signals_hold_the_handlers_inside_the_block_only(stop_signals_resto
 def test_a_stopped_runs_process_keeps_ignoring_signals(monkeypatch, stop_signals_restored, stopped, script,
                                                        restored):
     monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__file__=f"/x/{script}"))
-    with common.StopSignals(master=False) as stop:
+    with common.StopSignals("train.py", master=False) as stop:
         if stopped:
             stop.handle(signal.SIGTERM, None)
     now = {s: signal.getsignal(s) for s in stop_signals_restored}
@@ -953,7 +953,7 @@ def test_a_signal_asks_for_a_checkpoint_and_a_second_past_a_second_stops_at_once
     (torchrun's forward of the same Ctrl-C) changes nothing; one later exits at once, 128 + its number."""
     clock = iter([100.0, 100.0 + after])
     monkeypatch.setattr(common, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
-    stop = common.StopSignals(master=master)
+    stop = common.StopSignals("train.py", master=master)
     stop.handle(signal.SIGTERM, None)
     assert (stop.signum, stop.first_at) == (signal.SIGTERM, 100.0)
     first = "train.py: SIGTERM: stopping after this step, with a checkpoint (again to stop at once)\n"

@@ -383,7 +383,7 @@ def test_sigterm_saves_the_step_and_exits_143(data, tmp_path):
 def test_a_second_signal_stops_at_once_but_not_a_forwarded_copy():
     """torchrun forwards a terminal's Ctrl-C to ranks that already got it: a repeat within a
     second is that copy; a later one stops at once (status 130)."""
-    stop = train.StopSignals(master=False)
+    stop = train.StopSignals("train.py", master=False)
     stop.handle(signal.SIGINT, None)
     stop.handle(signal.SIGINT, None)  # the forwarded copy: ignored
     assert stop.signum == signal.SIGINT
