@@ -237,3 +237,21 @@ def test_a_kernel_library_run_as_a_script_says_what_runs_it(library):
                        timeout=120)
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
     assert p.stderr.startswith(f"{library}.py: error: ") and "python -m scripts.bench_kernel" in p.stderr
+
+
+@pytest.mark.parametrize("prog, run", [
+    ("train.py", "python train.py"), ("prepare.py", "python prepare.py"), ("compare.py", "python -m scripts.compare"),
+    ("gpu_check.py", "python -m scripts.gpu_check"), ("hf.py", "python -m lib.hf"),
+    ("no_such_script.py", "python no_such_script.py"), ("", "python "), ("remote", "python remote"),
+], ids=["root", "root-data", "scripts", "scripts-last", "lib", "unknown", "empty", "a-folder"])
+def test_a_scripts_command_is_how_the_root_runs_it(prog, run):
+    """common.command: `python X.py` for the root's scripts, `python -m PACKAGE.X` for those in scripts/ and
+    lib/ (a file there, not a folder), what a flag's error line tells the user to run with --help."""
+    from lib import common
+    assert common.command(prog) == run
+
+
+def test_a_bad_flag_names_the_module_command_of_a_packaged_script(capsys):
+    from scripts import trend
+    line = error_line(capsys, trend.main, ["runs/a", "--no_such_flag"])
+    assert line.endswith("(python -m scripts.trend --help lists the flags)"), line
