@@ -16,9 +16,11 @@ every method trained with one seed sees the same batches, a resumed run continue
 GPUs see the same samples as 1 GPU. --out_dir gets config.json, log.jsonl (a line per log step and
 per evaluation), ckpt.pt (at every evaluation) and summary.json, both written atomically.
 
-The file reads top to bottom: the recipe and run sizes, the flags, resuming and converting, data,
-the schedule and evaluation, the model and its optimizer, reporting, and train(); a run's safety
-(checkpoint files, the out_dir's lock, signals) is common.py's, ranks and devices parallel.py's.
+The file reads top to bottom: the recipe and run sizes, the flags, resuming and converting, data
+and batches, the model and its optimizer, train() and the step it repeats, then what the loop does
+besides stepping (log lines, evaluations, checkpoints, the end). The run's machinery (reports, the
+timer, the weight average) is lib/run.py's, the schedule lib/schedule.py's, a run's safety
+(checkpoint files, the out_dir's lock, signals) common.py's, ranks and devices parallel.py's.
 """
 import os
 import sys
@@ -40,7 +42,7 @@ import math  # noqa: E402
 import re  # noqa: E402
 import signal  # noqa: E402
 import time  # noqa: E402
-from contextlib import contextmanager, nullcontext, suppress  # noqa: E402
+from contextlib import nullcontext, suppress  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 # Set before torch starts OpenMP: threads waiting at a barrier sleep instead of spinning. On a
@@ -50,20 +52,24 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import mhar  # noqa: E402
+import prepare  # noqa: E402
 from lib import head  # noqa: E402
 from lib import hf  # noqa: E402
-import mhar  # noqa: E402
 from lib import midtrain  # noqa: E402
 from lib import parallel  # noqa: E402
-import prepare  # noqa: E402
 from lib.common import (DEFAULT_CORPUS, CheckpointError, FlagParser, MachineError,  # noqa: E402
                         StopSignals, UserError, AMOUNT, COUNT, RATE, STEPS, adamw, claim_out_dir,
                         decay_rate, estimate_mfu, exit_error, fingerprint, fraction,
-                        ignore_stop_signals, largest_id, load_optimizer, logged_until, memory_for,
-                        one_line, os_error, padded_vocab, peak_memory, read_checkpoint, read_tokens,
-                        rng_states, rows_at, sample_rows, save_checkpoint, seed as SEED, set_rng_states,
-                        unigram_entropy, unwrapped, whole_split, write_text)
+                        ignore_stop_signals, largest_id, load_optimizer, memory_for, one_line,
+                        os_error, padded_vocab, peak_memory, read_tokens, rng_states, rows_at,
+                        sample_rows, save_checkpoint, seed as SEED, set_rng_states, unigram_entropy,
+                        unwrapped, whole_split, write_text)
 from lib.parallel import Session, set_precision, start_session, start_sharding, wrap_model  # noqa: E402
+from lib.run import (Progress, Report, Timer, WeightAverage, carry_optimizer_state,  # noqa: E402
+                     check_same_data, fmt_count, load_checkpoint, pretrained_directory, start_outputs,
+                     start_wandb, summary_line, take_pretrained_flags)
+from lib.schedule import lr_factor  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # The recipe (Multi-Head Attention Residuals, Luo, Cai, Hu 2026, "Training and reproducibility
@@ -290,14 +296,6 @@ def parse_args(argv=None):
 # -----------------------------------------------------------------------------
 # Resuming and converting: what the checkpoint decides, what the command line may change.
 
-def load_checkpoint(path):
-    """read_checkpoint for a run to resume or convert, its shards' folder found from here."""
-    ckpt = read_checkpoint(path)
-    if "sharded" in ckpt:  # a --fsdp run's: its shards lie in a folder next to it
-        ckpt["sharded"] = Path(path).parent / ckpt["sharded"]
-    return ckpt
-
-
 def saved_flags(ckpt):
     """The resolved flags of a checkpoint's run, its model's Config fields included."""
     return {**ckpt["args"], **ckpt["config"]}
@@ -384,49 +382,6 @@ def resolve_flags(args, given, world):
     return args, ckpt, source
 
 
-def pretrained_directory(init_from):
-    """Whether --init_from names a Hugging Face model (a directory, or a hub id such as
-    Qwen/Qwen3-0.6B) rather than a checkpoint of this project (a file)."""
-    path = Path(init_from)
-    return path.is_dir() or (not path.exists() and path.suffix not in (".pt", ".pth")
-                             and hf.HUB_ID.fullmatch(init_from) is not None)
-
-
-def take_pretrained_flags(args, given):
-    """--init_from DIR: the model's shape from DIR/config.json, the mid-training recipe for every
-    flag left out (midtrain.take_flags); returns DIR (a hub id: its local snapshot)."""
-    directory = hf.local_dir(args.init_from)
-    shape = hf.config_from_hf(hf.read_json(directory / "config.json"), directory / "config.json")
-    midtrain.take_flags(args, given, directory, shape)
-    args.init_from = str(directory)
-    return directory
-
-
-def check_same_data(ckpt, data, args):
-    """--resume reads the data the checkpoint was trained on (its fingerprint): data prepared
-    anew under the same name would silently change the run."""
-    saved = ckpt.get("data_fingerprint")
-    if saved is None or saved == fingerprint(data) or args.allow_data_change:
-        return
-    die(f"{args.data} is not the data this checkpoint was trained on (then: {saved}; now: "
-        f"{fingerprint(data)}): point --data at that data, or pass --allow_data_change to "
-        f"continue on this one")
-
-
-def carry_optimizer_state(saved, optimizer):
-    """A baseline run's Adam moments into a converted model's optimizer, group by group: the
-    shared parameters keep their order inside each group (mhar.GPT.param_groups), and the new
-    routing group starts fresh."""
-    state = optimizer.state_dict()
-    groups = {group["name"]: group for group in state["param_groups"]}
-    for old in saved["param_groups"]:
-        new = groups[old["name"]]
-        for i, j in zip(old["params"], new["params"], strict=True):
-            if i in saved["state"]:
-                state["state"][j] = saved["state"][i]
-    load_optimizer(optimizer, state)
-
-
 # -----------------------------------------------------------------------------
 # Data: prepare.py's token files, or uniform random tokens (--data synthetic).
 
@@ -482,17 +437,8 @@ def check_data(tokens, config):
 
 
 # -----------------------------------------------------------------------------
-# Schedule, batches and evaluation: pure functions of the step, so the step is all a resumed run
-# needs.
-
-def lr_factor(step, warmup_steps, max_steps, min_lr_ratio):
-    """Multiplier of each group's peak lr at update `step` (0-based): linear warmup, then cosine
-    down to min_lr_ratio."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
+# Batches: pure functions of the step, as the schedule (lib/schedule.py), so the step is all a
+# resumed run needs.
 
 def to_device(rows, device):
     """(..., T + 1) rows -> inputs and targets (..., T) on the device (pinned: the copy is async
@@ -518,44 +464,8 @@ def val_batch(tokens, args, i):
                        args.vocab_size)
 
 
-@torch.no_grad()
-def evaluate(model, val, args, rank, world, device, autocast, whole=False):
-    """(mean loss per target, targets) of the fixed validation batches 0..eval_batches-1, or (whole)
-    of every token of the split once (common.whole_split); shared out over the ranks, all-reduced."""
-    model.eval()
-    batches = ([lambda b=b: rows_at(val, *b, args.vocab_size)  # each batch's rows, when called
-                for b in whole_split(len(val), args.seq_len, args.batch_size)] if whole else
-               [lambda i=i: val_batch(val, args, i) for i in range(args.eval_batches)])
-    total = torch.zeros(2, device=device)  # the batches' summed losses, their targets
-    for k in range(-(-len(batches) // world)):  # the same count on every rank: FSDP's
-        i = rank + k * world                      # forwards are collectives
-        rows = batches[min(i, len(batches) - 1)]()
-        with autocast:
-            loss = model(*to_device(rows, device), loss_fn=head.linear_cross_entropy)[1].float()
-        targets = rows.numel() - len(rows) if i < len(batches) else 0
-        total += torch.stack([loss * targets, torch.tensor(targets, device=device)])
-    if world > 1:
-        dist.all_reduce(total)
-    model.train()
-    return (total[0] / total[1]).item(), int(total[1])
-
-
-# torch.compile works for a while before the first step, in silence (docs/training.md: how long)
-COMPILE_NOTE = ("--compile: the first step compiles the model, and the first evaluation its graph: "
-                "on a CPU about a minute for the small preset, longer for larger models")
-
-
 # -----------------------------------------------------------------------------
-# The model and where the run stands.
-
-@dataclasses.dataclass
-class Progress:
-    """Where the run stands: what a checkpoint saves besides the weights and the optimizer."""
-    step: int = 0
-    evals: list = dataclasses.field(default_factory=list)   # [{"step", "val_loss"}]
-    tokens: int = 0                                         # training tokens seen
-    wandb_id: str = None
-
+# The model and its optimizer.
 
 def build_model(args, config, ckpt, source, session):
     """(gpt, optimizer, progress, baseline): a new model, or the checkpoint's, or a converted
@@ -630,136 +540,8 @@ def make_optimizer(gpt, args, device_type):
     return optimizer
 
 
-class WeightAverage:
-    """An exponential moving average of a model's weights (--ema): after every optimizer step,
-    average <- average + (1 - decay) * (weights - average), from the weights the run starts with.
-    It lives beside the model in the weights' dtype (float32: one more copy of the model), is
-    saved in the checkpoint ("ema", under the model's own state-dict names) so that --resume
-    continues it exactly, and is evaluated by swapping it into the model."""
-
-    def __init__(self, model, decay, ckpt=None):
-        self.model, self.decay = model, decay
-        self.params = list(model.parameters())  # each once: a tied embedding and head are one
-        self.averages = [p.detach().clone() for p in self.params]
-        if ckpt:
-            if "ema" not in ckpt:
-                die(f"the checkpoint has no weight average, but --ema {decay} asks for one")
-            if "sharded" in ckpt:  # a --fsdp run's average lies in its shards, as its weights
-                parallel.load_extra(ckpt["sharded"], {"ema": self.state_dict()})
-            else:
-                self.load_state_dict(ckpt["ema"])
-
-    @torch.no_grad()
-    def update(self):
-        for average, p in zip(self.averages, self.params):
-            average.lerp_(p, 1 - self.decay)
-
-    def names(self):
-        """(state-dict name, average): every name of the model, tied ones sharing an average."""
-        by_param = {id(p): a for p, a in zip(self.params, self.averages)}
-        state = self.model.state_dict(keep_vars=True)
-        assert all(id(t) in by_param for t in state.values()), "a persistent buffer"
-        return [(name, by_param[id(t)]) for name, t in state.items()]
-
-    def state_dict(self):
-        return dict(self.names())
-
-    @torch.no_grad()
-    def load_state_dict(self, state):
-        for name, average in self.names():
-            average.copy_(state[name])
-
-    @contextmanager
-    def swapped_in(self):
-        """The model holds the average inside the block, its own weights again after it. The
-        values are exchanged in place, one tensor at a time: FSDP2 gathers its parameters from
-        their own storage, which a swap of `.data` would leave behind."""
-        @torch.no_grad()
-        def swap():
-            for p, average in zip(self.params, self.averages):
-                held = p.detach().clone()
-                p.copy_(average)
-                average.copy_(held)
-            parallel.regather(self.model)
-        swap()
-        try:
-            yield
-        finally:
-            swap()
-
-
 # -----------------------------------------------------------------------------
-# Reporting: the console, log.jsonl, Weights & Biases; timing and the summary.
-
-def fmt_count(n):
-    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= size:
-            return f"{n / size:.{1 if unit == 'k' else 2}f}{unit}"
-    return f"{n:.0f}"
-
-
-class Report:
-    """Where a run reports (rank 0 alone): the console, log.jsonl and Weights & Biases."""
-
-    def __init__(self, out, master):
-        self.log_path, self.master, self.wandb = out / "log.jsonl", master, None
-        self.peak_mem = 0       # the largest peak_mem recorded: the run's
-
-    def print(self, message):
-        if self.master:
-            print(message, flush=True)
-
-    def record(self, entry):
-        """A line of log.jsonl (and of wandb)."""
-        self.peak_mem = max(self.peak_mem, entry.get("peak_mem", 0))
-        if self.master:
-            try:  # a line cut short by a full disk is dropped by --resume (logged_until)
-                with open(self.log_path, "a") as f:
-                    f.write(json.dumps(entry) + "\n")
-            except OSError as e:
-                fail(f"could not write {self.log_path} ({os_error(e)}): free some space or "
-                     f"fix the permissions, then --resume")
-            if self.wandb is not None:
-                self.wandb.log({k: v for k, v in entry.items() if k != "step"}, step=entry["step"])
-
-
-def start_wandb(report, args, progress):
-    if not args.wandb:
-        return
-    try:
-        import wandb
-    except ImportError:
-        die("--wandb needs the wandb package: pip install wandb (or leave --wandb out: "
-            "log.jsonl has it all)")
-    if report.master:
-        report.wandb = wandb.init(project=args.wandb, config=vars(args), id=progress.wandb_id,
-                                  resume="allow" if progress.wandb_id else None)
-        progress.wandb_id = report.wandb.id
-
-
-class Timer:
-    """Training time and throughput, evaluations left out."""
-
-    def __init__(self):
-        self.t0, self.steps, self.train_time, self.trained_steps = time.perf_counter(), 0, 0.0, 0
-
-    def lap(self, tokens_per_step):
-        """(ms per step, tokens per second) over the steps since the last lap."""
-        dt = time.perf_counter() - self.t0
-        self.train_time, self.trained_steps = self.train_time + dt, self.trained_steps + self.steps
-        ms, tok_s = 1000 * dt / self.steps, self.steps * tokens_per_step / dt
-        self.t0, self.steps = time.perf_counter(), 0
-        return ms, tok_s
-
-    @contextmanager
-    def paused(self):
-        start = time.perf_counter()
-        yield
-        self.t0 += time.perf_counter() - start
-
-
-# -----------------------------------------------------------------------------
-# The run: what the loop works on, and what it does besides stepping.
+# The run: what the loop works on, and the loop.
 
 @dataclasses.dataclass
 class Run:
@@ -778,156 +560,9 @@ class Run:
     ema: object = None     # WeightAverage of gpt's weights (--ema), or None
 
 
-def start_outputs(run):
-    """The output folder: log.jsonl cut back to the checkpoint's step (a new run: emptied),
-    config.json, and the header on the console."""
-    args, config, gpt, s, data = run.args, run.config, run.gpt, run.session, run.data
-    if s.master:
-        run.out.mkdir(parents=True, exist_ok=True)
-        log_path = run.out / "log.jsonl"
-        if log_path.exists():  # keep the lines the checkpoint covers (none for a new run)
-            kept = logged_until(log_path, run.progress.step)
-            write_text(log_path, "".join(line + "\n" for line in kept))
-        write_text(run.out / "config.json", json.dumps(dict(
-            config=dataclasses.asdict(config), args=vars(args), world_size=s.world,
-            params=gpt.num_params()), indent=2))
-    params = (f"{fmt_count(gpt.num_params())} params "
-              f"({fmt_count(gpt.num_params(non_embedding=True))} non-embedding)")
-    model = args.init_from if args.init_from and Path(args.init_from).is_dir() else args.preset
-    run.report.print(f"model {model} | residual {config.residual}"
-                     + (f" (H={config.depth_heads})" if config.routed else "") + f" | {params}"
-                     + f" | {s.device} {str(s.dtype).removeprefix('torch.')}"
-                     + (f" | {s.world} rank{'s' if s.world > 1 else ''}" if s.ddp else "")
-                     + (" sharded (FSDP2)" if s.fsdp else ""))
-    if config.delta and not args.init_from:  # said, not refused: a mode one may want, knowingly
-        run.report.print("note: --delta without --init_from trains delta routing from scratch, "
-                         "a mode of its own (docs/methods.md), not the paper's (a conversion)")
-    run.report.print(
-        f"data synthetic: uniform random tokens over {args.vocab_size} ids" if data is None else
-        f"data {data.folder}: {fmt_count(len(data.train))} train / {fmt_count(len(data.val))} "
-        f"val tokens | unigram entropy {run.entropy:.3f} nats/token")
-    run.report.print(
-        f"batch {args.batch_size} x {args.grad_accum} accum x {s.world} ranks x {args.seq_len} "
-        f"tokens = {args.global_batch * args.seq_len:,} tokens/step | steps "
-        f"{run.progress.step}->{args.max_steps} | lr {args.lr:g}, warmup {args.warmup_steps}, "
-        + (f"past the run's end: the lr ends at {args.max_steps / args.warmup_steps:.3g}x the "
-           f"peak" if args.warmup_steps > args.max_steps else f"cosine to {args.min_lr_ratio:g}x")
-        + f" | weight decay {args.weight_decay:g} on "
-        f"{args.decay_on}" + (f" | z-loss {args.z_loss:g}" if args.z_loss else "")
-        + (f" | EMA {args.ema:g}" if args.ema else "") + f" | out {run.out}")
-
-
-def save(run):
-    """The checkpoint of the run's current step (rank 0 writes it). A sharded run's ranks first
-    write their shards into a new folder, which ckpt.pt then names in place of the weights."""
-    s, p = run.session, run.progress
-    if s.fsdp:
-        folder = save_shards(run)
-        state = dict(sharded=folder)
-    elif s.master:
-        state = dict(model=run.gpt.state_dict(), optimizer=run.optimizer.state_dict())
-    if not s.master:
-        return
-    val_losses = [e["val_loss"] for e in p.evals]
-    save_checkpoint(run.out / "ckpt.pt", dict(
-        **state, step=p.step, data_position=p.step, config=dataclasses.asdict(run.config),
-        args=vars(run.args), global_batch=run.args.global_batch, evals=p.evals,
-        val_loss=val_losses[-1] if val_losses else None,
-        best_val_loss=min(val_losses, default=None), tokens=p.tokens, rng=rng_states(),
-        wandb_id=p.wandb_id, data_fingerprint=run.data_fingerprint,
-        **({"ema": run.ema.state_dict() if not s.fsdp else True} if run.ema else {})))
-    if s.fsdp:  # ckpt.pt names the new folder: the previous one can go
-        parallel.remove_stale(run.out, keep=folder)
-
-
-def save_shards(run):
-    """parallel.save (with the weight average, if any), a failed write (a full disk) as one line
-    on every rank."""
-    extra = {"ema": run.ema.state_dict()} if run.ema else {}
-    try:
-        return parallel.save(run.out, run.progress.step, run.gpt, run.optimizer, extra)
-    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException included
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        fail(f"could not write the shards of step {run.progress.step} into {run.out} "
-             f"({os_error(e)}); the previous checkpoint is kept: free some space or fix the "
-             f"permissions, then --resume")
-
-
-def evaluate_and_save(run):
-    """The validation loss at the current step, logged; then a checkpoint."""
-    s, p = run.session, run.progress
-    # not through DDP, whose forwards broadcast buffers (under torch.compile: the eager model)
-    eval_model = run.gpt if s.replicated else run.model
-    val = run.data.val if run.data else None
-    val_loss = evaluate(eval_model, val, run.args, s.rank, s.world, s.device, s.autocast)[0]
-    ema_loss = {}
-    if run.ema:  # the same batches through the averaged weights
-        with run.ema.swapped_in():
-            ema_loss["ema_val_loss"] = evaluate(eval_model, val, run.args, s.rank, s.world,
-                                                s.device, s.autocast)[0]
-    p.evals.append(dict(step=p.step, val_loss=val_loss, **ema_loss))
-    run.report.record(dict(step=p.step, val_loss=val_loss, **ema_loss, tokens=p.tokens,
-                           peak_mem=peak_memory(s.device)))
-    run.report.print(f"step {p.step}/{run.args.max_steps} | val loss {val_loss:.4f}"
-                     + (f" | EMA weights {ema_loss['ema_val_loss']:.4f}" if ema_loss else "")
-                     + (f" (unigram entropy {run.entropy:.4f})" if run.entropy else ""))
-    save(run)
-
-
-def check_conversion(run, baseline):
-    """A converted model computes exactly what its baseline did: the logits on validation batch
-    0 (their largest difference is logged), and so the validation loss (evaluated here)."""
-    s, val = run.session, run.data.val if run.data else None
-    with torch.no_grad(), s.autocast:
-        x = to_device(val_batch(val, run.args, 0), s.device)[0]
-        diff = (run.gpt(x)[0] - baseline(x)[0]).abs().max().item()
-    run.report.record(dict(step=run.progress.step, conversion_max_logit_diff=diff))
-    run.report.print(f"converted {run.args.init_from} at step {run.progress.step}: max |logit "
-                     f"difference| to the baseline {diff:g}")
-    evaluate_and_save(run)
-
-
-def log_step(run, loss_sum, lr, timer, device_name):
-    """A log line: the step's loss (mean over micro-steps and ranks), lr, speed, memory."""
-    args, s, p = run.args, run.session, run.progress
-    if s.ddp:
-        dist.all_reduce(loss_sum)  # summed over the ranks, divided below
-    loss = loss_sum.item() / (args.grad_accum * s.world)
-    ms, tok_s = timer.lap(args.global_batch * args.seq_len)
-    mfu = estimate_mfu(run.gpt.flops_per_token(), tok_s / s.world, device_name)  # None: unknown
-    run.report.record(dict(step=p.step, loss=loss, lr=lr, ms=ms, tokens_per_s=tok_s,
-                           tokens=p.tokens, peak_mem=peak_memory(s.device),
-                           **({"mfu": mfu} if mfu is not None else {})))
-    run.report.print(f"step {p.step}/{args.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
-                     f"{ms:.1f} ms | {fmt_count(tok_s)} tok/s"
-                     + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""))
-    if not math.isfinite(loss):
-        die(f"the loss is {loss} at step {p.step}: lower --lr, or check the data")
-
-
-def train_step(model, optimizer, xs, ys, args, session, loss_fn):
-    """One optimizer step over grad_accum micro-batches; returns the summed micro-batch losses.
-    DDP synchronizes the gradients on the last micro-step only; FSDP reduce-scatters them after
-    every micro-step, so that no rank ever holds more than its shard of them. loss_fn: the chunked
-    head's loss (head.linear_cross_entropy) with the run's z-loss, in the gradient alone. As CUDA
-    graphs, the .grad buffers stay allocated (parallel.graph_grads); a micro-step, an iteration."""
-    graphs = parallel.graph_grads(model, args)
-    loss_sum = torch.zeros((), device=xs.device)
-    for micro in range(args.grad_accum):
-        last = micro == args.grad_accum - 1
-        if graphs:  # the previous micro-step's outputs are read (loss_sum): the pool may reuse them
-            torch.compiler.cudagraph_mark_step_begin()
-        with model.no_sync() if session.replicated and not last else nullcontext():
-            with session.autocast:
-                _, loss = model(xs[micro], ys[micro], loss_fn=loss_fn)
-            (loss / args.grad_accum).backward()
-        loss_sum += loss.detach()
-    if args.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=not graphs)
-    return loss_sum
+# torch.compile works for a while before the first step, in silence (docs/training.md: how long)
+COMPILE_NOTE = ("--compile: the first step compiles the model, and the first evaluation its graph: "
+                "on a CPU about a minute for the small preset, longer for larger models")
 
 
 def train(args, given=frozenset()):
@@ -998,6 +633,144 @@ def train(args, given=frozenset()):
         return finish(run, timer, t_start, stop_signal)
 
 
+def train_step(model, optimizer, xs, ys, args, session, loss_fn):
+    """One optimizer step over grad_accum micro-batches; returns the summed micro-batch losses.
+    DDP synchronizes the gradients on the last micro-step only; FSDP reduce-scatters them after
+    every micro-step, so that no rank ever holds more than its shard of them. loss_fn: the chunked
+    head's loss (head.linear_cross_entropy) with the run's z-loss, in the gradient alone. As CUDA
+    graphs, the .grad buffers stay allocated (parallel.graph_grads); a micro-step, an iteration."""
+    graphs = parallel.graph_grads(model, args)
+    loss_sum = torch.zeros((), device=xs.device)
+    for micro in range(args.grad_accum):
+        last = micro == args.grad_accum - 1
+        if graphs:  # the previous micro-step's outputs are read (loss_sum): the pool may reuse them
+            torch.compiler.cudagraph_mark_step_begin()
+        with model.no_sync() if session.replicated and not last else nullcontext():
+            with session.autocast:
+                _, loss = model(xs[micro], ys[micro], loss_fn=loss_fn)
+            (loss / args.grad_accum).backward()
+        loss_sum += loss.detach()
+    if args.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=not graphs)
+    return loss_sum
+
+
+# -----------------------------------------------------------------------------
+# What the loop does besides stepping: log lines, evaluations and checkpoints, the end.
+
+def log_step(run, loss_sum, lr, timer, device_name):
+    """A log line: the step's loss (mean over micro-steps and ranks), lr, speed, memory."""
+    args, s, p = run.args, run.session, run.progress
+    if s.ddp:
+        dist.all_reduce(loss_sum)  # summed over the ranks, divided below
+    loss = loss_sum.item() / (args.grad_accum * s.world)
+    ms, tok_s = timer.lap(args.global_batch * args.seq_len)
+    mfu = estimate_mfu(run.gpt.flops_per_token(), tok_s / s.world, device_name)  # None: unknown
+    run.report.record(dict(step=p.step, loss=loss, lr=lr, ms=ms, tokens_per_s=tok_s,
+                           tokens=p.tokens, peak_mem=peak_memory(s.device),
+                           **({"mfu": mfu} if mfu is not None else {})))
+    run.report.print(f"step {p.step}/{args.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
+                     f"{ms:.1f} ms | {fmt_count(tok_s)} tok/s"
+                     + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""))
+    if not math.isfinite(loss):
+        die(f"the loss is {loss} at step {p.step}: lower --lr, or check the data")
+
+
+@torch.no_grad()
+def evaluate(model, val, args, rank, world, device, autocast, whole=False):
+    """(mean loss per target, targets) of the fixed validation batches 0..eval_batches-1, or (whole)
+    of every token of the split once (common.whole_split); shared out over the ranks, all-reduced."""
+    model.eval()
+    batches = ([lambda b=b: rows_at(val, *b, args.vocab_size)  # each batch's rows, when called
+                for b in whole_split(len(val), args.seq_len, args.batch_size)] if whole else
+               [lambda i=i: val_batch(val, args, i) for i in range(args.eval_batches)])
+    total = torch.zeros(2, device=device)  # the batches' summed losses, their targets
+    for k in range(-(-len(batches) // world)):  # the same count on every rank: FSDP's
+        i = rank + k * world                      # forwards are collectives
+        rows = batches[min(i, len(batches) - 1)]()
+        with autocast:
+            loss = model(*to_device(rows, device), loss_fn=head.linear_cross_entropy)[1].float()
+        targets = rows.numel() - len(rows) if i < len(batches) else 0
+        total += torch.stack([loss * targets, torch.tensor(targets, device=device)])
+    if world > 1:
+        dist.all_reduce(total)
+    model.train()
+    return (total[0] / total[1]).item(), int(total[1])
+
+
+def evaluate_and_save(run):
+    """The validation loss at the current step, logged; then a checkpoint."""
+    s, p = run.session, run.progress
+    # not through DDP, whose forwards broadcast buffers (under torch.compile: the eager model)
+    eval_model = run.gpt if s.replicated else run.model
+    val = run.data.val if run.data else None
+    val_loss = evaluate(eval_model, val, run.args, s.rank, s.world, s.device, s.autocast)[0]
+    ema_loss = {}
+    if run.ema:  # the same batches through the averaged weights
+        with run.ema.swapped_in():
+            ema_loss["ema_val_loss"] = evaluate(eval_model, val, run.args, s.rank, s.world,
+                                                s.device, s.autocast)[0]
+    p.evals.append(dict(step=p.step, val_loss=val_loss, **ema_loss))
+    run.report.record(dict(step=p.step, val_loss=val_loss, **ema_loss, tokens=p.tokens,
+                           peak_mem=peak_memory(s.device)))
+    run.report.print(f"step {p.step}/{run.args.max_steps} | val loss {val_loss:.4f}"
+                     + (f" | EMA weights {ema_loss['ema_val_loss']:.4f}" if ema_loss else "")
+                     + (f" (unigram entropy {run.entropy:.4f})" if run.entropy else ""))
+    save(run)
+
+
+def check_conversion(run, baseline):
+    """A converted model computes exactly what its baseline did: the logits on validation batch
+    0 (their largest difference is logged), and so the validation loss (evaluated here)."""
+    s, val = run.session, run.data.val if run.data else None
+    with torch.no_grad(), s.autocast:
+        x = to_device(val_batch(val, run.args, 0), s.device)[0]
+        diff = (run.gpt(x)[0] - baseline(x)[0]).abs().max().item()
+    run.report.record(dict(step=run.progress.step, conversion_max_logit_diff=diff))
+    run.report.print(f"converted {run.args.init_from} at step {run.progress.step}: max |logit "
+                     f"difference| to the baseline {diff:g}")
+    evaluate_and_save(run)
+
+
+def save(run):
+    """The checkpoint of the run's current step (rank 0 writes it). A sharded run's ranks first
+    write their shards into a new folder, which ckpt.pt then names in place of the weights."""
+    s, p = run.session, run.progress
+    if s.fsdp:
+        folder = save_shards(run)
+        state = dict(sharded=folder)
+    elif s.master:
+        state = dict(model=run.gpt.state_dict(), optimizer=run.optimizer.state_dict())
+    if not s.master:
+        return
+    val_losses = [e["val_loss"] for e in p.evals]
+    save_checkpoint(run.out / "ckpt.pt", dict(
+        **state, step=p.step, data_position=p.step, config=dataclasses.asdict(run.config),
+        args=vars(run.args), global_batch=run.args.global_batch, evals=p.evals,
+        val_loss=val_losses[-1] if val_losses else None,
+        best_val_loss=min(val_losses, default=None), tokens=p.tokens, rng=rng_states(),
+        wandb_id=p.wandb_id, data_fingerprint=run.data_fingerprint,
+        **({"ema": run.ema.state_dict() if not s.fsdp else True} if run.ema else {})))
+    if s.fsdp:  # ckpt.pt names the new folder: the previous one can go
+        parallel.remove_stale(run.out, keep=folder)
+
+
+def save_shards(run):
+    """parallel.save (with the weight average, if any), a failed write (a full disk) as one line
+    on every rank."""
+    extra = {"ema": run.ema.state_dict()} if run.ema else {}
+    try:
+        return parallel.save(run.out, run.progress.step, run.gpt, run.optimizer, extra)
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException included
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        fail(f"could not write the shards of step {run.progress.step} into {run.out} "
+             f"({os_error(e)}); the previous checkpoint is kept: free some space or fix the "
+             f"permissions, then --resume")
+
+
 def finish(run, timer, t_start, stop_signal):
     """The end of a session: a checkpoint when it stops early (a signal or --stop_step), the
     final evaluation when it is done; then the summary (the paper's metric: the mean of the last
@@ -1047,19 +820,6 @@ def finish(run, timer, t_start, stop_signal):
         run.model = None            # DDP's reducer, the last holder of the group with it
         dist.destroy_process_group()
     return summary
-
-
-def summary_line(s):
-    return (f"done: val loss {s['final_val_loss']:.4f} | tail-mean of the last {s['tail_evals']} "
-            f"evals {s['tail_val_loss']:.4f}"
-            + (f" | EMA weights {s['final_ema_val_loss']:.4f}" if "final_ema_val_loss" in s
-               else "")
-            + (f" | whole val split {s['full_val_loss']:.4f} ({fmt_count(s['full_val_tokens'])} "
-               f"tokens)" if s.get("full_val_loss") is not None else "")
-            + (f" | unigram entropy {s['unigram_entropy']:.4f}" if s["unigram_entropy"] else "")
-            + f" | {fmt_count(s['tokens'])} tokens"
-            + (f" | {fmt_count(s['tokens_per_s'])} tok/s" if s["tokens_per_s"] else "")
-            + f" | peak mem {s['peak_mem'] / 2**30:.2f} GiB | {s['wall_s']:.0f} s")
 
 
 def print_sample(run, prompt_tokens=48, new_tokens=128):
