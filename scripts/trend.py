@@ -147,8 +147,8 @@ def gather(folders, flag=None, metric=None):
             if path.exists():   # torn, or another tool's: compare.py writes it whole, last
                 raise UserError(f"{path} is not a whole results.json of compare.py: run its compare.py command "
                                 f"again (it reuses the finished runs and writes the file anew)")
-            raise UserError(f"{folder} holds no results.json of compare.py: run compare.py with --out_dir {folder} "
-                            f"first")
+            raise UserError(f"{folder} holds no results.json of compare.py: run python -m scripts.compare with "
+                            f"--out_dir {folder} first")
         read.append((folder, results, settings(folder, results)))
     if len(read) < 2:
         raise UserError("give at least two comparison folders")

@@ -135,7 +135,8 @@ def test_a_difference_some_folders_lack_has_a_dash_there_and_a_trend_over_the_ot
     ("flag-text", r"^preset is not a number in every folder \(small-bytes, small\): the trend needs a numeric "
                   r"flag, e\.g\. --flag n_embd$"),
     ("twice", "two folders have n_embd = 64"),
-    ("no-results", r"^\S+/b holds no results\.json of compare\.py: run compare\.py with --out_dir \S+/b first$"),
+    ("no-results", r"^\S+/b holds no results\.json of compare\.py: run python -m scripts\.compare with --out_dir \S+/b "
+                   r"first$"),
     ("torn", r"^\S+/b/results\.json is not a whole results\.json of compare\.py: run its compare\.py command again "
              r"\(it reuses the finished runs and writes the file anew\)$"),
     ("no-pairs", r"^\S+/b/results\.json is not a whole results\.json of compare\.py: run its compare\.py command "
