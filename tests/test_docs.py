@@ -99,12 +99,21 @@ def parse_compare(argv, monkeypatch):
     parse_train(train_flags, monkeypatch)
 
 
+def parse_mutate(argv, monkeypatch):
+    """tests/mutate.py's flags, and the file it names is one of the project's (its path from the root)."""
+    parse_script("mutate")(argv, monkeypatch)
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("file")
+    file = first.parse_known_args(argv)[0].file
+    assert (ROOT / file).is_file(), f"tests/mutate.py {file}: no such file in the repository"
+
+
 PARSERS = {"train.py": parse_train, "scripts/compare.py": parse_compare,
            **{f"{m}.py": parse_script(m) for m in ("sample", "prepare")},
            **{f"scripts/{m}.py": parse_script(f"scripts.{m}") for m in (
                "eval", "export", "probe", "bench_head", "bench_kernel", "bench_step", "compromise", "gpu_check",
                "trend")},
-           "lib/hf.py": parse_script("lib.hf"), "tests/mutate.py": parse_script("mutate")}
+           "lib/hf.py": parse_script("lib.hf"), "tests/mutate.py": parse_mutate}
 PACKAGES = ("scripts", "lib")  # run as python -m PACKAGE.NAME from the root
 SEPARATORS = {";", "&&", "||", "|", "&", "(", ")", "\n"}
 
@@ -294,8 +303,10 @@ def test_every_document_is_linked_from_the_readme_and_links_back():
     ("python scripts/compare.py --seeds 0", "run as python -m scripts.compare"),
     ("python train.py --no_such_flag 1", "unrecognized arguments: --no_such_flag"),
     ("python -m pytest -q", None),
+    ("python tests/mutate.py lib/common.py seed", None),
+    ("python tests/mutate.py common.py seed", "tests/mutate.py common.py: no such file"),
 ], ids=["module-flags", "module-bad-flag", "trend-bad-flag", "lib-bad-flag", "module-missing", "module-as-a-file",
-        "file-bad-flag", "another-program"])
+        "file-bad-flag", "another-program", "mutate", "mutate-moved-file"])
 def test_a_documented_command_with_a_bad_flag_or_script_is_a_problem(command, problem, monkeypatch):
     """The check itself, on planted commands: a `python -m scripts.X` command with a flag its parser refuses is
     found, as a `python X.py` one is."""
