@@ -67,8 +67,8 @@ from lib.common import (DEFAULT_CORPUS, CheckpointError, FlagParser, MachineErro
                         unwrapped, whole_split, write_text)
 from lib.parallel import Session, set_precision, start_session, start_sharding, wrap_model  # noqa: E402
 from lib.run import (Progress, Report, Timer, WeightAverage, carry_optimizer_state,  # noqa: E402
-                     check_same_data, fmt_count, load_checkpoint, pretrained_directory, start_outputs,
-                     start_wandb, summary_line, take_pretrained_flags)
+                     check_same_data, fmt_count, load_checkpoint, pretrained_directory,
+                     start_outputs, start_wandb, summary_line, take_pretrained_flags)
 from lib.schedule import lr_factor  # noqa: E402
 
 # -----------------------------------------------------------------------------

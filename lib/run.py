@@ -16,8 +16,8 @@ import torch
 from lib import hf
 from lib import midtrain
 from lib import parallel
-from lib.common import (MachineError, UserError, fingerprint, load_optimizer, logged_until, os_error,
-                        read_checkpoint, write_text)
+from lib.common import (MachineError, UserError, fingerprint, load_optimizer, logged_until,
+                        os_error, read_checkpoint, write_text)
 
 # -----------------------------------------------------------------------------
 # Where a run stands, and what resuming or converting reads besides it.
@@ -148,6 +148,7 @@ class WeightAverage:
 # Reporting: the console, log.jsonl, Weights & Biases; timing and the summary's line.
 
 def fmt_count(n):
+    """A count as the console shows it: 950, 12.3k, 4.56M, 1.23B."""
     for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= size:
             return f"{n / size:.{1 if unit == 'k' else 2}f}{unit}"
@@ -180,6 +181,7 @@ class Report:
 
 
 def start_wandb(report, args, progress):
+    """--wandb: rank 0 logs to a Weights & Biases run as well, a resumed run under its own id."""
     if not args.wandb:
         return
     try:
@@ -233,6 +235,7 @@ def start_outputs(run):
 
 
 def summary_line(s):
+    """The last line of a finished run: its losses, then tokens, speed, memory and time."""
     return (f"done: val loss {s['final_val_loss']:.4f} | tail-mean of the last {s['tail_evals']} "
             f"evals {s['tail_val_loss']:.4f}"
             + (f" | EMA weights {s['final_ema_val_loss']:.4f}" if "final_ema_val_loss" in s
