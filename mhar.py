@@ -1,5 +1,4 @@
-"""
-MHAR: Multi-Head Attention Residuals (Luo, Cai, Hu, 2026), the whole model in one file.
+"""MHAR: Multi-Head Attention Residuals (Luo, Cai, Hu, 2026), the whole model in one file.
 
 A Transformer keeps one running residual sum: every sublayer reads x = s_0 + s_1 + ... + s_j.
 Attention Residuals (Kimi Team, 2026) let every sublayer read a learned softmax mix over the raw
@@ -21,10 +20,9 @@ sum), hyper (hyper-connections, Zhu et al., 2024). Routed, route_block = S > 1 i
 (Kimi Team, 2026), over sums of S sublayer outputs; delta = True converts a trained baseline:
 h = x + gate * route(null, D_0, D_1, ...) over block deltas D_i, with a zero gate at the start.
 
-Reading order: Config; the route; the depth histories; the Transformer's pieces; GPT, its routed
-forward first; last, the other residual modes, hyper-connections, the config's checks and the
-presets. Elsewhere: kernel.py (the Triton routing, Config.fused), head.py (the LM head's chunked
-loss), hf.py (Hugging Face directories in and out).
+Reading order: Config; the route and its depth history; the Transformer's pieces; GPT, its routed
+forward first; the other modes (block and delta routing, baseline, hyper-connections); the checks;
+the presets. Elsewhere: kernel.py (Config.fused), lib/head.py (the loss), lib/hf.py (Hugging Face).
 """
 
 from dataclasses import dataclass, replace
@@ -70,7 +68,6 @@ class Config:
 
     @property
     def head_width(self):
-        """The attention head width: head_dim, or n_embd // n_head when head_dim is 0."""
         return self.head_dim or self.n_embd // self.n_head
 
     @property
@@ -78,17 +75,16 @@ class Config:
         return self.residual in ("attnres", "mhar")
 
     @property
-    def depth_heads(self):
-        """H, a site's softmaxes over depth: attnres 1, mhar route_heads (0: n_kv_head), else 0."""
+    def depth_heads(self):  # H, a site's softmaxes over depth
         return {"attnres": 1, "mhar": self.route_heads or self.n_kv_head}.get(self.residual, 0)
 
 
 # ----------------------------------------------------------------------------------------------
-# The route: the readable reference of the method.
+# The route, the readable reference of the method, and the depth history that it reads.
 #
 # The temperature: Config.route_temperature = tau divides every logit (the query q / tau). A head's
 # logit sums d/H coordinates, AttnRes's all d: MHAR's softmaxes start flatter; AttnRes at tau = H is
-# the control for that (docs/methods.md, "The temperature control"; compare.py's attnres-T<tau>).
+# the control for that (docs/methods.md, "The temperature control"; scripts/compare.py, attnres-T4).
 
 def route_weights(V, q, g, heads, eps=1e-6):
     """α[n, b, t, h]: how much head h of the site reads source n (a softmax over depth n).
@@ -108,9 +104,6 @@ def route(V, q, g, heads, eps=1e-6):
     out = (alpha.unsqueeze(-1) * slices).sum(0)                      # (B, T, H, K): per-head mix
     return out.reshape(B, T, d).to(V.dtype)
 
-
-# ----------------------------------------------------------------------------------------------
-# The depth history: the sources of one forward pass and how each site reads them.
 
 class DepthHistory:
     """The sources of one forward pass for full routing, readable: a list, stacked at every read.
@@ -134,58 +127,6 @@ class DepthHistory:
         if self.visit is not None:
             self.visit(V, q, g)
         return route(V, q, g, self.heads, self.eps)
-
-
-class BlockHistory(DepthHistory):
-    """Block routing (Block AttnRes, Kimi Team, 2026) with blocks of S sublayers: b_0 = s_0, then
-    b_n = the sum of the outputs of the S sublayers of block n. A site reads the completed blocks,
-    plus the current block's partial sum once it has begun; S = 1 is full routing."""
-
-    def __init__(self, queries, norms, heads, eps, block):
-        super().__init__(queries, norms, heads, eps)                 # self.sources: b_0, b_1, ...
-        self.block = block
-        self.partial, self.in_block = None, 0      # the current block's sum, of how many outputs
-
-    def append(self, source):
-        if not self.sources:
-            self.sources.append(source)                              # b_0 = s_0, the embedding
-            return
-        self.partial = source if self.partial is None else self.partial + source
-        self.in_block += 1
-        if self.in_block == self.block:                              # the block is complete
-            self.sources.append(self.partial)
-            self.partial, self.in_block = None, 0
-
-    def stack(self):
-        partial = [] if self.partial is None else [self.partial]
-        return torch.stack(self.sources + partial)                   # (N, B, T, d)
-
-
-class DeltaHistory(BlockHistory):
-    """Delta routing reads [null, D_0, D_1, ...]: a learnable null source (zero at init), s_0, the
-    completed block deltas D_i = h_end - h_start; the current one is in the residual x."""
-
-    def __init__(self, queries, norms, heads, eps, block, null):
-        super().__init__(queries, norms, heads, eps, block)
-        self.null = null                                             # (d,)
-
-    def append(self, source):
-        if not self.sources:                                         # null, then D_0 = s_0
-            self.sources += [self.null.to(source.dtype).expand_as(source), source]
-        else:
-            super().append(source)
-
-    def stack(self):
-        return torch.stack(self.sources)                             # (N, B, T, d): no partial sum
-
-
-def depth_history(queries, norms, heads, eps, block=1, null=None):
-    """An empty readable history: full routing, Block AttnRes (block > 1), delta routing (null)."""
-    if null is not None:
-        return DeltaHistory(queries, norms, heads, eps, block, null)
-    if block > 1:
-        return BlockHistory(queries, norms, heads, eps, block)
-    return DepthHistory(queries, norms, heads, eps)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,32 +157,22 @@ def apply_rotary(x, cos, sin):
 
 class Positions(NamedTuple):
     """The T tokens' rotary cos and sin, (T, hd/2) or per row (B, 1, T, hd/2), and the keys each
-    attends to: None, causal (after a cache: all); else bool (B or 1, 1, T, S + T)."""
+    attends to: None, causal (after a cache: all); else bool (T or B, 1, T, S + T), True if read."""
     cos: torch.Tensor
     sin: torch.Tensor
     allowed: torch.Tensor | None = None
 
 
-def token_positions(cos, sin, start, T, mask=None, positions=None):
-    """The Positions of T tokens after `start` cached ones, from the rotary tables (seq_len, hd/2).
-    Padded batches: mask (B, start + T), 0 for padding, which no token attends to (routing is per
-    position); positions (B, T), by default each token's count of tokens before it in its row."""
+def token_positions(cos, sin, start, T):
+    """Causal Positions of T tokens after `start` cached ones, from the tables (seq_len, hd/2)."""
     if start + T > len(cos):
         raise ValueError(f"sequence of {start + T} tokens is longer than Config.seq_len={len(cos)}")
-    if positions is None and mask is not None:
-        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, start:]  # (B, T)
-    if positions is None:
-        cos, sin = cos[start:start + T], sin[start:start + T]                       # (T, hd/2)
-    else:
-        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)       # (B, 1, T, hd/2)
-    if mask is None and not (start and T > 1):
+    cos, sin = cos[start:start + T], sin[start:start + T]                           # (T, hd/2)
+    if start == 0 or T <= 1:
         return Positions(cos, sin)                 # causal; one token after a cache reads every key
-    keys = torch.arange(start + T, device=cos.device)                              # (S + T,)
-    own = start + torch.arange(T, device=cos.device)[:, None]         # (T, 1): each query's key
-    allowed = keys <= own                                                # (T, S + T): causal
-    if mask is not None:  # no key of padding; a padding query keeps its own key (no NaN)
-        allowed = allowed & mask.bool()[:, None, None] | (keys == own)  # (B, 1, T, S + T)
-    return Positions(cos, sin, allowed)
+    # SDPA's is_causal would align query i with key i, not with its own key start + i
+    causal = torch.ones(T, start + T, dtype=torch.bool, device=cos.device).tril(start)  # (T, S + T)
+    return Positions(cos, sin, causal)
 
 
 class Attention(nn.Module):
@@ -321,10 +252,9 @@ class RouteSite(nn.Module):
         self.gate = nn.Parameter(torch.zeros(())) if config.delta else None
 
     def init_weights(self):
+        nn.init.zeros_(self.query)
         if self.query_init_std > 0:  # the paper's earlier protocol
             nn.init.normal_(self.query, std=self.query_init_std)
-        else:
-            nn.init.zeros_(self.query)
         nn.init.ones_(self.norm_weight)
         if self.gate is not None:
             nn.init.zeros_(self.gate)
@@ -332,7 +262,7 @@ class RouteSite(nn.Module):
 
 class LMHead(nn.Linear):
     """The projection to the vocabulary. Called, the logits; loss(hidden, targets, loss_fn), a loss
-    from its weight without them (head.py): a method, so that FSDP can gather a sharded head."""
+    from its weight without them (lib/head.py): a method, so that FSDP can gather a sharded head."""
 
     def __init__(self, config):
         super().__init__(config.n_embd, config.vocab_size, bias=False)
@@ -388,12 +318,13 @@ class GPT(nn.Module):
             history.append(self.sublayer(j, history.read(j), at, cache))  # s_{j+1}
         return history.read(len(self.layers))
 
-    def hidden(self, idx, visit=None, cache=None, mask=None, positions=None):
+    def hidden(self, idx, visit=None, cache=None, at=None):
         """The final normed hidden state (B, T, d) of tokens idx (B, T). visit(V, q, g), for
         analysis, sees every routing site's sources and parameters; cache, when generating, is one
-        KVCache per sublayer holding the tokens before idx; mask, positions: token_positions."""
-        start = 0 if cache is None else cache[0].length
-        at = token_positions(self.rope_cos, self.rope_sin, start, idx.size(1), mask, positions)
+        KVCache per sublayer holding the tokens before idx; at: a padded batch's Positions."""
+        if at is None:
+            start = 0 if cache is None else cache[0].length
+            at = token_positions(self.rope_cos, self.rope_sin, start, idx.size(1))
         x = self.embed(idx)                                          # (B, T, d): source s_0
         if self.config.delta:
             x = forward_delta(self, x, at, self.new_history(visit), cache)
@@ -407,7 +338,7 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, loss_fn=None):
         """(logits (B, T, vocab) in fp32, mean cross-entropy with targets (B, T)) of tokens idx
-        (B, T). loss_fn(hidden, weight, targets) (head.linear_cross_entropy, in training and
+        (B, T). loss_fn(hidden, weight, targets) (lib.head.linear_cross_entropy, in training and
         validation) computes the loss without the B * T * vocab logits: then (None, loss)."""
         h = self.hidden(idx)                                         # (B, T, d)
         if loss_fn is not None:
@@ -502,14 +433,11 @@ class GPT(nn.Module):
         each step runs the cropped window afresh, as uncached. on_token(ids (B, 1)) sees each."""
         kv = None                                                      # one KVCache per sublayer
         for _ in range(max_new_tokens):
-            window = idx[:, -self.config.seq_len:]
-            if not cache:
-                h = self.hidden(window)
-            elif kv is None or kv[0].length == self.config.seq_len:   # first step, or cache full
-                kv = [KVCache() for _ in self.layers]
-                h = self.hidden(window, cache=kv)
-            else:
+            if cache and kv is not None and kv[0].length < self.config.seq_len:
                 h = self.hidden(idx[:, -1:], cache=kv)                  # the newest token alone
+            else:                     # uncached, the first step or a full cache: the whole window
+                kv = [KVCache() for _ in self.layers] if cache else None
+                h = self.hidden(idx[:, -self.config.seq_len:], cache=kv)
             logits = self.lm_head(h[:, -1]).float()                    # (B, vocab)
             if vocab_limit is not None:
                 logits[:, vocab_limit:] = float("-inf")                # ids the tokenizer lacks
@@ -543,8 +471,7 @@ class GPT(nn.Module):
         matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         attention = 12 * c.n_layer * c.n_head * c.head_width * c.seq_len
         reads = site_reads(2 * c.n_layer + 1, c.route_block, c.delta) if c.routed else ()
-        sources = sum(committed + partial for committed, partial in reads)  # read by all sites
-        routing = 24 * c.n_embd * sources
+        routing = 24 * c.n_embd * sum(committed + partial for committed, partial in reads)
         n = c.hc_streams
         hyper = 2 * c.n_layer * 12 * c.n_embd * n * (n + 2) if c.residual == "hyper" else 0
         return 6 * matmul + attention + routing + hyper
@@ -562,6 +489,61 @@ class GPT(nn.Module):
         return groups
 
 
+# ----------------------------------------------------------------------------------------------
+# The other residual modes: block and delta routing, the baseline, hyper-connections.
+
+class BlockHistory(DepthHistory):
+    """Block routing (Block AttnRes, Kimi Team, 2026) with blocks of S sublayers: b_0 = s_0, then
+    b_n = the sum of the outputs of the S sublayers of block n. A site reads the completed blocks,
+    plus the current block's partial sum once it has begun; S = 1 is full routing."""
+
+    def __init__(self, queries, norms, heads, eps, block):
+        super().__init__(queries, norms, heads, eps)                 # self.sources: b_0, b_1, ...
+        self.block = block
+        self.partial, self.in_block = None, 0      # the current block's sum, of how many outputs
+
+    def append(self, source):
+        if not self.sources:
+            self.sources.append(source)                              # b_0 = s_0, the embedding
+            return
+        self.partial = source if self.partial is None else self.partial + source
+        self.in_block += 1
+        if self.in_block == self.block:                              # the block is complete
+            self.sources.append(self.partial)
+            self.partial, self.in_block = None, 0
+
+    def stack(self):
+        partial = [] if self.partial is None else [self.partial]
+        return torch.stack(self.sources + partial)                   # (N, B, T, d)
+
+
+class DeltaHistory(BlockHistory):
+    """Delta routing reads [null, D_0, D_1, ...]: a learnable null source (zero at init), s_0, the
+    completed block deltas D_i = h_end - h_start; the current one is in the residual x."""
+
+    def __init__(self, queries, norms, heads, eps, block, null):
+        super().__init__(queries, norms, heads, eps, block)
+        self.null = null                                             # (d,)
+
+    def append(self, source):
+        if not self.sources:                                         # null, then D_0 = s_0
+            self.sources += [self.null.to(source.dtype).expand_as(source), source]
+        else:
+            super().append(source)
+
+    def stack(self):
+        return torch.stack(self.sources)                             # (N, B, T, d): no partial sum
+
+
+def depth_history(queries, norms, heads, eps, block=1, null=None):
+    """An empty readable history: full routing, Block AttnRes (block > 1), delta routing (null)."""
+    if null is not None:
+        return DeltaHistory(queries, norms, heads, eps, block, null)
+    if block > 1:
+        return BlockHistory(queries, norms, heads, eps, block)
+    return DepthHistory(queries, norms, heads, eps)
+
+
 def site_reads(n_sites, block=1, delta=False):
     """((committed, partial), ...) per site: after the (j+1)-th append, site j reads the first
     `committed` sources of its depth history and, if partial, its block's partial sum."""
@@ -569,9 +551,6 @@ def site_reads(n_sites, block=1, delta=False):
         return tuple((2 + j // block, False) for j in range(n_sites))
     return tuple((1 + j // block, j % block != 0) for j in range(n_sites))
 
-
-# ----------------------------------------------------------------------------------------------
-# The other residual modes: delta routing, the baseline, hyper-connections (GPT.hidden's choice).
 
 def forward_delta(gpt, x, at, history, cache=None):
     """Delta routing: the baseline's residual x plus a gated route over [null, D_0, D_1, ...]."""

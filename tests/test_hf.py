@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from mhar import GPT, Config, KVCache, Positions, route
 from lib import hf
 from lib import midtrain
 from lib.common import CheckpointError
 from helpers import ROOT, error_line, files_in, foreign_model, one_error_line, rel_err, run_script, save_tiny_qwen3, tiny
-from mhar import GPT, Config, route
+from test_mhar import GENERATE_MODES, perturbed
 
 transformers = pytest.importorskip("transformers")  # installed in CI (.ci/run); optional for users
 
@@ -48,6 +49,11 @@ def tokens(T=24, B=2, seed=0):
 def logits_of(model, idx):
     with torch.no_grad():
         return model(idx)[0] if isinstance(model, GPT) else model(idx).logits.float()
+
+
+def rotary(model, positions):
+    """GPT.hidden's `at` for rotary positions (B, T) without padding or a cache: the tables' rows."""
+    return Positions(model.rope_cos[positions][:, None], model.rope_sin[positions][:, None])
 
 
 def edited(directory, copy, drop=(), **changes):
@@ -305,7 +311,7 @@ def test_a_routed_model_round_trips_and_transformers_asks_to_trust_its_code(qwen
     assert config["model_type"] == "mhar" and config["mhar"]["residual"] == model.config.residual
     assert config["auto_map"] == hf.AUTO_MAP and config["architectures"] == ["MHARForCausalLM"]
     for name in hf.REMOTE_CODE:  # the adapter and the model, as in the repository
-        assert (tmp_path / name).read_bytes() == (ROOT / name).read_bytes()
+        assert (tmp_path / name).read_bytes() == hf.REMOTE_SOURCES[name].read_bytes()
     loaded = hf.load(tmp_path)
     assert loaded.config == model.config
     pairs = zip(loaded.state_dict().values(), model.state_dict().values())
@@ -1015,7 +1021,7 @@ def test_tokens_after_a_cache_and_rotary_positions(fresh, name):
     model, theirs, idx = fresh.models[name], fresh.hf[name], tokens(T=12)
     assert rel_err(theirs["chunked"], logits_of(model, idx)[:, 7:]) < 1e-6
     with torch.no_grad():
-        packed = model.lm_head(model.hidden(idx, positions=PACKED.expand(2, -1))).float()
+        packed = model.lm_head(model.hidden(idx, at=rotary(model, PACKED.expand(2, -1)))).float()
     assert torch.equal(theirs["packed"], packed)
     assert rel_err(theirs["packed"], logits_of(model, idx)) > 1e-3  # the positions do count
 
@@ -1200,6 +1206,64 @@ def test_tokens_after_a_cache_without_a_mask_are_those_of_the_whole_sequence(rem
     assert rel_err(after.logits, logits_of(remote.model, idx)[:, 7:]) < 1e-6
 
 
+def padded_hidden(remote, model, idx, mask, cache=None):
+    """GPT.hidden of a padded batch idx (B, T), mask (B, start + T), at the Positions that the export's
+    modeling_mhar.py builds (padded_positions), for any GPT of this process."""
+    start = 0 if cache is None else cache[0].length
+    return model.hidden(idx, cache=cache, at=remote.modeling.padded_positions(model, start, idx.size(1), mask))
+
+
+@pytest.mark.parametrize("residual, overrides", GENERATE_MODES,
+                         ids=["baseline", "hyper", "attnres", "mhar", "mhar-block2", "delta-block2"])
+def test_padding_changes_no_tokens_output(remote, residual, overrides):
+    """Rows of 7 and 4 tokens in one batch, left- and right-padded, and prefilled in two chunks through a cache,
+    in every residual mode: each row's hidden states as it alone gives them, in float32 up to the rounding of
+    another attention shape; padding (here huge embeddings) never reaches a token."""
+    torch.manual_seed(0)
+    model = perturbed(GPT(tiny(residual, **overrides)), scale=0.3).eval()
+    with torch.no_grad():
+        model.embed.weight[0] = 1e4                                  # the padding id's embedding
+    a, b = torch.randint(1, 128, (1, 7)), torch.randint(1, 128, (1, 4))
+    pad = torch.zeros(1, 3, dtype=torch.long)
+    left, right = torch.cat([a, torch.cat([pad, b], 1)]), torch.cat([a, torch.cat([b, pad], 1)])
+    mask_left, mask_right = (left != 0).long(), (right != 0).long()
+    with torch.no_grad():
+        alone = model.hidden(a)[0], model.hidden(b)[0]
+        padded = padded_hidden(remote, model, left, mask_left), padded_hidden(remote, model, right, mask_right)
+        kv = [KVCache() for _ in model.layers]
+        chunked = torch.cat([padded_hidden(remote, model, left[:, :4], mask_left[:, :4], kv),
+                             padded_hidden(remote, model, left[:, 4:], mask_left, kv)], 1)
+    for h in (padded[0], chunked):
+        assert rel_err(h[0], alone[0]) < 1e-5 and rel_err(h[1, 3:], alone[1]) < 1e-5
+    assert rel_err(padded[1][0], alone[0]) < 1e-5 and rel_err(padded[1][1, :4], alone[1]) < 1e-5
+    assert not any(h.isnan().any() for h in (*padded, chunked))      # padding rows included
+
+
+@pytest.mark.parametrize("residual", ["baseline", "mhar"])
+def test_a_left_padded_row_without_positions_reads_as_the_row_alone(remote, residual):
+    """A mask and no position_ids number each row's tokens from its first real one, as transformers numbers a
+    padded batch: a row padded on the left gives, at its real tokens, the hidden states of those tokens alone
+    (an unpadded row beside it is unchanged)."""
+    torch.manual_seed(0)
+    model = perturbed(GPT(tiny(residual)), scale=0.1)
+    idx = torch.randint(0, 128, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0                                                    # row 0: three padding tokens first
+    with torch.no_grad():
+        padded, alone, full = padded_hidden(remote, model, idx, mask), model.hidden(idx[:1, 3:]), model.hidden(idx[1:])
+    assert rel_err(padded[0, 3:], alone[0]) < 1e-5 and rel_err(padded[1], full[0]) < 1e-5
+
+
+def test_a_padded_batchs_masks_are_built_on_the_tokens_device(remote):
+    """The padding mask and the causal one are built on the device of the tokens (on "meta", which holds no
+    data, as a GPU would need: a table on the CPU meeting one on the GPU is an error). The baseline: the routed
+    modes ask autocast about the device, which "meta" has no answer to; the masks are shared."""
+    model = GPT(tiny("baseline")).to("meta")
+    idx, mask = torch.zeros(2, 8, dtype=torch.long, device="meta"), torch.ones(2, 8, device="meta")
+    h = padded_hidden(remote, model, idx, mask)
+    assert h.device.type == "meta" and h.shape == (2, 8, model.config.n_embd)
+
+
 @pytest.mark.parametrize("lengths, side", [
     ([WINDOW, 9, 1], "left"), ([WINDOW, 9, 1], "right"), ([WINDOW - 1, 5], "left"), ([WINDOW, 0, 3], "left"),
     ([WINDOW, 0], "right")], ids=["fills-window-left", "fills-window-right", "one-short-left",
@@ -1243,7 +1307,7 @@ def test_position_ids_reach_the_window_and_no_further(remote, T, first, accepted
             remote.theirs(idx, position_ids=positions)
         return
     with torch.no_grad():
-        expected = remote.model.lm_head(remote.model.hidden(idx, positions=positions)).float()
+        expected = remote.model.lm_head(remote.model.hidden(idx, at=rotary(remote.model, positions))).float()
         assert torch.equal(remote.theirs(idx, position_ids=positions).logits, expected)
 
 
@@ -1291,7 +1355,7 @@ def test_output_hidden_states_unsaid_follows_the_config(remote, configured, monk
 def reference(remote, idx, positions=None):
     """(GPT's final hidden states, its float32 logits) of idx: what MHARModel and MHARForCausalLM give."""
     with torch.no_grad():
-        h = remote.model.hidden(idx, positions=positions)
+        h = remote.model.hidden(idx, at=None if positions is None else rotary(remote.model, positions))
         return h, remote.model.lm_head(h).float()
 
 
@@ -1645,13 +1709,15 @@ def test_position_ids_of_another_shape_are_one_valueerror(remote, shape):
 
 @pytest.mark.parametrize("padded", [False, True], ids=["all-ones", "one-padded"])
 def test_a_mask_without_padding_takes_the_unmasked_path(remote, monkeypatch, padded):
-    """An attention_mask of ones reaches GPT.hidden as no mask at all (SDPA's is_causal path, the call
-    without a mask, which a GPU can run in a kernel that takes no mask); a mask with one 0 is passed on."""
+    """An attention_mask of ones reaches GPT.hidden as no Positions at all (its own causal ones: SDPA's is_causal
+    path, the call without a mask, which a GPU can run in a kernel that takes no mask); a mask with one 0, as
+    Positions whose keys leave that token out of every query but its own."""
     calls, hidden = [], remote.theirs.model.hidden
-    monkeypatch.setattr(remote.theirs.model, "hidden", lambda *a, **k: calls.append(k["mask"]) or hidden(*a, **k))
+    monkeypatch.setattr(remote.theirs.model, "hidden", lambda *a, **k: calls.append(k["at"]) or hidden(*a, **k))
     idx, mask = window_tokens(T=5), torch.ones(2, 5, dtype=torch.long)
     mask[1, 0] = 0 if padded else 1
     with torch.no_grad():
         remote.theirs(idx, attention_mask=mask)
-    assert len(calls) == 1
-    assert (calls[0] is None) != padded and (not padded or torch.equal(calls[0], mask))
+    assert len(calls) == 1 and (calls[0] is None) != padded
+    if padded:  # who reads key 0: every query of row 0; in row 1, where it is padding, query 0 alone
+        assert torch.equal(calls[0].allowed[:, 0, :, 0], torch.tensor([[True] * 5, [True] + [False] * 4]))

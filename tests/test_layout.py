@@ -116,10 +116,12 @@ def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import(tmp_path
 
 def test_the_model_file_is_a_leaf_that_teaches():
     """mhar.py imports kernel alone of the project (for Config.fused), so that it travels alone as
-    an export's remote code, and reads in its docstring's "Reading order": the route and the
-    histories early, GPT's routed forward right after its __init__, GPT.hidden the residual dispatch
-    (no padding masks or cache offsets), the other modes, the config's checks and the presets last.
-    680 lines at most, with the route before line 150 and the routed forward before line 330."""
+    an export's remote code, and reads in its docstring's "Reading order": the route and the plain
+    depth history early, GPT's routed forward right after its __init__, GPT.hidden the residual
+    dispatch that takes its positions ready (a padded batch's are built by the export's
+    modeling_mhar.py), then block and delta routing's histories with the other modes, the config's
+    checks and the presets last. 680 lines at most, with the route before line 150 and the routed
+    forward before line 330."""
     source = MODULES["mhar"].read_text()
     assert imports_of(MODULES["mhar"]) <= {"kernel"}
     assert len(source.splitlines()) <= 680
@@ -127,15 +129,17 @@ def test_the_model_file_is_a_leaf_that_teaches():
     top = {node.name: node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
     top["PRESETS"] = next(node for node in tree.body if isinstance(node, ast.Assign)
                           and node.targets[0].id == "PRESETS")
-    reading_order = ["Config", "route", "DepthHistory", "RMSNorm", "GPT", "forward_delta",
-                     "HyperConnection", "check_config", "PRESETS"]
+    reading_order = ["Config", "route", "DepthHistory", "RMSNorm", "GPT", "BlockHistory", "DeltaHistory",
+                     "depth_history", "site_reads", "forward_delta", "HyperConnection", "check_config", "PRESETS"]
     lines = [top[name].lineno for name in reading_order]
     assert lines == sorted(lines), dict(zip(reading_order, lines))
     assert top["route"].lineno < 150 and top["DepthHistory"].lineno < 150
     methods = [node for node in top["GPT"].body if isinstance(node, ast.FunctionDef)]
     assert [m.name for m in methods[:3]] == ["__init__", "forward_routed", "hidden"]
+    assert methods[1].lineno < 330
     hidden = methods[2]
     assert hidden.end_lineno - hidden.lineno + 1 <= 20
+    assert [arg.arg for arg in hidden.args.args] == ["self", "idx", "visit", "cache", "at"]
 
 
 # Caps below today's sizes, with a margin: the next feature finds a home outside these files (kernel.py's

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lib import common
 import mhar
-from helpers import ROOT, interpreted, rel_err, route_inputs, tiny
 from mhar import GPT, Config, preset, route, route_weights
+from lib import common
+from helpers import ROOT, interpreted, rel_err, route_inputs, tiny
 
 # ----------------------------------------------------------------------------------------------
 # The route against independent references.
@@ -552,17 +552,21 @@ def test_site_reads_counts_committed_sources_and_the_partial_sum(args, reads):
     assert mhar.site_reads(*args) == reads
 
 
-def test_explicit_positions_are_the_rotary_positions():
-    """positions (B, T) given to GPT.hidden are used: shifted by a constant they change nothing (rotary
-    attention depends on differences), with a gap they change the tokens after it."""
+def test_positions_given_ready_are_the_rotary_positions():
+    """Positions given to GPT.hidden (rows of the rotary tables at positions (B, T)) are used: shifted
+    by a constant they change nothing (rotary attention depends on differences), with a gap they
+    change the tokens after it."""
     torch.manual_seed(0)
     model = perturbed(GPT(tiny("mhar")), scale=0.1)
     idx = torch.randint(0, 128, (2, 6))
     default = torch.arange(6).expand(2, 6)
+
+    def at(positions):
+        return mhar.Positions(model.rope_cos[positions][:, None], model.rope_sin[positions][:, None])
     with torch.no_grad():
         h = model.hidden(idx)
-        shifted = model.hidden(idx, positions=default + 5)
-        gap = model.hidden(idx, positions=torch.tensor([[0, 1, 2, 9, 10, 11]] * 2))
+        shifted = model.hidden(idx, at=at(default + 5))
+        gap = model.hidden(idx, at=at(torch.tensor([[0, 1, 2, 9, 10, 11]] * 2)))
     assert rel_err(shifted, h) < 1e-5
     assert rel_err(gap[:, :3], h[:, :3]) < 1e-6 and rel_err(gap[:, 3:], h[:, 3:]) > 1e-3
 
@@ -683,47 +687,19 @@ def test_the_cache_runs_new_tokens_alone_until_the_window_slides():
 
 @pytest.mark.parametrize("residual, overrides", GENERATE_MODES,
                          ids=["baseline", "hyper", "attnres", "mhar", "mhar-block2", "delta-block2"])
-def test_padding_and_tokens_after_a_cache_change_no_tokens_output(residual, overrides):
-    """Rows of 7 and 4 tokens in one batch, left- and right-padded (mask), and prefilled in two
-    chunks through a cache: each row's hidden states as it alone gives them, in float32 up to the
-    rounding of another attention shape; padding (here huge embeddings) never reaches a token."""
+def test_tokens_after_a_cache_are_those_of_the_whole_sequence(residual, overrides):
+    """Seven tokens prefilled in three chunks through a cache, 4, then 2 (the fewest that need a causal
+    mask among themselves, which SDPA's is_causal would misplace after a cache), then 1: the hidden
+    states of the whole sequence at once, up to the rounding of another attention shape. Padded
+    batches: tests/test_hf.py (their positions are built by the export's modeling_mhar.py)."""
     torch.manual_seed(0)
     model = perturbed(GPT(tiny(residual, **overrides)), scale=0.3).eval()
+    a = torch.randint(1, 128, (1, 7))
     with torch.no_grad():
-        model.embed.weight[0] = 1e4                                  # the padding id's embedding
-    a, b = torch.randint(1, 128, (1, 7)), torch.randint(1, 128, (1, 4))
-    pad = torch.zeros(1, 3, dtype=torch.long)
-    left, right = torch.cat([a, torch.cat([pad, b], 1)]), torch.cat([a, torch.cat([b, pad], 1)])
-    mask_left, mask_right = (left != 0).long(), (right != 0).long()
-    with torch.no_grad():
-        alone = model.hidden(a)[0], model.hidden(b)[0]
-        padded = model.hidden(left, mask=mask_left), model.hidden(right, mask=mask_right)
         kv = [mhar.KVCache() for _ in model.layers]
-        chunked = torch.cat([model.hidden(left[:, :4], cache=kv, mask=mask_left[:, :4]),
-                             model.hidden(left[:, 4:], cache=kv, mask=mask_left)], 1)
-        kv = [mhar.KVCache() for _ in model.layers]
-        unpadded = torch.cat([model.hidden(a[:, :4], cache=kv), model.hidden(a[:, 4:6], cache=kv),
-                              model.hidden(a[:, 6:], cache=kv)], 1)  # 2 tokens after a cache, then 1
-    for h in (padded[0], chunked):
-        assert rel_err(h[0], alone[0]) < 1e-5 and rel_err(h[1, 3:], alone[1]) < 1e-5
-    assert rel_err(padded[1][0], alone[0]) < 1e-5 and rel_err(padded[1][1, :4], alone[1]) < 1e-5
-    assert rel_err(unpadded[0], alone[0]) < 1e-5
-    assert not any(h.isnan().any() for h in (*padded, chunked))      # padding rows included
-
-
-@pytest.mark.parametrize("residual", ["baseline", "mhar"])
-def test_a_left_padded_row_without_positions_reads_as_the_row_alone(residual):
-    """GPT.hidden with a mask and no positions numbers each row's tokens from its first real one, as
-    transformers numbers a padded batch: a row padded on the left gives, at its real tokens, the hidden
-    states of those tokens alone (an unpadded row beside it is unchanged)."""
-    torch.manual_seed(0)
-    model = perturbed(GPT(tiny(residual)), scale=0.1)
-    idx = torch.randint(0, 128, (2, 9))
-    mask = torch.ones(2, 9, dtype=torch.long)
-    mask[0, :3] = 0                                                    # row 0: three padding tokens first
-    with torch.no_grad():
-        padded, alone, full = model.hidden(idx, mask=mask), model.hidden(idx[:1, 3:]), model.hidden(idx[1:])
-    assert rel_err(padded[0, 3:], alone[0]) < 1e-5 and rel_err(padded[1], full[0]) < 1e-5
+        chunked = torch.cat([model.hidden(a[:, :4], cache=kv), model.hidden(a[:, 4:6], cache=kv),
+                             model.hidden(a[:, 6:], cache=kv)], 1)
+        assert rel_err(chunked, model.hidden(a)) < 1e-5
 
 
 def test_the_rotary_tables_stay_fp32_through_a_cast():
@@ -808,8 +784,9 @@ def test_ci_runs_the_readme_test_command_which_installs_what_the_code_imports():
             elif line:
                 yield name(line)
     installed = {n for file in re.findall(r"-r (\S+)", command) for n in listed(file)}
-    files = [*ROOT.glob("*.py"), *(ROOT / "tests").glob("*.py")]
-    local = {f.stem for f in files}
+    files = [*ROOT.glob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "lib").rglob("*.py"),
+             *(ROOT / "scripts").glob("*.py")]
+    local = {f.stem for f in files} | {"lib", "scripts"}  # the project's own packages
     modules = {alias.name.split(".")[0] if isinstance(node, ast.Import) else node.module.split(".")[0]
                for f in files for node in ast.walk(ast.parse(f.read_text()))
                if isinstance(node, ast.Import) or isinstance(node, ast.ImportFrom) and node.level == 0
@@ -1108,13 +1085,3 @@ def test_config_fused_group_is_the_group_the_kernels_route_with(group):
     """Config.fused_group reaches kernel.FusedHistory (0 lets it choose): each of 1, 2 and 3 sites a
     group, so that at least two of them are not what the automatic choice gives."""
     assert GPT(tiny(fused=True, fused_group=group)).new_history().group == group
-
-
-def test_a_masked_forward_builds_its_mask_on_the_tokens_device():
-    """The padding mask and the causal one are built on the device of the tokens (on "meta", which holds
-    no data, as a GPU would need: a table on the CPU meeting one on the GPU is an error). The baseline:
-    the routed modes ask autocast about the device, which "meta" has no answer to; the masks are shared."""
-    model = GPT(tiny("baseline")).to("meta")
-    idx, mask = torch.zeros(2, 8, dtype=torch.long, device="meta"), torch.ones(2, 8, device="meta")
-    h = model.hidden(idx, mask=mask)
-    assert h.device.type == "meta" and h.shape == (2, 8, model.config.n_embd)

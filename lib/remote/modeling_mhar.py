@@ -6,7 +6,9 @@ directory beside this file) behind PreTrainedModel and GenerationMixin, so that
 
 computes mhar.GPT's logits and generates with the attention keys and values in transformers'
 own cache. Nothing of the architecture is written here: the forward is GPT.hidden and its LM
-head, the KV cache is transformers' DynamicCache seen through mhar.KVCache's interface.
+head, the KV cache is transformers' DynamicCache seen through mhar.KVCache's interface. Only
+the positions that transformers' arguments ask for (an attention_mask's padding, position_ids)
+are built here, as its own models prepare their masks, and reach GPT.hidden ready.
 
 The tensors keep GPT's names under "model." (model.embed.weight, model.sites.0.query, ...); a
 tied LM head is the embedding and is not stored. What it takes, beyond input_ids: an
@@ -24,7 +26,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .configuration_mhar import MHARConfig
-from .mhar import GPT, Config
+from .mhar import GPT, Config, Positions, token_positions
 
 # the output's cache: "cache" from transformers 5.24, "past_key_values" before
 CACHE_FIELD = next(name for name in ("cache", "past_key_values")
@@ -45,6 +47,26 @@ class LayerCache:
 
     def extend(self, k, v):
         return self.cache.update(k, v, self.layer)
+
+
+def padded_positions(model, start, T, attention_mask=None, position_ids=None):
+    """The mhar.Positions of T tokens after `start` cached ones, or None for GPT.hidden's own
+    (causal, unpadded). attention_mask (B, start + T): 0 for padding, which no token reads (routing
+    is per position), a padding query its own key alone (not a softmax over nothing); position_ids
+    (B, T): by default each token's count of tokens before it in its row."""
+    if attention_mask is None and position_ids is None:
+        return None
+    causal = token_positions(model.rope_cos, model.rope_sin, start, T)  # checks the window too
+    if position_ids is None:
+        counts = attention_mask.long().cumsum(-1) - 1                          # (B, start + T)
+        position_ids = counts.masked_fill(attention_mask == 0, 0)[:, start:]   # (B, T)
+    cos, sin = (table[position_ids].unsqueeze(1) for table in (model.rope_cos, model.rope_sin))
+    if attention_mask is None:                                              # (B, 1, T, hd/2) each
+        return Positions(cos, sin, causal.allowed)
+    reads = torch.ones(T, start + T, dtype=torch.bool, device=cos.device).tril(start)  # (T, S + T)
+    own = reads.triu(start)                            # (T, S + T): query i's own key, start + i
+    keys = attention_mask.bool()[:, None, None]                             # (B, 1, 1, S + T)
+    return Positions(cos, sin, reads & keys | own)                          # (B, 1, T, S + T)
 
 
 class MHARPreTrainedModel(PreTrainedModel):
@@ -128,20 +150,20 @@ class MHARPreTrainedModel(PreTrainedModel):
                              f"cache and the input, 0 for padding")
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None                       # no padding: the unmasked path, exactly
-        # past the window, GPT.hidden's own error says so: the positions that generate derives
+        # past the window, mhar.token_positions' error says so: the positions that generate derives
         # and passes, out of range then too, are checked only where the sequence fits
         window = self.model.config.seq_len
         if position_ids is not None and start + T <= window and (position_ids.size(-1) != T or not (
                 0 <= int(position_ids.min()) <= int(position_ids.max()) < window)):
             raise ValueError(f"position_ids must be (B, {T}) in [0, {window})")
+        at = padded_positions(self.model, start, T, attention_mask, position_ids)
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
         states = []  # output_hidden_states: each attention sublayer's input, seen by a hook
         hooks = [layer.register_forward_pre_hook(lambda module, args: states.append(args[0]))
                  for layer in self.model.layers[::2]] if output_hidden_states else []
         try:
-            h = self.model.hidden(input_ids, cache=layers, mask=attention_mask,
-                                  positions=position_ids)                       # (B, T, d)
+            h = self.model.hidden(input_ids, cache=layers, at=at)                   # (B, T, d)
         finally:
             for hook in hooks:
                 hook.remove()
