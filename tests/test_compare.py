@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from scripts import compare
 import mhar
 import prepare
 from helpers import PNG_SIGNATURE, ROOT, VOCAB, error_line, files_in, needs, write_task
+from scripts import compare
 
 
 def runs(*argv):
