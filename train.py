@@ -20,7 +20,7 @@ The file reads top to bottom: the recipe and run sizes, the flags, resuming and 
 and batches, the model and its optimizer, train() and the step it repeats, then what the loop does
 besides stepping (log lines, evaluations, checkpoints, the end). The run's machinery (reports, the
 timer, the weight average) is lib/run.py's, the schedule lib/schedule.py's, a run's safety
-(checkpoint files, the out_dir's lock, signals) common.py's, ranks and devices parallel.py's.
+(checkpoint files, the out_dir's lock, signals) lib/common.py's, ranks and devices lib/parallel.py's.
 """
 import os
 import sys
