@@ -157,7 +157,7 @@ def apply_rotary(x, cos, sin):
 
 class Positions(NamedTuple):
     """The T tokens' rotary cos and sin, (T, hd/2) or per row (B, 1, T, hd/2), and the keys each
-    attends to: None, causal (after a cache: all); else bool (T or B, 1, T, S + T), True if read."""
+    reads: None, causal (after a cache: all); else bool, (T, S + T) or (B, 1, T, S + T)."""
     cos: torch.Tensor
     sin: torch.Tensor
     allowed: torch.Tensor | None = None
