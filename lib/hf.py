@@ -65,8 +65,8 @@ from pathlib import Path
 
 import torch
 
-from lib.common import ROOT, CheckpointError, FlagParser, MachineError, exit_error, one_line, staged
 from mhar import ADDED_BY_RESIDUAL, GPT, Config
+from lib.common import ROOT, CheckpointError, FlagParser, MachineError, exit_error, one_line, staged
 
 # Absent fields take the defaults of transformers' Qwen3Config (transformers 5), as it would.
 QWEN3_DEFAULTS = dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,
