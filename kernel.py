@@ -45,11 +45,12 @@ each launch hands to the next, adding its share in place (see own_lo, fresh_lo).
 every position belongs to one program, and dq, dg come from one per-program partial of Σ dℓ·r·V
 that torch sums in a fixed order, so the backward is bitwise deterministic.
 
-The file reads (# %%): the kernels; their launches' keys (launcher.py binds the launches) and
-launchers; autograd (the shared launch, the custom operators, the eager path); the schedule, the
-traffic model (`launch_bytes`, which a test checks against the interpreter's count) and the
-roofline that pick G; `FusedHistory`. bench_kernel.py checks the kernels against `mhar.route`,
-prints the bytes both algorithms move, benchmarks them and measures the host's time per site.
+The file reads (# %%): the kernels; their launches' keys and launchers (launcher.py writes the
+custom operators' address tables and binds the launches); autograd (the shared launch, the custom
+operators, the eager path); the schedule, the traffic model (`launch_bytes`, which a test checks
+against the interpreter's count) and the roofline that pick G; the public API, `fused_route` and
+`FusedHistory`. bench_kernel.py checks the kernels against `mhar.route`, prints the bytes both
+algorithms move, benchmarks them and measures the host's time per site.
 Without a CUDA GPU the kernels run in the Triton interpreter, on CPU tensors, when
 TRITON_INTERPRET=1 is set before this file is imported (slow; for tests).
 """
@@ -89,7 +90,6 @@ RESIDENT_WARPS = 16
 PROGRAMS = RESIDENT_WARPS // 8 * 132
 INTERPRETED_PROGRAMS = 3    # the interpreter runs programs one by one: few, of many positions
 NUM_STAGES = 3              # source rows in flight in the loop over sources (software pipeline)
-TABLE_CHUNK = 64            # addresses one launch of _table_kernel writes into a launch's table
 # The kernels read the sources through a table of int64 addresses: source n < committed at
 # table[first_source + n] (a history's one table, each address written by the forward launch that
 # reads its source first; a custom operator's, one a launch), and a partial sum after them from
@@ -362,39 +362,19 @@ def _route_backward_kernel(
         tl.store(partial + i * D + cols2, qg_grad2[i], mask=mask2)
 
 
-@triton.jit(do_not_specialize=["offset"])
-def _table_kernel(
-    table_ptr,          # int64 address table
-    offset,             # where these entries of it start
-    entries,            # a tuple of addresses (TABLE_CHUNK of a custom operator's launch's table):
-                        # the kernel's arguments, which a CUDA graph replays as captured
-                        # (a table copied up from host memory would be replayed from a host block
-                        # freed since)
-):
-    for i in tl.static_range(len(entries)):
-        tl.store(table_ptr + offset + i, entries[i])
-
-
 # True when TRITON_INTERPRET=1 was set before import: triton.jit then made interpreted functions.
 INTERPRETED = not isinstance(_route_forward_kernel, triton.runtime.JITFunction)
 
 
-# %% Bound launches (launcher.py): each launch site's key
-# Each launch site has a key, a guard on its runtime arguments that fixes how Triton specializes
-# every one of them (native_specialize_impl): pointers 16-byte aligned ('D'); do_not_specialize
-# ints in [0, 2^31) and not bools (i32; a bool is u1); eps a float (fp32); the addresses passed as
-# arguments (the route kernels' and _table_kernel's entries), specialized one by one, multiples of
-# 16 in [2^31, 2^63) (i64 'D': launcher.all_bind). The key holds what the guard leaves free: the
-# tensors' dtypes, the number of entries, the grid, the constexprs, TRITON_DEBUG. A launch the
-# guard refuses goes through kernel[grid], as every launch does with hooks set, interpreted, or
-# with BOUND_LAUNCHES off.
-BOUND_LAUNCHES = not INTERPRETED
-
+# %% Bound launches (launcher.py): each route kernel's key
+# A key is a guard on a launch's runtime arguments that fixes how Triton specializes every one of
+# them, and what the guard leaves free (launcher.py's docstring gives the rules): every int these
+# kernels take is do_not_specialize, and `entries` their addresses passed as arguments.
 
 def _forward_key(programs, constexprs, args):
     """_route_forward_kernel's key (None: launch unbound)."""
     table, entries, qg, first, committed, N, M, per_program, eps = args
-    if (BOUND_LAUNCHES and type(eps) is float
+    if (launcher.BOUND_LAUNCHES and type(eps) is float
             and type(first) is type(committed) is type(N) is type(M) is type(per_program) is int
             and 0 <= first | committed | N | M | per_program < launcher.I32
             and launcher.all_bind(entries) and not (table.data_ptr() | qg.data_ptr()) & 15
@@ -407,7 +387,7 @@ def _backward_key(programs, constexprs, args):
     """_route_backward_kernel's key (None: launch unbound)."""
     (table, entries, qg, grads, owned, qg_grads, first, committed, N, M, per_program, row0, own_lo,
      fresh_lo, given, eps) = args
-    if (BOUND_LAUNCHES and type(eps) is float
+    if (launcher.BOUND_LAUNCHES and type(eps) is float
             and type(first) is type(committed) is type(N) is type(M) is type(per_program)
             is type(row0) is type(own_lo) is type(fresh_lo) is type(given) is int
             and 0 <= (first | committed | N | M | per_program | row0 | own_lo | fresh_lo
@@ -416,15 +396,6 @@ def _backward_key(programs, constexprs, args):
                      | qg_grads.data_ptr()) & 15 and launcher.unhooked(_route_backward_kernel)):
         return (programs, id(constexprs), len(entries), table.dtype, qg.dtype, grads.dtype,
                 owned.dtype, qg_grads.dtype, knobs.runtime.debug)
-    return None
-
-
-def _table_key(table, entries):
-    """_table_kernel's key for a launch writing `entries` into `table` (None: launch unbound): all
-    of them i64 'D', the offset, below the table's length, i32."""
-    if (BOUND_LAUNCHES and not table.data_ptr() & 15 and table.numel() < launcher.I32
-            and launcher.all_bind(entries) and launcher.unhooked(_table_kernel)):
-        return len(entries), table.dtype, knobs.runtime.debug
     return None
 
 
@@ -529,27 +500,6 @@ def _backward_programs(M, width, heads, sites):
     return _programs(M, warps=_num_warps(layout(width, heads, sites), True))[1]
 
 
-_TABLE_OPTIONS = dict(num_warps=1)
-
-
-def _address_table(addresses, like):
-    """A table of the sources' addresses for one launch (a custom operator's: a history's forward
-    launches write theirs, each source's by its first reader), padded to whole chunks, written on
-    the device by _table_kernel, TABLE_CHUNK entries a launch: nothing goes up from the host, which
-    never waits, and a CUDA graph captures the launch. One kernel variant serves all."""
-    entries = addresses + addresses[:1] * (_chunks(len(addresses)) - len(addresses))
-    table = like.new_empty(len(entries), dtype=torch.int64)             # on like's device
-    for offset in range(0, len(entries), TABLE_CHUNK):
-        chunk = tuple(entries[offset:offset + TABLE_CHUNK])
-        launcher.launch(_table_kernel, (1,), _table_key(table, chunk), (table, offset, chunk),
-                _TABLE_OPTIONS)
-    return table
-
-
-def _chunks(entries):                     # what _address_table writes: whole chunks
-    return -(-entries // TABLE_CHUNK) * TABLE_CHUNK
-
-
 def _aligned(tensor):
     """The tensor, contiguous and 16-byte aligned (the kernels load every row as 16-byte vectors):
     a fresh allocation is, a view (a row of a stacked V) may not be."""
@@ -579,12 +529,13 @@ def check_sources(sources, heads, sites):
 
 
 def _checked(sources, heads, sites):
-    """The sources checked and aligned, and their addresses (the custom operators' way in; eager
-    launches are handed those FusedHistory keeps). Keep the sources while the kernel
-    may read them: an aligned copy lives only as long as they do."""
+    """The sources checked and aligned, and a table of their addresses for one launch (the custom
+    operators' way in; a history's forward launches write theirs, each source's by its first
+    reader). Keep the sources while the kernel may read them: an aligned copy lives only as long
+    as they do."""
     check_sources(sources, heads, sites)
     sources = [_aligned(t) for t in sources]
-    return sources, [t.data_ptr() for t in sources]
+    return sources, launcher.address_table([t.data_ptr() for t in sources], sources[0])
 
 
 def _route_forward(*, sources, qg, init, heads, eps, table=None, first_source=0, partial=None,
@@ -600,8 +551,7 @@ def _route_forward(*, sources, qg, init, heads, eps, table=None, first_source=0,
     a position's are read before they are written, by the program that writes them)."""
     source, G = sources[0], qg.shape[0]
     if table is None:
-        sources, addresses = _checked(sources, heads, G)
-        table = _address_table(addresses, source)
+        sources, table = _checked(sources, heads, G)
     width = source.shape[-1]
     M = source.numel() // width
     if in_place and init:
@@ -640,8 +590,7 @@ def _route_backward(grads, owned, qg_grads, init_grads, *, sources, qg, outs, re
     douts = [_aligned(dout) for dout in douts]   # (the kernel loads them as 16-byte vectors)
     source, G = douts[0], qg.shape[0]       # an output gradient has the sources' shape and dtype
     if table is None:
-        sources, addresses = _checked(sources, heads, G)
-        table = _address_table(addresses, source)
+        sources, table = _checked(sources, heads, G)
     width = source.shape[-1]
     M = source.numel() // width
     any_address = douts[0].data_ptr()                           # as laid out above FORWARD_ENTRIES
@@ -725,8 +674,7 @@ def _(carrier, sources, qg, init, heads, eps, rows, row0, own_lo, fresh_lo, last
     rests = [source.new_empty(source.shape if source.dtype == torch.bfloat16 else 0)
              for _ in range(G)]
     lses = [source.new_empty((*source.shape[:-1], heads), dtype=torch.float32) for _ in range(G)]
-    carrier = source.new_empty((), dtype=torch.float32).expand(0 if last else rows, *source.shape)
-    return [*outs, *rests, *lses, carrier]
+    return [*outs, *rests, *lses, _carrier(source, 0 if last else rows)]
 
 
 # A custom op that mutates arguments may not also return tensors (functionalization needs outputs
@@ -778,18 +726,6 @@ def _route_sites_backward(ctx, grads):
 
 
 route_sites.register_autograd(_route_sites_backward, setup_context=_setup_route_sites)
-
-
-def fused_route(V, q, g, heads, eps=1e-6):
-    """The multi-head depth route of one site in one launch: the contract of mhar.route
-    (V (N, B, T, d) -> (B, T, d) in V.dtype, float32 inside; gradients in the dtypes of V, q, g)."""
-    check_available(V.device)
-    if q.shape != V.shape[-1:] or g.shape != V.shape[-1:]:
-        raise ValueError(f"q and g must have shape ({V.shape[-1]},) to match the sources, "
-                         f"got {tuple(q.shape)} and {tuple(g.shape)}")
-    qg = (q.float() * g.float())[None]                                         # (1, d)
-    return route_sites(_carrier(V[0], 0), list(V.unbind(0)), qg, [], heads=heads, eps=eps, rows=0,
-                       row0=0, own_lo=0, fresh_lo=0, last=True, continued=0)[0]
 
 
 # %% Autograd for eager code: RouteSites, and what goes beside autograd
@@ -936,8 +872,8 @@ _C_APPLY = super(torch.autograd.Function, RouteSites).apply
 
 
 # %% The schedule of one forward pass, and the traffic model and roofline that pick G
-# The schedule of launches is static: it depends on what each site reads (a history's reads, as
-# the module's docstring says) and on the group size only. Routing is mostly memory-bound, but a
+# The schedule of launches is static: it depends on what each site reads (reads[j], as the
+# module's docstring says) and on the group size only. Routing is mostly memory-bound, but a
 # group's states are tiles of G_PAD sites (a power of two), whose padded lanes compute as the
 # others do: a phase 1 of 5 to 8 sites does about as many fp32 operations per byte as an H100 can
 # (its ridge point, ~20). G is picked by a roofline's time, each kernel the longer of its bytes at
@@ -1067,7 +1003,19 @@ def _plans(reads, group, heads, eps):
     return by_site, first, continued_sites
 
 
-# %% FusedHistory: a readable history, routed by the kernels
+# %% The public API: fused_route, one site in one launch; FusedHistory, a forward's sites
+
+def fused_route(V, q, g, heads, eps=1e-6):
+    """The multi-head depth route of one site in one launch: the contract of mhar.route
+    (V (N, B, T, d) -> (B, T, d) in V.dtype, float32 inside; gradients in the dtypes of V, q, g)."""
+    check_available(V.device)
+    if q.shape != V.shape[-1:] or g.shape != V.shape[-1:]:
+        raise ValueError(f"q and g must have shape ({V.shape[-1]},) to match the sources, "
+                         f"got {tuple(q.shape)} and {tuple(g.shape)}")
+    qg = (q.float() * g.float())[None]                                         # (1, d)
+    return route_sites(_carrier(V[0], 0), list(V.unbind(0)), qg, [], heads=heads, eps=eps, rows=0,
+                       row0=0, own_lo=0, fresh_lo=0, last=True, continued=0)[0]
+
 
 class FusedHistory:
     """The depth history of ONE forward pass, routed by the fused kernels:

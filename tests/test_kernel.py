@@ -11,13 +11,13 @@ import sys
 import pytest
 import torch
 
-from scripts import bench_kernel
 import kernel
 import launcher
 import mhar
-from helpers import fused_history, gpt_pair, interpreted, rel_err, route_and_grads, route_inputs
-from scripts.bench_kernel import HEADS
 from kernel import FusedHistory, fused_route
+from helpers import fused_history, gpt_pair, interpreted, rel_err, route_and_grads, route_inputs
+from scripts import bench_kernel
+from scripts.bench_kernel import HEADS
 
 DEVICE = "cuda" if torch.cuda.is_available() and not kernel.INTERPRETED else "cpu"
 
@@ -575,7 +575,7 @@ def test_meter_counts_what_the_model_predicts(case, monkeypatch):
     """Bytes as the interpreter counts them, each source's table entry (written by the forward that
     reads it first) included; a history's launches make no tables of their own."""
     tables = []
-    monkeypatch.setattr(kernel, "_address_table", lambda *args, make=kernel._address_table:
+    monkeypatch.setattr(launcher, "address_table", lambda *args, make=launcher.address_table:
                         tables.append(args) or make(*args))
     n_layer, d, heads, positions, group, block, delta, source_bytes = case
     sites = 2 * n_layer + 1
@@ -792,7 +792,7 @@ def _guarded_args():
 
 def _key(name, args):
     if name == "table":
-        return kernel._table_key(*args)
+        return launcher._table_key(*args)
     return (kernel._forward_key if name == "forward" else kernel._backward_key)(7, {}, args)
 
 
@@ -836,7 +836,7 @@ REFUSALS = [
 
 @pytest.mark.parametrize("name,change,args", REFUSALS, ids=[f"{n}: {c}" for n, c, _ in REFUSALS])
 def test_bound_launch_keys_refuse_what_triton_specializes_otherwise(monkeypatch, name, change, args):
-    monkeypatch.setattr(kernel, "BOUND_LAUNCHES", True)
+    monkeypatch.setattr(launcher, "BOUND_LAUNCHES", True)
     accepted = dict(zip(("forward", "backward", "table"), _guarded_args()))[name]
     assert _key(name, accepted) is not None
     assert _key(name, args()) is None
@@ -850,7 +850,7 @@ INTS = {"forward": range(3, 8), "backward": range(6, 15)}      # where each key'
 @pytest.mark.parametrize("name", INTS)
 def test_bound_launch_keys_take_ints_from_0_to_2_31_exclusive(monkeypatch, name, value, bound):
     """Every int 0 (each bound at i32 alone), or one of them at the edge of i32 and the rest 0."""
-    monkeypatch.setattr(kernel, "BOUND_LAUNCHES", True)
+    monkeypatch.setattr(launcher, "BOUND_LAUNCHES", True)
     accepted = dict(zip(("forward", "backward"), _guarded_args()))[name]
     for edge in INTS[name]:
         args = accepted
@@ -863,7 +863,7 @@ def test_bound_launch_keys_take_ints_from_0_to_2_31_exclusive(monkeypatch, name,
                          ids=["2**31", "2**63 - 16", "summing past 2**63"])
 @pytest.mark.parametrize("name", ["forward", "backward", "table"])
 def test_bound_launch_keys_take_every_entry_that_triton_makes_i64_D(monkeypatch, name, entries):
-    monkeypatch.setattr(kernel, "BOUND_LAUNCHES", True)
+    monkeypatch.setattr(launcher, "BOUND_LAUNCHES", True)
     accepted = dict(zip(("forward", "backward", "table"), _guarded_args()))[name]
     assert _key(name, _replaced(accepted, 1, entries)) is not None
 
@@ -880,7 +880,7 @@ def test_a_launch_passed_an_address_triton_would_specialize_otherwise_goes_unbou
     unbound; the keys are what is checked.)"""
     sites, d = 5, 32
     refused, unbound = set(), []
-    monkeypatch.setattr(kernel, "BOUND_LAUNCHES", True)
+    monkeypatch.setattr(launcher, "BOUND_LAUNCHES", True)
     monkeypatch.setattr(launcher, "unhooked", lambda jit: True)
     monkeypatch.setattr(launcher, "launch", lambda jit, grid, key, args, constexprs, launch=launcher.launch:
                         (unbound.append((jit, args)) if key is None else None,
@@ -941,17 +941,17 @@ def test_an_address_table_holds_the_sources_to_whole_chunks_each_keyed_on_its_ow
     """A custom operator's table: the sources' addresses, then the first's to whole chunks of
     TABLE_CHUNK, each chunk one launch keyed on the addresses it passes."""
     keyed, grids = [], []
-    monkeypatch.setattr(kernel, "_table_key", lambda table, entries: keyed.append((table, entries)))
+    monkeypatch.setattr(launcher, "_table_key", lambda table, entries: keyed.append((table, entries)))
     monkeypatch.setattr(launcher, "launch", lambda jit, grid, *args, launch=launcher.launch:
                         (grids.append(grid), launch(jit, grid, *args)))
     like = torch.empty(4, device=DEVICE)
     sources = [2**40 + 16 * i for i in range(n_sources)]
-    table = kernel._address_table(sources, like)
-    chunks = -(-n_sources // kernel.TABLE_CHUNK)
-    whole = sources + sources[:1] * (chunks * kernel.TABLE_CHUNK - n_sources)
+    table = launcher.address_table(sources, like)
+    chunks = -(-n_sources // launcher.TABLE_CHUNK)
+    whole = sources + sources[:1] * (chunks * launcher.TABLE_CHUNK - n_sources)
     assert table.tolist() == whole
     assert [(t is table, entries) for t, entries in keyed] == [
-        (True, tuple(whole[i:i + kernel.TABLE_CHUNK])) for i in range(0, len(whole), kernel.TABLE_CHUNK)]
+        (True, tuple(whole[i:i + launcher.TABLE_CHUNK])) for i in range(0, len(whole), launcher.TABLE_CHUNK)]
     assert grids == [(1,)] * chunks                           # one program writes each chunk
 
 
@@ -965,11 +965,12 @@ class _Table:
 
 @pytest.mark.parametrize("entries, bound", [(2**31 - 1, True), (2**31, False)])
 def test_the_table_key_takes_tables_whose_offsets_are_i32(monkeypatch, entries, bound):
-    monkeypatch.setattr(kernel, "BOUND_LAUNCHES", True)
-    assert (kernel._table_key(_Table(entries), [2**40]) is not None) is bound
+    monkeypatch.setattr(launcher, "BOUND_LAUNCHES", True)
+    assert (launcher._table_key(_Table(entries), [2**40]) is not None) is bound
 
 
-JITS = {"forward": "_route_forward_kernel", "backward": "_route_backward_kernel", "table": "_table_kernel"}
+JITS = {"forward": (kernel, "_route_forward_kernel"), "backward": (kernel, "_route_backward_kernel"),
+        "table": (launcher, "_table_kernel")}
 HOOKS = ["launch_enter_hook", "launch_exit_hook", "add_stages_inspection_hook", "pre_run_hooks"]
 
 
@@ -980,15 +981,15 @@ def test_bound_launch_keys_refuse_hooks_and_the_switch_off(monkeypatch, name, ho
     launch does not make: with one set, and with BOUND_LAUNCHES off, every launch is unbound."""
     from triton import knobs
     accepted = dict(zip(("forward", "backward", "table"), _guarded_args()))[name]
-    monkeypatch.setattr(kernel, "BOUND_LAUNCHES", True)
+    monkeypatch.setattr(launcher, "BOUND_LAUNCHES", True)
     assert _key(name, accepted) is not None
     with monkeypatch.context() as patched:
         if hook == "pre_run_hooks":
-            patched.setattr(getattr(kernel, JITS[name]), "pre_run_hooks", [print])
+            patched.setattr(getattr(*JITS[name]), "pre_run_hooks", [print])
         else:
             patched.setattr(knobs.runtime, hook, print)
         assert _key(name, accepted) is None
-    monkeypatch.setattr(kernel, "BOUND_LAUNCHES", False)
+    monkeypatch.setattr(launcher, "BOUND_LAUNCHES", False)
     assert _key(name, accepted) is None
 
 
@@ -996,7 +997,7 @@ def test_bound_launch_keys_tell_apart_what_their_guards_leave_free(monkeypatch):
     """The grid, the constexprs, the tensors' dtypes and the number of addresses passed are in the
     key; the values the guards bound (ints, addresses) are not: one key serves every launch of a
     site."""
-    monkeypatch.setattr(kernel, "BOUND_LAUNCHES", True)
+    monkeypatch.setattr(launcher, "BOUND_LAUNCHES", True)
     (table, entries, qg, *ints), constexprs = _guarded_args()[0], {}
     key = kernel._forward_key(7, constexprs, (table, entries, qg, *ints))
     moved = tuple(address + 2**20 for address in entries)
@@ -1012,8 +1013,8 @@ def test_bound_launch_keys_tell_apart_what_their_guards_leave_free(monkeypatch):
     assert kernel._backward_key(8, constexprs_b, backward) != key_b
     assert kernel._backward_key(7, {}, backward) != key_b
     assert kernel._backward_key(7, constexprs_b, _replaced(backward, 1, entries[1:])) != key_b
-    table_key = kernel._table_key(table, entries)
-    assert kernel._table_key(table, moved) == table_key != kernel._table_key(table, entries[1:])
+    table_key = launcher._table_key(table, entries)
+    assert launcher._table_key(table, moved) == table_key != launcher._table_key(table, entries[1:])
     with monkeypatch.context() as patched:
         from triton import knobs
         patched.setattr(knobs.runtime, "debug", not knobs.runtime.debug)
@@ -1136,8 +1137,8 @@ def test_bound_launches_pass_the_driver_the_bytes_of_tritons_own(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     counts = {tuple(line.split()[:-1]): int(line.split()[-1]) for line in done.stdout.splitlines()}
     bound = {key[1]: n for key, n in counts.items() if key[0] == "bound"}
-    assert set(counts) - {("unbound", name, "False") for name in JITS.values()} == {
-        ("bound", name, "identical", "direct") for name in JITS.values()}, done.stdout
+    assert set(counts) - {("unbound", name, "False") for _, name in JITS.values()} == {
+        ("bound", name, "identical", "direct") for _, name in JITS.values()}, done.stdout
     assert min(bound.values()) >= 8, done.stdout       # each kernel, bound in all four chains
 
 
@@ -1170,8 +1171,9 @@ from concurrent.futures import ProcessPoolExecutor
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from scripts import bench_kernel
 import kernel
+import launcher
+from scripts import bench_kernel
 assert not kernel.INTERPRETED
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
@@ -1227,8 +1229,8 @@ with ProcessPoolExecutor(2) as pool:
     for lines in pool.map(compile_launch, launches):
         print("\\n".join(lines))
 # the address tables' kernel: a tuple of TABLE_CHUNK int64 arguments
-table = {"table_ptr": "*i64", "offset": "i32", "entries": ("i64",) * kernel.TABLE_CHUNK}
-triton.compile(ASTSource(kernel._table_kernel, table, {}), target=GPUTarget("cuda", 90, 32),
+table = {"table_ptr": "*i64", "offset": "i32", "entries": ("i64",) * launcher.TABLE_CHUNK}
+triton.compile(ASTSource(launcher._table_kernel, table, {}), target=GPUTarget("cuda", 90, 32),
                options={"num_warps": 1})
 """
 
