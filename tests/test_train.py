@@ -1,4 +1,4 @@
-"""train.py: schedule, batches, training of every mode against a reference loop, conversion,
+"""train.py: batches, training of every mode against a reference loop, conversion,
 resume, signals, the output folder's lock, failed saves, logs, bad input, DDP (tiny preset, the
 64-token corpus of the `data` fixture, a few steps each)."""
 import builtins
@@ -27,7 +27,6 @@ import train
 from lib import common
 from lib import head
 from lib.common import adamw, load_model, sample_rows, seed_of
-from lib.schedule import lr_factor
 from helpers import ROOT, VOCAB, error_line, interrupted_while_importing, sigint_as_in_a_terminal
 
 
@@ -69,32 +68,7 @@ def error_of(capsys, argv, status=2):
 
 
 # -----------------------------------------------------------------------------
-# The schedule and the batches
-
-def test_lr_schedule_warms_up_then_decays_to_the_floor():
-    f = [train.lr_factor(s, 10, 100, 0.1) for s in range(100)]
-    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(f[9:], f[10:]))
-    assert f[-1] == pytest.approx(0.1, abs=1e-3)
-    assert train.lr_factor(500, 10, 100, 0.1) == pytest.approx(0.1)
-
-
-def cosine(progress, floor=0.1):
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-@pytest.mark.parametrize("step, warmup, factor", [
-    (0, 10, 0.1), (8, 10, 0.9), (9, 10, 1.0), (10, 10, 1.0), (11, 10, cosine(1 / 90)),
-    (99, 10, cosine(89 / 90)), (100, 10, 0.1), (150, 10, 0.1), (0, 0, 1.0), (99, 200, 0.5),
-], ids=["first-step", "warmup-end-minus-1", "warmup-end", "peak", "warmup-end-plus-1", "last-step",
-        "max-steps", "past-it", "no-warmup", "warmup-past-the-end"])
-def test_the_schedule_at_its_boundaries(step, warmup, factor):
-    """lib.schedule.lr_factor, train.py's and compromise.py's, over 100 steps to a floor of 0.1:
-    the warmup's first update already moves, its last is at the peak, the cosine starts there and
-    ends at the floor at max_steps, and stays there; no warmup starts at the peak, one longer than
-    the run ends part way up."""
-    assert lr_factor(step, warmup, 100, 0.1) == pytest.approx(factor, rel=1e-12)
-
+# The batches
 
 def test_batches_are_a_pure_function_of_the_step_and_split_freely():
     tokens, vocab = np.arange(1000, dtype=np.uint16), 1000
