@@ -165,6 +165,24 @@ def parse_args(argv=None):
     return args
 
 
+class Unwritable(Exception):
+    """Standard output refused the samples: its reader closed it (| head) or its disk is full."""
+
+
+def write(text):
+    """text on standard output at once; Unwritable when it cannot take it."""
+    try:
+        print(text, end="", flush=True)
+    except OSError as e:
+        raise Unwritable(e) from None
+
+
+def close_stdout():
+    """Standard output onto /dev/null: nothing more reaches the closed or full one, Python's last flush at
+    exit included (which would print its own error)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def main(argv=None):
     args = parse_args(argv)
     current = -1  # the sample being printed
@@ -174,9 +192,9 @@ def main(argv=None):
         if current < 0:  # the prompt is read: say what comes
             print(f"sample.py: {what_is_drawn(args, model, ckpt, device)}", file=sys.stderr, flush=True)
         if i != current:
-            print("\n" + "-" * 40 + "\n" if i else "", end="")
+            write("\n" + "-" * 40 + "\n" if i else "")
             current = i
-        print(text, end="", flush=True)
+        write(text)
     try:
         device = pick_device(args.device)
         model, ckpt = load_model(args.ckpt, device)
@@ -189,9 +207,17 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("" if current < 0 else "\n", end="", flush=True)  # the interrupted sample's line ends
         exit_error("sample.py", "interrupted (Ctrl-C)", status=130)
+    except Unwritable as e:
+        close_stdout()
+        if isinstance(e.args[0], BrokenPipeError):
+            return None  # the reader has what it wanted (| head -1): a quiet end
+        exit_error("sample.py", f"cannot write the samples to standard output ({e.args[0].strerror})", status=1)
     # every sample is out: a Ctrl-C from here on, the process's teardown included, is too late and ignored
     ignore_stop_signals("sample.py")
-    print(flush=True)
+    try:
+        write("\n")
+    except Unwritable:  # every sample is out but its last line's end: the run has finished
+        close_stdout()
     return samples
 
 

@@ -244,3 +244,31 @@ def test_a_model_trained_on_token_files_samples_only_the_datas_ids(tmp_path, cap
                 "--num_samples", 2, "--temperature", 1, "--top_k", 0)
     ids = [int(i) for text in texts for i in text.split()]
     assert len(ids) == 2 * 23 and max(ids) < 50, texts
+
+
+def sample_command(probe_runs, tokens):
+    return [sys.executable, "sample.py", "--ckpt", str(probe_runs["mhar"] / "ckpt.pt"), "--prompt", "1 2 3",
+            "--max_new_tokens", str(tokens)]
+
+
+def test_a_reader_that_stops_early_ends_the_samples_quietly(probe_runs):
+    """sample.py | head -1: the reader closes the pipe after its line; sample.py ends at its next write, status
+    0, nothing on stderr but what it draws (before: a BrokenPipeError traceback)."""
+    p = subprocess.Popen(sample_command(probe_runs, 100000), cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if not select.select([p.stdout], [], [], 120)[0]:
+        p.kill()
+        pytest.fail("sample.py printed nothing for 2 minutes")
+    p.stdout.read1(1)
+    p.stdout.close()                                       # as head does once it has its line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0 and err.count("\n") == 1 and err.startswith("sample.py: 3 samples"), err
+
+
+def test_samples_onto_a_full_disk_are_one_line_and_status_1(probe_runs):
+    with open("/dev/full", "w") as full:
+        p = subprocess.run(sample_command(probe_runs, 4), cwd=ROOT, stdout=full, stderr=subprocess.PIPE,
+                           text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    said, error = p.stderr.splitlines()
+    assert p.returncode == 1 and said.startswith("sample.py: 3 samples"), p.stderr
+    assert error == "sample.py: error: cannot write the samples to standard output (No space left on device)"
