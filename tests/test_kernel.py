@@ -241,8 +241,56 @@ HISTORIES = {   # id: (width, heads, block, delta, group, dtype)
 }
 
 
+@pytest.fixture
+def programs_last_first(monkeypatch):
+    """The interpreter runs a launch's programs in order, program 0 first; a GPU runs them in any
+    order. Run last first, a program that reads what another of its launch writes (program 0's rows
+    of the address table) reads it before it is written, as it could on a GPU. An address table's
+    entries start as the address of NaNs: such a read gives NaNs, not a crash."""
+    from triton.runtime import interpreter
+    nans = torch.full((1 << 16,), math.nan)
+    new_empty = torch.Tensor.new_empty
+
+    def poisoned(self, *args, **kwargs):          # (holds nans while patched)
+        tensor = new_empty(self, *args, **kwargs)
+        return tensor.fill_(nans.data_ptr()) if tensor.dtype == torch.int64 else tensor
+    monkeypatch.setattr(torch.Tensor, "new_empty", poisoned)
+    builder = interpreter.interpreter_builder       # the grid loop's: set_grid_idx(x, y, z)
+    in_order = builder.set_grid_idx
+
+    def last_first(x, y, z):
+        gx, gy, gz = builder.grid_dim
+        in_order(gx - 1 - x, gy - 1 - y, gz - 1 - z)
+    monkeypatch.setattr(builder, "set_grid_idx", last_first)
+
+
+@interpreted
+def test_programs_last_first_runs_each_program_once_program_0_last(programs_last_first):
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def order(out_ptr, count_ptr):
+        tl.store(out_ptr + tl.program_id(0), tl.atomic_add(count_ptr, 1))
+    out, count = torch.full((3,), -1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    order[(3,)](out, count)
+    assert out.tolist() == [2, 1, 0]
+
+
 @pytest.mark.parametrize("case", HISTORIES.values(), ids=HISTORIES.keys())
 def test_fused_history_matches_readable(nan_outputs, case):
+    fused_history_matches_readable(case)
+
+
+# three programs a launch (5 positions), the last with one position
+@interpreted
+@pytest.mark.parametrize("name", ["full-G2-H2", "block2-auto-H4", "delta3-G2-H1"])
+def test_fused_history_matches_readable_with_programs_last_first(nan_outputs, programs_last_first,
+                                                                  name):
+    fused_history_matches_readable(HISTORIES[name])
+
+
+def fused_history_matches_readable(case):
     width, heads, block, delta, group, dtype = case
     sites = 5
     s0, layers, queries, norms, null = network_parameters(sites, width, dtype, delta)
