@@ -170,6 +170,9 @@ def gather(folders, flag=None, metric=None):
                           disagreement=disagreement(folder, results))
                      for (folder, results, _), value in zip(read, values)), key=lambda p: p["value"])
     labels = dict.fromkeys(label for p in points for label in p["differences"])
+    if not labels:
+        raise UserError("the folders hold no paired difference (each comparison trained one method alone): "
+                        "compare at least one method with the baseline in each")
     trend = {}
     for label in labels:
         at = [p["differences"][label] for p in points if label in p["differences"]]

@@ -142,11 +142,17 @@ def test_a_difference_some_folders_lack_has_a_dash_there_and_a_trend_over_the_ot
     ("no-pairs", r"^\S+/b/results\.json is not a whole results\.json of compare\.py: run its compare\.py command "
                  r"again \(it reuses the finished runs and writes the file anew\)$"),
     ("no-config", "has no readable config.json"),
-], ids=["one", "same", "flag-same", "flag-text", "twice", "no-results", "torn", "no-pairs", "no-config"])
+    ("baseline-alone", r"^the folders hold no paired difference \(each comparison trained one method alone\): "
+                       r"compare at least one method with the baseline in each$"),
+], ids=["one", "same", "flag-same", "flag-text", "twice", "no-results", "torn", "no-pairs", "no-config",
+        "baseline-alone"])
 def test_folders_that_cannot_make_a_trend_are_one_line(case, message, tmp_path):
     a = comparison(tmp_path / "a", 64, losses([1.5, 1.6, 1.55], GAPS[64]))
     b = comparison(tmp_path / "b", 64 if case == "same" else 128, losses([1.5, 1.6, 1.55], GAPS[128]),
                    extra_args={"preset": "small"} if case == "flag-text" else None)
+    if case == "baseline-alone":  # (before: a traceback from the figure, which had no difference to plot)
+        a = comparison(tmp_path / "a0", 64, {"baseline": [1.5, 1.6, 1.55]}, versus=())
+        b = comparison(tmp_path / "b0", 128, {"baseline": [1.4, 1.5, 1.45]}, versus=())
     folders, flag = [a, b], {"flag-same": "n_layer", "flag-text": "preset"}.get(case)
     if case == "one":
         folders = [a]
