@@ -1113,6 +1113,11 @@ def counted_call(*args):
 CudaLauncher.__call__ = counted_call
 
 with bench_kernel.stand_in_gpu() as launched:
+    # the current device and stream, as a GPU's torch would set them: changed between launches
+    at = {"device": 0, "stream": 0}
+    active = triton.runtime.driver.active
+    active.get_current_device = lambda: at["device"]
+    active.get_current_stream = lambda device: at["stream"]
     library = ctypes.CDLL(os.path.join(os.environ["TRITON_LIBCUDA_PATH"], "libcuda.so.1"))
     record = (ctypes.c_ubyte * 16384).in_dll(library, "record")
     record_len = ctypes.c_ulonglong.in_dll(library, "record_len")
@@ -1127,11 +1132,10 @@ with bench_kernel.stand_in_gpu() as launched:
         return bytes(record[:record_len.value])
 
     def checked(jit, grid, key, args, constexprs):
-        active = triton.runtime.driver.active
-        device = active.get_current_device()
-        if key is None or (active, device, id(jit), key) not in launcher.cache:
-            counts["unbound", jit.__name__, key is None] += 1
+        if key is None:
+            counts["unbound", jit.__name__, True] += 1
             return launch(jit, grid, key, args, constexprs)
+        device = at["device"]
         # the parameters' sizes, as the launcher packs them: no constexpr, then its two scratch pointers
         specialization = jit.device_caches[device][4](*args, **constexprs)[1]
         types = [t for ty, _ in specialization for t in (ty if isinstance(ty, tuple) else (ty,))]
@@ -1140,31 +1144,39 @@ with bench_kernel.stand_in_gpu() as launched:
         for i, size in enumerate(sizes):
             param_sizes[i] = size
         tritons = recorded(lambda: jit[grid](*args, **constexprs))
-        calls = launcher_calls
+        calls, entries = launcher_calls, len(launcher.cache)
         bound = recorded(lambda: launch(jit, grid, key, args, constexprs))
         n_params.value = 0
+        if len(launcher.cache) > entries:       # the first launch of its key here: bound after it
+            counts["unbound", jit.__name__, False] += 1
+            return
         counts["bound", jit.__name__, "identical" if bound == tritons else "differ",
                "direct" if launcher_calls == calls else "through CudaLauncher"] += 1
+        counts["at", "device", device, "stream", at["stream"]] += 1
     launcher.launch = checked
 
     heads, d, sites = 8, 32, 5
-    for dtype in (torch.bfloat16, torch.float32):
-        for group in (1, 3):
-            s0 = torch.randn(1, 4, d).to(dtype).requires_grad_()
-            qs = [torch.zeros(d, requires_grad=True) for _ in range(sites)]
-            gs = [torch.ones(d, requires_grad=True) for _ in range(sites)]
-            for chain in range(2):          # the first binds, the second is bound throughout
-                history = kernel.FusedHistory(mhar.depth_history(qs, gs, heads, 1e-6),
-                                              mhar.site_reads(sites), group=group)
-                history.append(s0)
-                out = history.read(0)
-                for site in range(1, sites):
-                    history.append(out * 1.0)
-                    out = history.read(site)
-                out.float().sum().backward()
-        for chain in range(3):              # the custom operator's way in: an address table a launch
-            V = torch.randn(3, 1, 4, d).to(dtype).requires_grad_()
-            kernel.fused_route(V, qs[0], gs[0], heads).float().sum().backward()
+    for device in (0, 1):                   # bound on device 0 first, then on device 1 too
+        at["device"] = device
+        for dtype in (torch.bfloat16, torch.float32):
+            for group in (1, 3):
+                s0 = torch.randn(1, 4, d).to(dtype).requires_grad_()
+                qs = [torch.zeros(d, requires_grad=True) for _ in range(sites)]
+                gs = [torch.ones(d, requires_grad=True) for _ in range(sites)]
+                for chain in range(2):      # the first binds, the second is bound throughout
+                    at["stream"] = 16 * (chain + 1)     # a stream of its own: changed after binding
+                    history = kernel.FusedHistory(mhar.depth_history(qs, gs, heads, 1e-6),
+                                                  mhar.site_reads(sites), group=group)
+                    history.append(s0)
+                    out = history.read(0)
+                    for site in range(1, sites):
+                        history.append(out * 1.0)
+                        out = history.read(site)
+                    out.float().sum().backward()
+            for chain in range(3):          # the custom operator's way in: a table a launch
+                at["stream"] = 16 * (chain + 1)
+                V = torch.randn(3, 1, 4, d).to(dtype).requires_grad_()
+                kernel.fused_route(V, qs[0], gs[0], heads).float().sum().backward()
 for count in sorted(counts.items(), key=str):
     print(*count[0], count[1])
 """
@@ -1177,13 +1189,17 @@ def test_bound_launches_pass_the_driver_the_bytes_of_tritons_own(tmp_path):
     through a stand-in driver that records each launch: grid, block,
     shared memory, stream, function (one handle per kernel loaded), attributes and every kernel
     parameter's bytes. Every launch after the first of its key is made twice, by kernel[grid] and
-    bound: the driver must be handed the same, and bound launches call the C launch directly."""
+    bound: the driver must be handed the same, and bound launches call the C launch directly. All
+    of it on device 0, then again with device 1 current (its own function handles), each chain on a
+    stream of its own (the current one changes after binding): each bound launch checked so."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TMPDIR"] = str(tmp_path)            # the recording driver is compiled there
     done = subprocess.run([sys.executable, "-c", BOUND_BYTES], env=env, capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.abspath(kernel.__file__)), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     counts = {tuple(line.split()[:-1]): int(line.split()[-1]) for line in done.stdout.splitlines()}
+    at = {key[2::2]: counts.pop(key) for key in list(counts) if key[0] == "at"}
+    assert {("0", "16"), ("0", "32"), ("1", "16"), ("1", "32")} <= set(at), done.stdout
     bound = {key[1]: n for key, n in counts.items() if key[0] == "bound"}
     assert set(counts) - {("unbound", name, "False") for _, name in JITS.values()} == {
         ("bound", name, "identical", "direct") for _, name in JITS.values()}, done.stdout
