@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -1204,6 +1205,42 @@ def test_bound_launches_pass_the_driver_the_bytes_of_tritons_own(tmp_path):
     assert set(counts) - {("unbound", name, "False") for _, name in JITS.values()} == {
         ("bound", name, "identical", "direct") for _, name in JITS.values()}, done.stdout
     assert min(bound.values()) >= 8, done.stdout       # each kernel, bound in all four chains
+
+
+class _Launcher:
+    """A compiled kernel's launcher in one of the layouts _bind knows, recording what it is passed."""
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid = launch_pdl = False
+
+    def __init__(self, layout):
+        self.calls = []
+        self.launch = lambda *args: self.calls.append(args)
+        if layout == "3.9":
+            self.arg_annotations, self.kernel_signature = "annotations", "signature"
+        elif layout == "through CudaLauncher":
+            self.global_scratch_size = 64
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+@pytest.mark.parametrize("layout", ["3.9", "3.6", "through CudaLauncher"])
+def test_bind_passes_the_runtime_args_then_the_constexprs_in_parameter_order(monkeypatch, layout):
+    """_bind splits the binder's values of a kernel (x, n, scale, BLOCK, FLAG) after its runtime
+    args: the launcher gets each once, the constexprs after them in the kernel's order (triton 3.9's
+    launcher skips those positions by its signature, so an extra one would pass the byte test)."""
+    # the recording launch, a Python function, taken as the C launch it stands for
+    monkeypatch.setattr(launcher, "types", types.SimpleNamespace(BuiltinFunctionType=types.FunctionType))
+    values = dict(x="x", n=5, scale=0.5, BLOCK=64, FLAG=True)
+    jit = types.SimpleNamespace(device_caches={0: (None,) * 4 + (lambda *a, **c: (values, None),)})
+    run = _Launcher(layout)
+    compiled = types.SimpleNamespace(run=run, function="function", packed_metadata="metadata")
+    bound = launcher._bind(jit, compiled, (3,), ("x", 5, 0.5), dict(FLAG=True, BLOCK=64, num_warps=4),
+                           0)
+    bound("stream", ("y", 6, 0.25))
+    passed = {"3.9": lambda call: call[-1], "3.6": lambda call: call[13:],
+              "through CudaLauncher": lambda call: call[9:]}[layout](run.calls[-1])
+    assert run.calls[-1][:4] == (3, 1, 1, "stream") and passed == ("y", 6, 0.25, 64, True)
 
 
 # ----------------------------------------------------------------------------------------------
