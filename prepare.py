@@ -588,7 +588,7 @@ def family_sides(texts, val_fraction, seed):
         if held + size[f] <= VAL_SLACK * target:
             val.add(f)
             held += size[f]
-    val = val or {min(size, key=size.get)}
+    val = val or set(sorted(size, key=size.get)[:1])  # (no family at all: no document was written)
     return ["val" if f in val else "train" for f in family]
 
 
@@ -758,6 +758,10 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
                                       sides)
         if counts["val"]["documents"] == 0:
             raise PrepareError(f"no documents in {', '.join(sources)} (only empty ones)")
+        if counts["train"]["documents"] == 0 and counts["val"]["documents"] > 1:  # --split families
+            raise PrepareError(f"all {counts['val']['documents']} documents are one near-duplicate family, which "
+                               f"the split by family keeps on one side: give documents that differ, or use "
+                               f"--split blocks")
         if counts["train"]["documents"] == 0:
             raise PrepareError("only one document: the train/val split is by document, so give at least two "
                                "(more files, or a .jsonl with one document per line)")

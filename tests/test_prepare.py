@@ -604,6 +604,45 @@ def test_val_takes_the_smallest_family_when_none_fits():
     assert prepare.family_sides(texts, 0.01, seed=0) == ["train", "val", "train"]
 
 
+def test_family_sides_of_no_document_is_empty():
+    """Every document empty (by_family drops them): no side to give, and no ValueError from an empty min()."""
+    assert prepare.family_sides([], 0.1, seed=0) == []
+
+
+@pytest.mark.parametrize("copies, split, fragment", [
+    (1, "families", "only one document"),
+    (2, "families", "all 2 documents are one near-duplicate family, which the split by family keeps on one side: "
+                    "give documents that differ, or use --split blocks"),
+    (6, "families", "all 6 documents are one near-duplicate family"),
+    (6, "blocks", None),
+], ids=["one", "two-copies", "six-copies", "six-copies-by-blocks"])
+def test_copies_of_one_document_split_by_family_say_so(copies, split, fragment, tmp_path, capsys):
+    """Identical files are one family, which --split families keeps on one side (before: "only one document",
+    untrue for six); the split by blocks takes them, some to each side."""
+    rng = np.random.default_rng(5)
+    text = _words(rng, 40)
+    for k in range(copies):
+        (tmp_path / f"copy{k}.txt").write_bytes(text)
+    argv = ["--input", str(tmp_path), "--out", str(tmp_path / "out"), "--tokenizer", "bytes", "--split", split,
+            "--val_fraction", "0.2", "--quiet"]
+    if fragment is None:
+        meta = json.loads((prepare.main(argv) / "meta.json").read_text())
+        assert meta["documents"]["train"] >= 1 and sum(meta["documents"].values()) == 6
+        return
+    err = error_line(capsys, prepare.main, argv)
+    assert fragment in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("split", ["families", "blocks"])
+def test_a_corpus_of_empty_documents_is_one_line_either_split(split, tmp_path, capsys):
+    for k in range(3):
+        (tmp_path / f"empty{k}.txt").write_text("")
+    err = error_line(capsys, prepare.main, ["--input", str(tmp_path), "--out", str(tmp_path / "out"), "--tokenizer",
+                                            "bytes", "--split", split, "--quiet"])
+    assert err.endswith("(only empty ones)"), err
+
+
 def test_the_shared_share_is_the_brute_force_count():
     """shared_share: the share of val's 32-byte windows (with repeats) that occur anywhere in train,
     checked against Python's sets of substrings; 0 without val or without train."""
