@@ -30,6 +30,7 @@ import argparse
 import ast
 import copy
 import fnmatch
+import importlib.util
 import json
 import os
 import re
@@ -118,10 +119,23 @@ def also_copy(listed, file):
     return [t for t in tops if t not in (file, "tests", package)] + (siblings if package else [])
 
 
+class Usage(Exception):
+    """A mistake of the user's (a bad argument, no mutmut, no git checkout): main prints it in one line."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block first
+        raise Usage(f"{message} (python tests/mutate.py --help lists the arguments)")
+
+
 def workspace(file, tests):
     """.mutmut/<stem>/ holding a copy of the working tree and mutmut's configuration for `file`."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.split("\n")
+    try:
+        listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                                capture_output=True, text=True, check=True).stdout.split("\n")
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise Usage(f"{ROOT} is not a git checkout (git ls-files: {(getattr(e, 'stderr', None) or str(e)).strip()}): "
+                    f"mutate.py copies what git tracks; run it in a clone of the repository") from None
     tops = sorted({p.split("/")[0] for p in listed if p and (ROOT / p).exists()})
     folder = ROOT / ".mutmut" / Path(file).stem
     shutil.rmtree(folder, ignore_errors=True)  # nothing of an earlier run: its mutants, results, test map
@@ -142,7 +156,15 @@ def workspace(file, tests):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="mutate.py", description=__doc__.split("\n\n")[0].strip())
+    try:
+        mutate(argv)
+    except Usage as e:
+        print(f"mutate.py: error: {str(e).strip()}", file=sys.stderr)
+        sys.exit(2)
+
+
+def mutate(argv):
+    p = Parser(prog="mutate.py", description=__doc__.split("\n\n")[0].strip())
     p.add_argument("file", help="a Python file of the project, e.g. mhar.py, lib/common.py, scripts/compare.py")
     p.add_argument("functions", nargs="*", help="its functions (Class.method for a method); none: all of them")
     p.add_argument("--tests", nargs="+", help="test files to run (default tests/test_<stem>.py)")
@@ -152,8 +174,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not re.fullmatch(r"((lib|scripts)/)?\w+\.py", args.file) or not (ROOT / args.file).is_file():
         p.error(f"{args.file} is not a Python file at the root, in lib/ or in scripts/")
-    if shutil.which("mutmut") is None:
-        p.error("mutmut is not installed: pip install mutmut==3.8.1")
+    if shutil.which("mutmut") is None or importlib.util.find_spec("mutmut") is None:  # the command, and in this
+        p.error("mutmut is not installed: pip install mutmut==3.8.1")               # Python (generate_mutants)
     module = args.file.removesuffix(".py").replace("/", ".")  # lib/common.py: lib.common
     tests = args.tests or [f"tests/test_{Path(args.file).stem}.py"]
     missing = [t for t in tests if not (ROOT / t).is_file()]
@@ -180,7 +202,7 @@ def main(argv=None):
                              text=True, check=True).stdout.splitlines()
     found = tally(results, patterns)
     if not found:
-        sys.exit(f"mutate.py: error: no mutant matches {' '.join(args.functions)} in {args.file}")
+        raise Usage(f"no mutant matches {' '.join(args.functions)} in {args.file}")
     print(f"\n{args.file} {' '.join(args.functions)} against {' '.join(tests)}:")
     print("  " + ", ".join(f"{len(found[s])} {s}" for s in COUNTED if s in found)
           + (f"; {len(wording)} left out (they change only what --help prints)" if wording else ""))

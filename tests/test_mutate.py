@@ -241,3 +241,40 @@ def test_generate_mutants_writes_mutmuts_mutated_file(tmp_path, monkeypatch):
     mutate.generate_mutants(folder, 1)
     kept, wording = mutate.split_wording((folder / "mutants" / "a.py").read_text(), "a", [mutant_pattern("a", "f")])
     assert kept and wording and len(kept) + len(wording) == len(set(kept + wording))
+
+
+def mutate_line(capsys, argv):
+    """mutate.main(argv) on a mistake: status 2 and one line "mutate.py: error: ...", no usage block."""
+    with pytest.raises(SystemExit) as stop:
+        mutate.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("mutate.py: error: "), err
+    return err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    ([], "the following arguments are required: file"),
+    (["nope.py"], "nope.py is not a Python file at the root, in lib/ or in scripts/"),
+    (["mhar.py", "a.b.c"], "'a.b.c' is not a function or Class.method name"),
+    (["mhar.py", "--jobs", "x"], "argument --jobs: invalid int value: 'x'"),
+], ids=["nothing", "no-such-file", "bad-function", "bad-flag"])
+def test_a_mistake_is_one_line_and_status_2(argv, fragment, capsys):
+    assert fragment in mutate_line(capsys, argv)
+
+
+def test_without_mutmut_it_says_what_to_install(capsys, monkeypatch):
+    monkeypatch.setattr(mutate.shutil, "which", lambda name: None)
+    assert "mutmut is not installed: pip install mutmut==3.8.1" in mutate_line(capsys, ["mhar.py", "route"])
+
+
+def test_outside_a_git_checkout_it_says_so(tmp_path, capsys, monkeypatch):
+    """A copy of the files without .git: git ls-files fails; one line (before: a CalledProcessError traceback)."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "a.py").write_text("def f():\n    return 1\n")
+    (tmp_path / "tests" / "test_a.py").write_text("")
+    monkeypatch.setattr(mutate, "ROOT", tmp_path)
+    monkeypatch.setattr(mutate.shutil, "which", lambda name: "/bin/true")
+    monkeypatch.setattr(mutate.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # git looks no higher
+    err = mutate_line(capsys, ["a.py"])
+    assert f"{tmp_path} is not a git checkout" in err and "run it in a clone of the repository" in err, err
