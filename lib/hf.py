@@ -432,8 +432,12 @@ def export_folder(directory):
     """`directory` as a Path if save may write into it: a new or empty folder, or an earlier export
     of this project (config.json with the "mhar" section every export carries) holding nothing
     but what save writes. CheckpointError naming what else it holds: another model, a train.py
-    run folder, a file of the user's. Nothing is read but config.json and the names."""
-    directory = Path(directory)
+    run folder, a file of the user's. Nothing is read but config.json and the names. Judged where
+    the path leads: new/../run is run (the folder new need not exist), and so is what a save writes."""
+    if Path(directory).is_symlink() and not Path(directory).exists():
+        raise CheckpointError(f"{directory} is a link to {os.readlink(directory)}, which does not exist: "
+                              f"export into a folder (it is created if it does not exist)")
+    directory = Path(os.path.realpath(directory))
     if not directory.exists():
         return directory
     if not directory.is_dir():
@@ -449,7 +453,10 @@ def export_folder(directory):
                               f"config.json of an earlier export): {instead}")
     try:
         hf_config = json.loads(config.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except OSError as e:  # another user's private folder
+        raise CheckpointError(f"{config} cannot be read ({e.strerror}): export into a folder of "
+                              f"yours") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
         hf_config = None
     if isinstance(hf_config, dict) and {"config", "args"} <= hf_config.keys():
         raise CheckpointError(f"{directory} is a train.py run folder (its config.json is the run's "

@@ -2,6 +2,7 @@
 models that transformers saves offline); routed checkpoints run by transformers and lm-eval from
 their own directory (modeling_mhar.py), in a process that never imported this project."""
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -585,6 +586,59 @@ def test_export_writes_over_nothing_but_an_earlier_export(tmp_path, capsys, kind
     with pytest.raises(CheckpointError, match=re.escape(OUT_DIRS[kind])):
         hf.save(model, out)
     assert bytes_in(out) == before
+
+
+@pytest.mark.parametrize("how", ["through-a-new-folder", "through-a-link"])
+def test_export_judges_the_folder_its_path_leads_to(tmp_path, capsys, how):
+    """--out_dir new/../run, new not existing, or a link to a run folder: refused as the run folder itself is
+    (before: new/../run was taken as new, new was created and the run's config.json overwritten)."""
+    from scripts import export
+    model = open_routing(GPT(tiny("mhar")))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(dict(config=dataclasses.asdict(model.config), args={})))
+    write_checkpoint(run / "ckpt.pt", model)
+    out = tmp_path / "new" / ".." / "run"
+    if how == "through-a-link":
+        out = tmp_path / "link"
+        out.symlink_to(run)
+    before = bytes_in(run)
+    line = error_line(capsys, export.main, [run / "ckpt.pt", out])
+    assert line.startswith(f"export.py: error: {run} is a train.py run folder"), line
+    assert bytes_in(run) == before and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["run"] + (["link"] if how == "through-a-link" else []))
+
+
+def test_export_onto_a_dangling_link_is_the_users_path(tmp_path, capsys):
+    """A link to nothing: status 2 and what it is (before: status 1, "free some space")."""
+    from scripts import export
+    model = open_routing(GPT(tiny("mhar")))
+    write_checkpoint(tmp_path / "ckpt.pt", model)
+    (tmp_path / "out").symlink_to(tmp_path / "nowhere")
+    line = error_line(capsys, export.main, [tmp_path / "ckpt.pt", tmp_path / "out"])
+    assert line == (f"export.py: error: {tmp_path / 'out'} is a link to {tmp_path / 'nowhere'}, which does not "
+                    f"exist: export into a folder (it is created if it does not exist)")
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_export_into_another_users_private_folder_says_it_cannot_be_read(tmp_path, capsys, monkeypatch):
+    """A config.json that cannot be read (another user's folder; the tests may run as root, whom permissions
+    do not stop: the read fails instead): "cannot be read", not "not a JSON object"."""
+    from scripts import export
+    model = open_routing(GPT(tiny("mhar")))
+    write_checkpoint(tmp_path / "ckpt.pt", model)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("{}")
+    read_text = Path.read_text
+
+    def private(path, *args, **kwargs):
+        if path.name == "config.json" and path.parent.name == "out":
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return read_text(path, *args, **kwargs)
+    monkeypatch.setattr(Path, "read_text", private)
+    line = error_line(capsys, export.main, [tmp_path / "ckpt.pt", tmp_path / "out"])
+    assert line.startswith(f"export.py: error: {tmp_path / 'out' / 'config.json'} cannot be read (Permission "
+                           f"denied): export into a folder of yours"), line
 
 
 @pytest.mark.parametrize("name, written", [
