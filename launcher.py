@@ -15,15 +15,15 @@ whose key (a guard on its arguments, kernel.py's for its kernels: None to refuse
 straight to the C launcher of what Triton compiled for it; the first launch with a key goes through
 kernel[grid] and binds the kernel Triton returns (_bind). The bound calls follow the launchers'
 private layouts in triton 3.6 and 3.9 (triton/backends/nvidia/driver.py CudaLauncher); the tests
-check that they pass the driver the bytes Triton's own launches do.
+check that they pass the driver the bytes Triton's own launches do. Other versions never bind.
 
 A key is a guard that fixes how Triton specializes every runtime argument (native_specialize_impl):
 pointers 16-byte aligned ('D'); do_not_specialize ints in [0, 2^31) and not bools (i32; a bool is
 u1); a float fp32; the addresses passed as arguments (a tuple's entries), specialized one by one,
 multiples of 16 in [2^31, 2^63) (i64 'D': all_bind). The key holds what the guard leaves free: the
 tensors' dtypes, the number of entries, the grid, the constexprs, TRITON_DEBUG. A launch the guard
-refuses goes through kernel[grid], as every launch does with hooks set, interpreted, or with
-BOUND_LAUNCHES off.
+refuses goes through kernel[grid], as every launch does with hooks set, interpreted, under a
+Triton version not in CHECKED_TRITONS, or with BOUND_LAUNCHES off.
 """
 import math
 import sys
@@ -60,9 +60,13 @@ def _table_kernel(
 
 
 # %% Bound launches
-# Off when TRITON_INTERPRET=1 was set before import (triton.jit then made interpreted functions):
-# every launch goes through kernel[grid]
-BOUND_LAUNCHES = isinstance(_table_kernel, triton.runtime.JITFunction)
+# The Triton versions whose C launcher layouts the tests check (_bind's two, the driver's bytes):
+# under any other (3.2-3.4 lack launcher attributes _bind reads), and when TRITON_INTERPRET=1 was
+# set before import (triton.jit then made interpreted functions), every launch goes through
+# kernel[grid]
+CHECKED_TRITONS = ("3.6", "3.9")
+BOUND_LAUNCHES = (isinstance(_table_kernel, triton.runtime.JITFunction)
+                  and ".".join(triton.__version__.split(".")[:2]) in CHECKED_TRITONS)
 cache = {}              # (driver, device, id(kernel), key) -> its bound launch(stream, args)
 
 

@@ -1243,6 +1243,46 @@ def test_bind_passes_the_runtime_args_then_the_constexprs_in_parameter_order(mon
     assert run.calls[-1][:4] == (3, 1, 1, "stream") and passed == ("y", 6, 0.25, 64, True)
 
 
+UNCHECKED_TRITON = """
+import triton
+triton.__version__ = "3.7.0"                # a version whose C launcher no test checks
+import torch
+from triton.backends.nvidia.driver import CudaLauncher
+import kernel, launcher, mhar
+from scripts import bench_kernel
+through_triton, triton_call = [], CudaLauncher.__call__
+CudaLauncher.__call__ = lambda *args: through_triton.append(triton_call(*args))
+with bench_kernel.stand_in_gpu() as launched:
+    heads, d, sites = 8, 32, 5
+    s0 = torch.randn(1, 4, d).requires_grad_()
+    qs = [torch.zeros(d, requires_grad=True) for _ in range(sites)]
+    gs = [torch.ones(d, requires_grad=True) for _ in range(sites)]
+    for chain in range(2):                  # the second would be bound throughout
+        history = kernel.FusedHistory(mhar.depth_history(qs, gs, heads, 1e-6),
+                                      mhar.site_reads(sites), group=3)
+        history.append(s0)
+        out = history.read(0)
+        for site in range(1, sites):
+            history.append(out * 1.0)
+            out = history.read(site)
+        out.sum().backward()
+    print(launcher.BOUND_LAUNCHES, len(launcher.cache), launched(), len(through_triton))
+"""
+
+
+@pytest.mark.slow
+def test_an_unchecked_triton_launches_every_kernel_through_tritons_own_launch():
+    """Under a Triton version whose launcher layout no test checks (faked: 3.7.0), nothing binds: a
+    fused chain's every launch, forward and backward, twice, reaches the stand-in driver through
+    Triton's CudaLauncher, as JITFunction.run launches it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", UNCHECKED_TRITON], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=os.path.dirname(os.path.abspath(kernel.__file__)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    bound, entries, launched, through_triton = done.stdout.split()
+    assert (bound, entries) == ("False", "0") and int(launched) == int(through_triton) > 0, done.stdout
+
+
 # ----------------------------------------------------------------------------------------------
 # Errors, imports, and the compiled kernels.
 
