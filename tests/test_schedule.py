@@ -30,3 +30,11 @@ def test_the_schedule_at_its_boundaries(step, warmup, factor):
     ends at the floor at max_steps, and stays there; no warmup starts at the peak, one longer than
     the run ends part way up."""
     assert lr_factor(step, warmup, 100, 0.1) == pytest.approx(factor, rel=1e-12)
+
+
+@pytest.mark.parametrize("max_steps, step, factor", [(10, 10, 0.1), (11, 10, 1.0), (11, 11, 0.1), (12, 11, 0.55)],
+                         ids=["no-cosine", "one-cosine-step-start", "one-cosine-step-end", "two-cosine-steps"])
+def test_a_cosine_of_one_or_two_steps(max_steps, step, factor):
+    """The shortest cosines after 10 warmup steps: none at all (max_steps = warmup: at the floor), one step (its
+    end at the floor), two (half way at 0.55)."""
+    assert lr_factor(step, 10, max_steps, 0.1) == pytest.approx(factor, rel=1e-12)
