@@ -32,9 +32,9 @@ def test_the_schedule_at_its_boundaries(step, warmup, factor):
     assert lr_factor(step, warmup, 100, 0.1) == pytest.approx(factor, rel=1e-12)
 
 
-@pytest.mark.parametrize("max_steps, step, factor", [(10, 10, 0.1), (11, 10, 1.0), (11, 11, 0.1), (12, 11, 0.55)],
-                         ids=["no-cosine", "one-cosine-step-start", "one-cosine-step-end", "two-cosine-steps"])
+@pytest.mark.parametrize("max_steps, step, factor", [(11, 10, 1.0), (11, 11, 0.1), (12, 11, 0.55), (12, 12, 0.1)],
+                         ids=["one-step-start", "one-step-end", "two-steps-half-way", "two-steps-end"])
 def test_a_cosine_of_one_or_two_steps(max_steps, step, factor):
-    """The shortest cosines after 10 warmup steps: none at all (max_steps = warmup: at the floor), one step (its
-    end at the floor), two (half way at 0.55)."""
+    """The shortest cosines after 10 warmup steps: one step (at the peak, then at the floor at max_steps), two
+    (half way at 0.55)."""
     assert lr_factor(step, 10, max_steps, 0.1) == pytest.approx(factor, rel=1e-12)
