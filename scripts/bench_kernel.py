@@ -467,12 +467,19 @@ def stand_in_gpu():
     if compiler is None:
         raise RuntimeError("the stand-in driver needs a C compiler (gcc), as Triton's launcher does")
     digest = hashlib.sha256(STAND_IN_DRIVER.encode()).hexdigest()[:12]
-    folder = Path(tempfile.gettempdir()) / f"mhar-stand-in-driver-{digest}"
+    user = getattr(os, "getuid", lambda: "")()       # a folder a user's own: another's may be private
+    folder = Path(tempfile.gettempdir()) / f"mhar-stand-in-driver-{user}-{digest}"
     library = folder / "libcuda.so.1"
-    if not library.exists():
-        folder.mkdir(exist_ok=True)
+    try:
+        built = library.exists()
+        if not built:
+            folder.mkdir(exist_ok=True)
+            (folder / "driver.c").write_text(STAND_IN_DRIVER)
+    except PermissionError:
+        raise RuntimeError(f"the stand-in driver's folder {folder} is not yours to write: set TMPDIR "
+                           "to another temporary folder") from None
+    if not built:
         source, partial = folder / "driver.c", folder / f"libcuda.so.1.{os.getpid()}"
-        source.write_text(STAND_IN_DRIVER)
         include = Path(triton.__file__).parent / "backends" / "nvidia" / "include"  # triton's cuda.h
         subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", f"-I{include}",
                         str(source), "-o", str(partial)], check=True, capture_output=True)

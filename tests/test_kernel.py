@@ -759,6 +759,28 @@ def test_host_cost_without_a_c_compiler_is_one_line(monkeypatch, capsys):
     assert kernel.check_available is check
 
 
+def test_host_cost_in_a_folder_not_its_own_is_one_line(monkeypatch, capsys, tmp_path):
+    """The stand-in's folder is the user's own (their id in its name); one they cannot read or write
+    (private to another user, a temporary folder shared) is one line that names another temporary
+    folder, status 1, before anything is built or replaced."""
+    monkeypatch.setattr(kernel, "INTERPRETED", False)
+    monkeypatch.setattr(bench_kernel.tempfile, "gettempdir", lambda: str(tmp_path))
+    exists = bench_kernel.Path.exists
+
+    def private(path, *args, **kwargs):         # (as root, a chmod would not refuse)
+        if path.parent.parent == tmp_path:
+            raise PermissionError(13, "Permission denied", str(path))
+        return exists(path, *args, **kwargs)
+    monkeypatch.setattr(bench_kernel.Path, "exists", private)
+    check = kernel.check_available
+    with pytest.raises(SystemExit) as stop:
+        bench_kernel.main(["--host"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and err.count("\n") == 1, err
+    assert f"mhar-stand-in-driver-{os.getuid()}-" in err and "set TMPDIR to another temporary folder" in err
+    assert kernel.check_available is check
+
+
 def test_host_cost_refuses_the_interpreter(monkeypatch, capsys):
     """The interpreter replaces Triton's launcher: measuring through it would count nothing of it (--host: one
     line, status 2)."""
