@@ -457,3 +457,29 @@ def test_a_log_whose_last_line_is_torn_is_read_as_train_py_resume_reads_it(probe
     (tmp_path / "log.jsonl").write_text('{"step": 9, "lo\n' + "\n".join(lines))
     with pytest.raises(ValueError, match="line 1 is not JSON"):
         probe.read_log(tmp_path)
+
+
+def test_the_terminal_report_says_each_number_where_it_belongs(tmp_path):
+    """probe.report's lines, every number distinct, so that a swap (a pair's distance for its null's mean, a
+    std for a mean) shows."""
+    summary = dict(notes=["note one"], tokens=12345, data="data/x", collinearity=dict(mean=0.123),
+                   head_deviation=dict(overall=dict(mean_abs=0.0111, null_mean=0.0222, null_std=0.0033, z=-3.36,
+                                                    null_frac_above=0.75),
+                                       per_pair=dict(pairs=[(0, 1), (1, 3)], distance=[0.0444, 0.0555],
+                                                     null_mean=[0.0666, 0.0777], null_std=[0.0088, 0.0099],
+                                                     z=[-2.5, None])),
+                   width_disagreement=dict(kl_mean=0.1234, null_mean=0.0567, null_std=0.0089, z=7.49,
+                                           null_frac_above=0.0),
+                   runs=[dict(label="mhar", steps=30, final_val_loss=2.5, best_val_loss=2.25),
+                         dict(label="baseline", steps=10, final_val_loss=None, best_val_loss=None)],
+                   figures=["depth_map.png"])
+    assert probe.report(summary, tmp_path).splitlines() == [
+        "note one",
+        "probed 12,345 tokens of data/x | sources collinearity 0.123",
+        "head deviation 0.0111 vs random queries of the same norm 0.0222 ± 0.0033 (z -3.4, 75% of draws above)",
+        "heads 0, 1 apart 0.0444 vs random queries 0.0666 ± 0.0088 (z -2.5)",
+        "heads 1, 3 apart 0.0555 vs random queries 0.0777 ± 0.0099 (z n/a)",
+        "width disagreement KL 0.1234 vs random queries of the same norm 0.0567 ± 0.0089 (z 7.5, 0% of draws above)",
+        "run mhar: 30 steps, val loss 2.5000 (best 2.2500)",
+        "run baseline: 10 steps",
+        f"wrote {tmp_path / 'probe.json'}, depth_map.png"]
