@@ -357,7 +357,8 @@ def prior_run(folder, asked, data_print):
     would continue; the checkpoint also remembers the data's content (common.fingerprint)."""
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{folder} is a file, not a run's folder: move it away or choose another --out_dir")
-    done = finished(read_json(folder / "summary.json"))
+    summary = read_json(folder / "summary.json")
+    done = finished(summary)
     ckpt_path = folder / "ckpt.pt"
     ckpt = read_checkpoint(ckpt_path, keys=() if done else ("args", "config")) if ckpt_path.is_file() else None
     if done:
@@ -377,7 +378,24 @@ def prior_run(folder, asked, data_print):
     if difference is not None:
         raise UserError(f"{folder} holds a run trained with {difference}: move it away or choose another "
                         f"--out_dir")
+    disagreement = summary_disagreement(summary, asked) if done else None
+    if disagreement is not None:
+        raise UserError(f"{folder}'s summary.json is not of the run its config.json and this command describe "
+                        f"({disagreement}): move it away or choose another --out_dir")
     return "finished" if done else "stopped"
+
+
+def summary_disagreement(summary, asked):
+    """The first number a finished run's summary.json records (its steps, its method, the tokens it saw) that
+    the run `asked` (its resolved flags) would not have, as "step 4, not 2"; None when they agree. A number
+    the summary does not record (an older train.py's) is not judged."""
+    config = mhar.Config(**{f.name: asked[f.name] for f in dataclasses.fields(mhar.Config) if f.name in asked})
+    steps = asked["max_steps"]
+    expected = dict(step=steps, max_steps=steps, residual=config.residual, route_heads=config.depth_heads,
+                    **({} if asked.get("init_from") else  # a converted run counts its source's tokens too
+                       dict(tokens=steps * asked["global_batch"] * asked["seq_len"])))
+    return next((f"{name} {summary[name]!r}, not {value!r}" for name, value in expected.items()
+                 if name in summary and summary[name] != value), None)
 
 
 def check_eval(args, train_flags):

@@ -295,6 +295,38 @@ def test_a_folder_holding_another_run_stops_before_training(change, message, dat
     assert err.endswith("move it away or choose another --out_dir"), err
 
 
+@pytest.mark.parametrize("summary, message", [
+    (dict(step=4, max_steps=4), "step 4, not 2"),
+    (dict(step=3, max_steps=3), "step 3, not 2"),
+    (dict(step=2, max_steps=3), "max_steps 3, not 2"),
+    (dict(residual="baseline"), "residual 'baseline', not 'mhar'"),
+    (dict(route_heads=1), "route_heads 1, not 2"),
+    (dict(tokens="T+1"), "tokens T+1, not T"),
+    (dict(step=2, max_steps=2, residual="mhar", route_heads=2, tokens="T"), None),
+], ids=["more-steps", "one-more-step", "another-schedule", "another-method", "other-heads", "one-more-token",
+        "agrees"])
+def test_a_finished_runs_summary_must_be_of_the_run_its_config_records(summary, message, data, tmp_path, capsys):
+    """A summary.json of another run beside a config.json that says this one (before: its loss tabled as this
+    run's): one line naming the first number that differs, status 2; one that agrees is reused."""
+    out, argv = tmp_path / "cmp", ["--methods", "mhar", "--out_dir", tmp_path / "cmp", "--data", data, *TINY,
+                                   "--max_steps", "2"]
+    _, asked, data_print = resolved(argv, out)
+    folder, tokens = out / "mhar-s0", 2 * asked["mhar-s0"]["global_batch"] * asked["mhar-s0"]["seq_len"]
+    if "tokens" in summary:  # T: the tokens of 2 steps
+        summary = {**summary, "tokens": tokens + summary["tokens"].count("+1")}
+        message = message and message.replace("T+1", str(tokens + 1)).replace("T", str(tokens))
+    record_run(folder, asked["mhar-s0"], data_print=data_print)
+    written = json.loads((folder / "summary.json").read_text())
+    (folder / "summary.json").write_text(json.dumps({**written, **summary}))
+    if message is None:
+        assert compare.prior_run(folder, asked["mhar-s0"], data_print) == "finished"
+        return
+    with pytest.raises(compare.UserError) as refused:
+        compare.prior_run(folder, asked["mhar-s0"], data_print)
+    assert str(refused.value) == (f"{folder}'s summary.json is not of the run its config.json and this command "
+                                  f"describe ({message}): move it away or choose another --out_dir")
+
+
 @pytest.mark.parametrize("change", [
     dict(), dict(device="cuda", grad_accum=2, batch_size=4, compile=True, out_dir="elsewhere"),
     dict(log_interval=1, wandb="mhar", fused=True, fused_group=2, checkpointing=True),
