@@ -26,9 +26,9 @@ SIGTERM) goes on from its checkpoint (train.py --resume), so the same command co
 A run folder is reused or resumed only when the run it holds was trained as this one would be: its
 config.json (a finished run) or ckpt.pt (a stopped one) records the same preset, model, data (path and
 content), schedule, seed and method (only flags that say how a run computes or reports, as --device,
---batch_size at the same global batch or --fused, may differ). Any other run there, or a summary.json
-without a config.json, stops the comparison before anything trains; a torn summary.json is a run that did
-not finish. Two runs that would train alike (--seeds 0,0, --methods mhar-T2,mhar-T2.0) are refused too.
+--batch_size at the same global batch or --fused, may differ), and a finished run's summary.json agrees
+(its steps, method and tokens). Any other run there, or a summary.json without a config.json, stops the
+comparison before anything trains; a torn summary.json is a run that did not finish. Two runs that would train alike (--seeds 0,0, --methods mhar-T2,mhar-T2.0) are refused too.
 --jobs N trains N runs at a time, each with 1/N of the cores (OMP_NUM_THREADS, unless set) and its output
 in runs/compare/<name>.out. A line says when each run ends, in how long, and how many are left. After a
 run fails no other starts (those under way finish). SIGINT or SIGTERM to compare.py reaches every run
