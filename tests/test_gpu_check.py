@@ -2,7 +2,9 @@
 in the Triton interpreter, compiled configurations traced with aot_eager, the GPU's timings faked), its
 table's rows and columns, the files it writes and the arithmetic behind them; its plan and budget; a
 part that overruns (killed, with what it started) or crashes is a row and the next part runs; Ctrl-C in
-it and in bench_kernel.py's check, one line and status 130."""
+it and in bench_kernel.py's check, one line and status 130; SIGTERM and SIGHUP as Ctrl-C, nothing left
+running; an --out that cannot be written, one line and nothing half-written."""
+import builtins
 import io
 import json
 import os
@@ -20,8 +22,8 @@ import pytest
 import torch
 
 import train
-from helpers import (ROOT, error_line, interpreted, interrupted_while_importing, script_path,
-                     sigint_as_in_a_terminal)
+from helpers import (ROOT, error_line, files_in, interpreted, interrupted_while_importing,
+                     one_error_line, run_script, script_path, sigint_as_in_a_terminal)
 from scripts import bench_kernel
 from scripts import gpu_check
 from scripts.bench_kernel import HEADS, traffic
@@ -86,7 +88,7 @@ def test_the_table_prints_every_column_and_the_fake_bandwidth_adds_up(check):
                for c in ("fused", "captured", "captured+accum"))
     assert not any(cells[c][3].endswith(("~", "*")) for c in ("baseline", "readable", "compiled"))
     assert table[-2].startswith("* fake: no GPU measured it") and "~ the kernels in Triton's CPU" in table[-2]
-    routing = printed[printed.index("2. routing"):printed.index("3. train.py")].splitlines()
+    routing = printed[printed.index("1. routing"):printed.index("2. parity")].splitlines()
     assert routing[0].endswith("GB/s*") and [c[-1] for c in routing[2].split()[2:]] == ["*", "*", "~", "*", "*"]
     fused = next(r for r in rows if r["config"] == "fused")
     _, d, L, B, T = gpu_check.ROUTES["tiny"]
@@ -135,6 +137,8 @@ def test_the_plan_fits_its_minutes_with_every_captured_step(mode, most, capsys):
     of its own; each part's hard timeout at least its expected seconds, never past the budget."""
     parts, total = gpu_check.plan(mode)
     assert total <= most
+    if mode == "full":  # the kernel timings first, in a part that a later kill cannot cost them
+        assert parts[0][0] == ["routing 100m", "routing 350m", "routing 1b"] and parts[1][0] == ["parity"]
     alone = [rows[0] for rows, _, timeout in parts if len(rows) == 1 and timeout is not None]
     shape = "100m" if mode == "full" else "100m-4L"
     assert {f"{shape} captured", f"{shape} captured+accum", f"{shape} compiled+fused"} <= set(alone)
@@ -143,6 +147,7 @@ def test_the_plan_fits_its_minutes_with_every_captured_step(mode, most, capsys):
     for rows, expected, timeout in parts:
         if timeout is not None:
             assert expected <= timeout <= most - start
+            assert timeout == min(gpu_check.timeout_factor(rows) * expected, most - start)
             start += expected
     gpu_check.main(["--plan"] + (["--quick"] if mode == "quick" else []))
     printed = capsys.readouterr().out.splitlines()
@@ -150,15 +155,48 @@ def test_the_plan_fits_its_minutes_with_every_captured_step(mode, most, capsys):
     assert "captured+accum" in "\n".join(printed) and len(printed) == 3 + len(parts) + 1
 
 
-@pytest.mark.parametrize("budget, runs", [(10 + 45 + 13, True), (10 + 45 + 13 - 1, False)],
-                         ids=["two-parts-exactly", "one-second-short"])
+@pytest.mark.parametrize("budget, runs", [(10 + 27 + 28 + 13, True), (10 + 27 + 28 + 13 - 1, False)],
+                         ids=["three-parts-exactly", "one-second-short"])
 def test_the_plan_runs_a_part_that_ends_exactly_at_the_budget(budget, runs):
-    """The start (10 s), the kernels' part (45 s) then 100m's eager steps (13 s): a budget of their
-    sum runs both, and gives each part what is left as its timeout when that is less than twice
-    its expected seconds."""
+    """The start (10 s), the routing (27 s), parity (28 s) then 100m's eager steps (13 s): a budget
+    of their sum runs all three, and gives each part what is left as its timeout when that is less
+    than its factor times its expected seconds."""
     parts, _ = gpu_check.plan("full", budget)
-    assert parts[0][2] == budget - 10 and parts[1][:2] == (gpu_check.PLANS["full"][1], 13)
-    assert parts[1][2] == (13 if runs else None)
+    assert [p[1] for p in parts[:3]] == [27, 28, 13] and parts[2][0] == gpu_check.PLANS["full"][2]
+    assert parts[0][2] == budget - 10 and parts[1][2] == budget - 10 - 27
+    assert parts[2][2] == (13 if runs else None)
+
+
+@pytest.mark.parametrize("rows, factor", [
+    (["parity"], "COLD"), (["routing 100m", "routing 350m"], "COLD"), (["100m captured"], "COLD"),
+    (["100m-4L compiled+fused"], "COLD"), (["350m compiled"], "COLD"),
+    (["100m baseline", "100m readable", "100m fused"], "TIMEOUT"),
+], ids=["parity", "routing", "captured", "compiled-fused", "compiled", "eager"])
+def test_a_part_that_compiles_gets_the_cold_factor(rows, factor):
+    """A fresh machine's caches are empty: a part that compiles (parity, the routing's kernels, a
+    --compile step) is killed later than an eager one, the budget still bounding it (above)."""
+    assert gpu_check.COLD_FACTOR > gpu_check.TIMEOUT_FACTOR
+    assert gpu_check.timeout_factor(rows) == getattr(gpu_check, f"{factor}_FACTOR")
+    assert gpu_check.Budget(1000, enforce=True).timeout(10, gpu_check.timeout_factor(rows)) == \
+        pytest.approx(10 * getattr(gpu_check, f"{factor}_FACTOR"), abs=0.5)
+
+
+@pytest.mark.parametrize("mode, flag", [("quick", "--quick"), ("tiny", "--tiny"), ("full", None)])
+def test_every_part_runs_in_its_mode(mode, flag, monkeypatch, tmp_path, capsys):
+    """The command line of every part the check starts (its rows, its JSON file) names the check's
+    mode: --quick's parts time --quick's steps, not the full check's."""
+    commands = []
+
+    def run_process(command, timeout):
+        commands.append(command)
+        return 0, ""
+    monkeypatch.setattr(gpu_check, "run_process", run_process)
+    gpu_check.run_check(mode, budget=1e6, out=tmp_path)             # every part starts
+    assert [c[c.index("--part") + 1:c.index("--json")] for c in commands] == gpu_check.PLANS[mode]
+    for command in commands:
+        assert command[:3] == [sys.executable, "-m", "scripts.gpu_check"]
+        modes = [a for a in command if a in ("--quick", "--tiny")]
+        assert modes == ([flag] if flag else []), command
 
 
 @pytest.mark.parametrize("config, micro", [("baseline", 1), ("captured+accum", 4)])
@@ -291,10 +329,13 @@ def test_the_tiny_check_writes_its_table_as_markdown_and_json(check):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--out", "{file}"], "is a file"), (["--tiny", "--quick"], "neither"),
+    (["--out", "{file}"], "is a file"), (["--out", "{file}/table"], "is a file, not a folder"),
+    (["--tiny", "--quick"], "neither"),
     (["--tiny", "--plan"], "neither"), (["--part", "parity"], "--json"),
     (["--budget", "-1"], "--budget"), (["--quick", "--budget", "x"], "--budget"),
-], ids=["out-a-file", "tiny-quick", "tiny-plan", "part-no-json", "negative-budget", "budget-nan"])
+    (["--budget", "inf"], "--budget: must be a finite number of seconds >= 0, not inf"),
+], ids=["out-a-file", "out-under-a-file", "tiny-quick", "tiny-plan", "part-no-json", "negative-budget",
+        "budget-nan", "budget-inf"])
 def test_a_bad_flag_is_one_line_and_status_2(argv, says, capsys, tmp_path):
     (tmp_path / "a file").write_text("")
     argv = [a.format(file=tmp_path / "a file") for a in argv]
@@ -315,8 +356,108 @@ def test_ctrl_c_in_the_gpu_check_is_one_line_and_status_130(monkeypatch, capsys,
     finally:
         timer.cancel()
         signal.signal(signal.SIGINT, previous)
-    assert line == "gpu_check.py: error: interrupted (Ctrl-C): what finished is printed above"
+    assert line == ("gpu_check.py: error: interrupted (Ctrl-C): what finished is printed above and "
+                    f"written to {tmp_path}")
     assert not alive(int((tmp_path / "pids").read_text()))
+    assert json.loads((tmp_path / "tiny.json").read_text())["rows"][0]["note"] == "stopped by Ctrl-C"
+
+
+def parts_running(folder):
+    """{pid: command line} of every live process of a check's part (`--part`) whose command line names
+    `folder` (its JSON file lies in a temporary folder there: the check run with TMPDIR=folder)."""
+    found = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            line = cmdline.read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # ended meanwhile
+            continue
+        if "--part" in line and str(folder) in line and alive(int(cmdline.parent.name)):
+            found[int(cmdline.parent.name)] = line
+    return found
+
+
+def stop_signals_at_default():
+    """preexec_fn of a child that a test stops with SIGINT, SIGTERM or SIGHUP, as a terminal, `timeout`
+    or a closed terminal would: each at its default (a suite run under nohup ignores SIGHUP)."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("signum, during", [(signal.SIGTERM, "tiny baseline"), (signal.SIGHUP, "routing tiny")],
+                         ids=["sigterm-in-the-second-part", "sighup-in-the-first"])
+def test_a_terminate_or_hangup_signal_stops_the_check_as_ctrl_c_does(signum, during, tmp_path):
+    """`timeout -s TERM 25 python -m scripts.gpu_check --tiny` (or the terminal closed) while the part
+    with the row `during` runs: the part is killed, nothing of the check is left running; the table of
+    what finished is written (the first part's rows, when the second is stopped); one line, exit status
+    128 + the signal's number."""
+    out, name = tmp_path / "out", signal.Signals(signum).name
+    p = subprocess.Popen([sys.executable, "-m", "scripts.gpu_check", "--tiny", "--out", str(out)], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=stop_signals_at_default,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
+    try:
+        deadline = time.time() + 240
+        while not any(during in line for line in parts_running(tmp_path).values()):
+            assert p.poll() is None and time.time() < deadline, p.communicate()
+            time.sleep(0.05)
+        p.send_signal(signum)
+        printed, err = p.communicate(timeout=60)
+        left = parts_running(tmp_path)
+    finally:
+        p.kill()
+        p.wait()
+        for pid in parts_running(tmp_path):  # what a stop that does not kill its part leaves
+            os.kill(pid, signal.SIGKILL)
+    assert not left, left
+    assert p.returncode == 128 + signum, err
+    assert err == (f"gpu_check.py: error: stopped by {name}: what finished is printed above and "
+                   f"written to {out}\n")
+    found = json.loads((out / "tiny.json").read_text())
+    notes = {row["config"]: row.get("note") for row in found["rows"]}
+    if during == "tiny baseline":                # the first part, routing and parity, finished
+        assert notes == {"baseline": f"stopped by {name}", "readable": f"stopped by {name}",
+                         "fused": f"stopped by {name}", "compiled+fused": f"stopped by {name}",
+                         "compiled": f"stopped by {name}"}
+        assert found["verdict"] == "parity: every path within its tolerance", found
+    else:
+        assert notes == {"routing": f"stopped by {name}"}
+        assert found["verdict"] == f"parity not run: stopped by {name}"
+    assert f"{found['verdict']}; " in (out / "tiny.md").read_text() and "written: " in printed
+
+
+def test_a_disk_that_fills_during_the_check_leaves_no_half_written_table(monkeypatch, capsys, tmp_path):
+    """The folder took the probe's file, then the disk filled: the table's files are written whole or
+    not at all (no 0-byte tiny.md); one line, status 1."""
+    two_parts(monkeypatch, [sys.executable, "-c", "pass"])
+    open_ = io.open
+
+    def full(file, mode="r", *args, **kwargs):  # as tests/helpers.py's FAULTS: created, its bytes lost
+        if str(file).startswith(str(tmp_path)) and set(mode) & set("wax+"):
+            open_(file, mode, *args, **kwargs).close()
+            return open_("/dev/full", "wb" if "b" in mode else "w", *args, **kwargs)
+        return open_(file, mode, *args, **kwargs)
+    monkeypatch.setattr(gpu_check, "writable", lambda out: out.mkdir(parents=True, exist_ok=True))
+    monkeypatch.setattr(builtins, "open", full)
+    monkeypatch.setattr(io, "open", full)
+    line = error_line(capsys, gpu_check.main, ["--tiny", "--out", tmp_path / "gc"], status=1)
+    assert line.startswith(f"gpu_check.py: error: could not write {tmp_path / 'gc' / 'tiny.md'} (No space ")
+    assert files_in(tmp_path) == ["gc"]
+
+
+@pytest.mark.parametrize("fault, existing, says", [
+    ("read-only", False, "cannot make --out {out} (Read-only file system)"),
+    ("read-only", True, "could not write {out}/.gpu_check-probe (Read-only file system"),
+    ("full", False, "could not write {out}/.gpu_check-probe (No space left on device"),
+], ids=["read-only", "read-only-existing", "full-disk"])
+def test_an_out_that_cannot_be_written_is_one_line_before_any_part_runs(fault, existing, says, tmp_path):
+    """A read-only folder or a full disk: one line, status 1, before the check's minutes are spent;
+    nothing written."""
+    out = tmp_path / "gc"
+    if existing:
+        out.mkdir()
+    p = run_script("scripts/gpu_check.py", "--tiny", "--out", out, fault=fault, under=tmp_path)
+    assert says.format(out=out) in one_error_line(p, "gpu_check.py", 1)
+    assert "GPU check" not in p.stdout and files_in(out) == []
 
 
 def test_ctrl_c_in_the_kernel_check_is_one_line_and_status_130(monkeypatch, capsys):
