@@ -756,15 +756,7 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
             (documents, None, {})
         counts, nbytes = write_splits(tokenize(documents, tok, max_tokens), tmp, val_fraction, seed, progress,
                                       sides)
-        if counts["val"]["documents"] == 0:
-            raise PrepareError(f"no documents in {', '.join(sources)} (only empty ones)")
-        if counts["train"]["documents"] == 0 and counts["val"]["documents"] > 1:  # --split families
-            raise PrepareError(f"all {counts['val']['documents']} documents are one near-duplicate family, which "
-                               f"the split by family keeps on one side: give documents that differ, or use "
-                               f"--split blocks")
-        if counts["train"]["documents"] == 0:
-            raise PrepareError("only one document: the train/val split is by document, so give at least two "
-                               "(more files, or a .jsonl with one document per line)")
+        check_sides(counts, sources)
         meta = dict(tokenizer=tok.name, tokenizer_source=tok.source, vocab_size=tok.vocab_size,
                     eot=tok.eot, dtype=tok.dtype, **tok.meta, sources=sources, text_field=text_field,
                     documents={split: c["documents"] for split, c in counts.items()},
@@ -787,6 +779,20 @@ def prepare(inputs=None, name=None, out="data", val_fraction=0.005, max_tokens=N
     if not quiet:
         report(name, final, counts, nbytes, sources, skipped, tok, time.time() - start, overlap)
     return final
+
+
+def check_sides(counts, sources):
+    """PrepareError when a side of the split came out empty: no document at all, only one, or documents
+    that are all one family (--split families keeps a family on one side)."""
+    val, train = counts["val"]["documents"], counts["train"]["documents"]
+    if val == 0:
+        raise PrepareError(f"no documents in {', '.join(sources)} (only empty ones)")
+    if train == 0 and val > 1:
+        raise PrepareError(f"all {val} documents are one near-duplicate family, which the split by family "
+                           f"keeps on one side: give documents that differ, or use --split blocks")
+    if train == 0:
+        raise PrepareError("only one document: the train/val split is by document, so give at least two "
+                           "(more files, or a .jsonl with one document per line)")
 
 
 def check_options(inputs, hf, val_fraction, max_tokens, split):
