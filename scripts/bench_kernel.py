@@ -33,8 +33,9 @@ try:  # torch and triton take seconds to import: Ctrl-C meanwhile ends as it doe
 
     try:
         import kernel
-    except RuntimeError as error:  # no triton: one line, as every script's
-        print(f"bench_kernel.py: error: {error}", file=sys.stderr)
+    except RuntimeError as error:  # no triton: one line, as every script's, in the name of the one run
+        script = Path(getattr(sys.modules["__main__"], "__file__", None) or "bench_kernel.py").name
+        print(f"{script}: error: {error}", file=sys.stderr)  # (bench_step.py imports this file)
         raise SystemExit(2)
     import mhar
     from kernel import FusedHistory, fused_route

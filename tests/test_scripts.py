@@ -218,7 +218,7 @@ def test_ctrl_c_while_probing_is_one_line(monkeypatch, capsys):
     assert "interrupted (Ctrl-C)" in line
 
 
-@pytest.mark.parametrize("script", ["kernel", "launcher", "bench_kernel", "gpu_check"])
+@pytest.mark.parametrize("script", ["kernel", "launcher", "bench_kernel", "bench_step", "gpu_check"])
 def test_a_kernel_script_without_triton_is_one_line(script):
     """Without an importable triton, the kernels' scripts say so in one line, status 2, as
     train.py --fused does (a RuntimeError traceback from kernel.py's import before)."""
