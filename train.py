@@ -54,10 +54,7 @@ import torch.distributed as dist  # noqa: E402
 
 import mhar  # noqa: E402
 import prepare  # noqa: E402
-from lib import head  # noqa: E402
-from lib import hf  # noqa: E402
-from lib import midtrain  # noqa: E402
-from lib import parallel  # noqa: E402
+from lib import head, hf, midtrain, parallel  # noqa: E402
 from lib.common import (DEFAULT_CORPUS, CheckpointError, FlagParser, MachineError,  # noqa: E402
                         StopSignals, UserError, AMOUNT, COUNT, RATE, STEPS, adamw, claim_out_dir,
                         decay_rate, estimate_mfu, exit_error, fingerprint, fraction,

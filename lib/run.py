@@ -13,9 +13,7 @@ from pathlib import Path
 
 import torch
 
-from lib import hf
-from lib import midtrain
-from lib import parallel
+from lib import hf, midtrain, parallel
 from lib.common import (MachineError, UserError, fingerprint, load_optimizer, logged_until,
                         os_error, read_checkpoint, write_text)
 

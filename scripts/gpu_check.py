@@ -382,8 +382,7 @@ def train_steps(flags, clock, steps, warm=2):
     (tokens/s counts every micro-step's):
     {"first s", "tok/s", "peak GiB", "graphs", "recompiles", "cudagraph skips"}."""
     import train
-    from lib import head
-    from lib import parallel
+    from lib import head, parallel
     from torch._dynamo.utils import counters
     try:
         with contextlib.redirect_stderr(io.StringIO()):     # the row says it, in a line

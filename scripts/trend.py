@@ -44,8 +44,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from lib.common import FlagParser, MachineError, UserError, exit_error, output_folder, staged  # noqa: E402
-from scripts import compare  # noqa: E402
-from scripts import probe  # noqa: E402
+from scripts import compare, probe  # noqa: E402
 
 # train.py's flags that belong to one run of a comparison, not to the comparison: never its axis
 PER_RUN = ("residual", "route_heads", "route_temperature", "seed", "out_dir", "resume", "init_from", "delta")

@@ -1243,8 +1243,7 @@ def test_tables_that_cannot_be_written_keep_the_previous_ones(compared, monkeypa
 def test_figures_that_cannot_be_written_keep_the_previous_ones(compared, monkeypatch, capsys):
     """The disk fills up while the loss curves are drawn, after the tables (half a PNG written): one line,
     exit status 1, not matplotlib's OSError traceback; both figures as they were, no staging folder."""
-    from scripts import eval
-    from scripts import probe
+    from scripts import eval, probe
     out, argv, _ = compared
     before = {name: (out / name).read_bytes() for name in ("loss_curves.png", "paired_curves.png")}
     monkeypatch.setattr(eval, "evaluate", lambda folder, tasks, **options: json.loads(

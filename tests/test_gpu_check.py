@@ -24,8 +24,7 @@ import torch
 import train
 from helpers import (ROOT, error_line, files_in, interpreted, interrupted_while_importing,
                      one_error_line, run_script, script_path, sigint_as_in_a_terminal)
-from scripts import bench_kernel
-from scripts import gpu_check
+from scripts import bench_kernel, gpu_check
 from scripts.bench_kernel import HEADS, traffic
 
 

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from mhar import GPT, Config, KVCache, Positions, route
-from lib import hf
-from lib import midtrain
+from lib import hf, midtrain
 from lib.common import CheckpointError
 from helpers import ROOT, error_line, files_in, foreign_model, one_error_line, rel_err, run_script, save_tiny_qwen3, tiny
 from test_mhar import GENERATE_MODES, perturbed

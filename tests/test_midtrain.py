@@ -10,9 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import train
-from lib import head
-from lib import hf
-from lib import midtrain
+from lib import head, hf, midtrain
 from helpers import save_tiny_qwen3
 from test_train import assert_same_state, error_of, load, read_log
 

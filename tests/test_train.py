@@ -24,8 +24,7 @@ import torch
 
 import mhar
 import train
-from lib import common
-from lib import head
+from lib import common, head
 from lib.common import adamw, load_model, sample_rows, seed_of
 from helpers import ROOT, VOCAB, error_line, interrupted_while_importing, sigint_as_in_a_terminal
 

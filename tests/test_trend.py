@@ -9,8 +9,7 @@ import pytest
 
 from lib.common import MachineError
 from helpers import PNG_SIGNATURE, ROOT, error_line, files_in, one_error_line, run_script
-from scripts import compare
-from scripts import trend
+from scripts import compare, trend
 
 VARIANTS = ("baseline", "attnres", "attnres-T4", "mhar-H4")
 
