@@ -327,6 +327,20 @@ def test_a_finished_runs_summary_must_be_of_the_run_its_config_records(summary, 
                                   f"describe ({message}): move it away or choose another --out_dir")
 
 
+@pytest.mark.parametrize("init_from, disagreement", [(None, "tokens 999, not T"), ("", "tokens 999, not T"),
+                                                     ("models/Qwen3-0.6B", None)],
+                         ids=["from-scratch", "init_from-empty", "converted"])
+def test_a_converted_runs_tokens_count_its_source_too(init_from, disagreement, data, tmp_path):
+    """A run converted from a pretrained model (train.py --init_from) counts the tokens its source saw: its
+    summary's tokens are not judged; a run from scratch's are."""
+    out = tmp_path / "cmp"
+    _, asked, _ = resolved(["--methods", "mhar", "--out_dir", out, "--data", data, *TINY], out)
+    asked = {**asked["mhar-s0"], "init_from": init_from}
+    tokens = asked["max_steps"] * asked["global_batch"] * asked["seq_len"]
+    said = compare.summary_disagreement(dict(tokens=999), asked)
+    assert said == (disagreement and disagreement.replace("T", str(tokens)))
+
+
 @pytest.mark.parametrize("change", [
     dict(), dict(device="cuda", grad_accum=2, batch_size=4, compile=True, out_dir="elsewhere"),
     dict(log_interval=1, wandb="mhar", fused=True, fused_group=2, checkpointing=True),
