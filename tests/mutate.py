@@ -119,6 +119,11 @@ def also_copy(listed, file):
     return [t for t in tops if t not in (file, "tests", package)] + (siblings if package else [])
 
 
+def mutmut_missing():
+    """Whether mutmut's command or its package for this Python (generate_mutants imports it) is missing."""
+    return shutil.which("mutmut") is None or importlib.util.find_spec("mutmut") is None
+
+
 class Usage(Exception):
     """A mistake of the user's (a bad argument, no mutmut, no git checkout): main prints it in one line."""
 
@@ -174,8 +179,6 @@ def mutate(argv):
     args = p.parse_args(argv)
     if not re.fullmatch(r"((lib|scripts)/)?\w+\.py", args.file) or not (ROOT / args.file).is_file():
         p.error(f"{args.file} is not a Python file at the root, in lib/ or in scripts/")
-    if shutil.which("mutmut") is None or importlib.util.find_spec("mutmut") is None:  # the command, and in this
-        p.error("mutmut is not installed: pip install mutmut==3.8.1")               # Python (generate_mutants)
     module = args.file.removesuffix(".py").replace("/", ".")  # lib/common.py: lib.common
     tests = args.tests or [f"tests/test_{Path(args.file).stem}.py"]
     missing = [t for t in tests if not (ROOT / t).is_file()]
@@ -185,6 +188,8 @@ def mutate(argv):
         patterns = [mutant_pattern(module, f) for f in args.functions] or [mutant_pattern(module)]
     except ValueError as e:
         p.error(str(e))
+    if mutmut_missing():
+        p.error("mutmut is not installed: pip install mutmut==3.8.1")
     folder = workspace(args.file, tests)
     wording = []
     if args.skip_help:

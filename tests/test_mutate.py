@@ -201,7 +201,7 @@ def test_skip_help_runs_only_the_mutants_that_change_more_than_wording(tmp_path,
     (tmp_path / "m.py").write_text("")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_m.py").write_text("")
-    monkeypatch.setattr(mutate.shutil, "which", lambda name: "/bin/" + name)
+    monkeypatch.setattr(mutate, "mutmut_missing", lambda: False)  # its runs are stand-ins below
     folder = tmp_path / ".mutmut" / "m"
 
     def workspace(file, tests):
@@ -262,8 +262,12 @@ def test_a_mistake_is_one_line_and_status_2(argv, fragment, capsys):
     assert fragment in mutate_line(capsys, argv)
 
 
-def test_without_mutmut_it_says_what_to_install(capsys, monkeypatch):
-    monkeypatch.setattr(mutate.shutil, "which", lambda name: None)
+@pytest.mark.parametrize("command, package", [(None, object()), ("/bin/mutmut", None)],
+                         ids=["no-command", "not-in-this-python"])
+def test_without_mutmut_it_says_what_to_install(command, package, capsys, monkeypatch):
+    """The check comes after the arguments' (a mistake there is said first, with or without mutmut)."""
+    monkeypatch.setattr(mutate.shutil, "which", lambda name: command)
+    monkeypatch.setattr(mutate.importlib.util, "find_spec", lambda name: package)
     assert "mutmut is not installed: pip install mutmut==3.8.1" in mutate_line(capsys, ["mhar.py", "route"])
 
 
@@ -273,8 +277,7 @@ def test_outside_a_git_checkout_it_says_so(tmp_path, capsys, monkeypatch):
     (tmp_path / "a.py").write_text("def f():\n    return 1\n")
     (tmp_path / "tests" / "test_a.py").write_text("")
     monkeypatch.setattr(mutate, "ROOT", tmp_path)
-    monkeypatch.setattr(mutate.shutil, "which", lambda name: "/bin/true")
-    monkeypatch.setattr(mutate.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(mutate, "mutmut_missing", lambda: False)
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # git looks no higher
     err = mutate_line(capsys, ["a.py"])
     assert f"{tmp_path} is not a git checkout" in err and "run it in a clone of the repository" in err, err
