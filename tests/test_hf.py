@@ -608,6 +608,27 @@ def test_export_judges_the_folder_its_path_leads_to(tmp_path, capsys, how):
         ["run"] + (["link"] if how == "through-a-link" else []))
 
 
+@pytest.mark.parametrize("kind", ["a-file", "torn-config", "run-folder"])
+def test_export_folders_refusals_whole(tmp_path, kind):
+    """export_folder's refusals word for word: a file, a config.json that is no JSON object, a run folder (the
+    folder it suggests instead)."""
+    out = tmp_path / "out"
+    if kind == "a-file":
+        out.write_text("mine")
+        said = f"{out} is a file, not a folder: export into a folder (it is created if it does not exist)"
+    else:
+        out.mkdir()
+        (out / "config.json").write_text("{" if kind == "torn-config" else '{"config": {}, "args": {}}')
+        said = (f"{out} holds a model that is not an export of this project (config.json: not a JSON object, "
+                f"without the 'mhar' section every export writes), which an export would overwrite: export into "
+                f"a new or empty folder, or remove what it holds first") if kind == "torn-config" else (
+                f"{out} is a train.py run folder (its config.json is the run's record), which an export would "
+                f"overwrite: export into another folder, e.g. {out / 'hf'}")
+    with pytest.raises(CheckpointError) as refused:
+        hf.export_folder(out)
+    assert str(refused.value) == said
+
+
 def test_export_onto_a_dangling_link_is_the_users_path(tmp_path, capsys):
     """A link to nothing: status 2 and what it is (before: status 1, "free some space")."""
     from scripts import export
