@@ -3,11 +3,11 @@ The GPU check: one run of at most four minutes on one H200 (by its own plan) tha
 first GPU is for, on the machine's own packages (the repository copied, nothing installed).
 
     python -m scripts.gpu_check                # on a CUDA GPU: the whole check, about 3 min on an H200
-    python -m scripts.gpu_check --quick        # does every mode run, is fused faster: under 2 min
+    python -m scripts.gpu_check --quick        # does every mode run, is fused faster: under 2.5 min
     python -m scripts.gpu_check --plan         # each part's expected seconds on an H200 and hard timeout,
                                        # what the budget leaves out, the total (no GPU needed)
     python -m scripts.gpu_check --budget 200   # start no part expected to end past 200 s (default 240,
-                                       # --quick 120), and kill any part at it
+                                       # --quick 140), and kill any part at it
     python -m scripts.gpu_check --tiny         # the same code at tiny shapes on this machine: kernels in
                                        # Triton's interpreter, compiled configurations traced with
                                        # aot_eager, the GPU's timings faked (the suite runs it)
@@ -34,6 +34,12 @@ status 128 + the signal's number. It prints, flushing every line, as it goes:
      4 micro-steps a step) and compiled (readable MHAR): the first step's seconds (compiling),
      tokens/s over 5 steps after 2 more, peak memory, dynamo's graphs, the recompiles after the
      first step and inductor's CUDA-graph skips;
+  4. numbers under CUDA graphs, right after the routing: the fused chain (parity's sites) forward
+     and backward captured in a torch.cuda.graph and replayed on new inputs, bit for bit against
+     eager; and train.py's captured+accum step against the same step eager (fused) from the same
+     weights at lr 0, over 3 steps of new batches and an evaluation: the losses, every gradient
+     (within a tenth of how far two batches' gradients lie apart, the error of a stale input) and
+     no CUDA graph skipped;
 then one table of it all, headed by the device, the versions and the date, also written to
 --out (default out/gpu_check/) as <mode>.md and <mode>.json (mode: full, quick or tiny), each
 whole or not at all; an --out that is (or lies under) a file is refused, status 2, one that cannot
@@ -107,14 +113,15 @@ BF16_SLACK = 2             # a bf16 path's errors at most this x the readable bf
 # three processes (each one costs this CPU 4 s of imports), the routing first.
 EAGER = ("baseline", "readable", "fused")
 PLANS = {
-    "full": [["routing 100m", "routing 350m", "routing 1b"], ["parity"], [f"100m {c}" for c in EAGER],
+    "full": [["routing 100m", "routing 350m", "routing 1b"], ["replay"], ["numbers 100m-4L"], ["parity"],
+             [f"100m {c}" for c in EAGER],
              ["100m compiled+fused"], ["100m captured"], ["100m captured+accum"],
              [f"350m {c}" for c in EAGER], ["100m compiled"], ["350m compiled+fused"],
              ["350m captured"], ["350m captured+accum"], ["350m compiled"]],
-    "quick": [["parity"], [f"100m {c}" for c in EAGER], ["100m-4L compiled+fused"],
-              ["100m-4L captured"], ["100m-4L captured+accum"]],
+    "quick": [["replay"], ["numbers 100m-4L"], ["parity"], [f"100m {c}" for c in EAGER],
+              ["100m-4L compiled+fused"], ["100m-4L captured"]],  # numbers: captured+accum's step
     "tiny": [["routing tiny", "parity"], [f"tiny {c}" for c in (*EAGER, "compiled+fused", "compiled")],
-             ["tiny captured", "tiny captured+accum"]],
+             ["tiny captured", "tiny captured+accum", "replay", "numbers tiny"]],
 }
 # Expected seconds on one H200 (docs/kernels.md, "GPU check", says how each was estimated): the
 # parent's start (Python, torch, CUDA), each part's process (START_S: its imports and CUDA context)
@@ -128,14 +135,15 @@ EXPECTED_S = {"start": 10, "parity": 22, "routing 100m": 7, "routing 350m": 6, "
               "100m captured": 24, "100m captured+accum": 27, "100m compiled": 53,
               "350m baseline": 3, "350m readable": 3, "350m fused": 4, "350m compiled+fused": 87,
               "350m captured": 59, "350m captured+accum": 62, "350m compiled": 108,
-              "100m-4L compiled+fused": 17, "100m-4L captured": 12, "100m-4L captured+accum": 14}
+              "100m-4L compiled+fused": 17, "100m-4L captured": 12, "100m-4L captured+accum": 14,
+              "replay": 8, "numbers 100m-4L": 24}
 TIMEOUT_FACTOR = 2         # a part is killed at this x its expected seconds (or at the budget)
 # ... and one that compiles (parity, the routing's kernels, a --compile step) at this x: on a fresh
 # machine Triton's and inductor's on-disk caches are empty, and a cold compile's seconds are this
 # CPU's trace scaled (docs/kernels.md), not measured; the budget still bounds the whole run
 COLD_FACTOR = 4
 TINY_TIMEOUT_S = 600       # --tiny's, per part: no budget on a CPU
-BUDGET_S = {"full": 240.0, "quick": 120.0}
+BUDGET_S = {"full": 240.0, "quick": 140.0}
 
 
 # %% Clocks: the GPU's (profiler, allocator), or a fake one where there is no GPU
@@ -376,14 +384,11 @@ def step_config(shape, config):
     return [*flags, "--data", "synthetic", *accum, *CONFIGS[config]]
 
 
-def train_steps(flags, clock, steps, warm=2):
-    """Build train.py's run from its flags and take steps with its own train_step: the first
-    (compiling), `warm` more (reduce-overhead records its CUDA graphs in these), `steps` timed
-    (tokens/s counts every micro-step's):
-    {"first s", "tok/s", "peak GiB", "graphs", "recompiles", "cudagraph skips"}."""
+def build_run(flags):
+    """train.py's run from its flags, as train.py builds it: (args, session, model, optimizer, the
+    loss of its steps)."""
     import train
     from lib import head, parallel
-    from torch._dynamo.utils import counters
     try:
         with contextlib.redirect_stderr(io.StringIO()):     # the row says it, in a line
             args, given = train.parse_args(flags)
@@ -393,11 +398,21 @@ def train_steps(flags, clock, steps, warm=2):
     args, _, _ = train.resolve_flags(args, given, session.world)
     parallel.set_precision(session, args)
     config = train.model_config(args, {})
-    torch._dynamo.reset()
-    counters.clear()
     gpt, optimizer, _, _ = train.build_model(args, config, None, None, session)
     model = parallel.wrap_model(gpt, args, session)
-    loss_fn = functools.partial(head.linear_cross_entropy, z_loss=args.z_loss)
+    return args, session, model, optimizer, functools.partial(head.linear_cross_entropy, z_loss=args.z_loss)
+
+
+def train_steps(flags, clock, steps, warm=2):
+    """Build train.py's run from its flags and take steps with its own train_step: the first
+    (compiling), `warm` more (reduce-overhead records its CUDA graphs in these), `steps` timed
+    (tokens/s counts every micro-step's):
+    {"first s", "tok/s", "peak GiB", "graphs", "recompiles", "cudagraph skips"}."""
+    import train
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    args, session, model, optimizer, loss_fn = build_run(flags)
     xs, ys = train.to_device(train.train_batch(None, args, 0, 0), session.device)
 
     def step():
@@ -449,6 +464,186 @@ def print_step(preset, config, r, fake=False):
               f"{r['recompiles']:10} {r['cudagraph skips']:15}")
 
 
+# %% 4. Numbers under CUDA graphs: a captured step against the eager one, the fused chain replayed
+
+NUMBERS_STEPS = 3      # steps compared: reduce-overhead warms up and records in the first, replays after
+NUMBERS_FRACTION = 0.1  # a captured step's gradients err by at most this x the difference between two
+                        # batches' own (eager) gradients: a replay that reads a stale input errs by ~1x
+LOSS_TOLERANCE = 1e-2   # relative, of a loss (bf16 logits: 8 bits; at lr 0 two batches' losses differ
+                        # by less than this, so the gradients are the stale-input test)
+
+
+def flat_grads(model):
+    """Every gradient of `model`, one float64 vector (parameters in their order; one with none, zeros:
+    a captured step holds zeroed buffers where an eager one holds none)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).double().flatten()
+                      for p in model.parameters()])
+
+
+def recorded_step(run, xs, ys):
+    """train.train_step on `run` (build_run's), with the gradients its optimizer steps with (after
+    clipping; train_step drops them after): (loss, flat gradient vector)."""
+    import train
+    args, session, model, optimizer, loss_fn = run
+    seen = []
+    hook = optimizer.register_step_pre_hook(lambda *_: seen.append(flat_grads(model)))
+    try:
+        loss = train.train_step(model, optimizer, xs, ys, args, session, loss_fn)
+    finally:
+        hook.remove()
+    return loss.item(), seen[0]
+
+
+def captured_numbers(shape):
+    """train.py's captured step with gradient accumulation (captured+accum: reduce-overhead, 4
+    micro-steps) against the same step eager (fused), from the same weights, at lr 0 so that every
+    step compares: NUMBERS_STEPS steps on new batches, then an evaluation of 3 batches (eval mode:
+    graphs of their own, recorded and replayed). {"loss err", "grad err", "eval err", "batch diff",
+    "cudagraph skips", "ok"}: the largest relative errors; batch diff, how far two batches' eager
+    gradients lie apart, the scale a stale input would err by; ok, the gradients within
+    NUMBERS_FRACTION of it, the losses within LOSS_TOLERANCE and no CUDA graph skipped."""
+    import train
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    flags = [*step_config(shape, "captured+accum"), "--eval_batches", "3"]
+    eager = build_run([f for f in flags if f not in ("--compile", "--compile_mode", "reduce-overhead")])
+    captured = build_run(flags)
+    unwrapped = [getattr(run[2], "_orig_mod", run[2]) for run in (eager, captured)]  # torch.compile's
+    unwrapped[1].load_state_dict(unwrapped[0].state_dict())  # the same weights, whatever the seeding
+    for run in (eager, captured):
+        for group in run[3].param_groups:
+            group["lr"] = 0.0                                # AdamW's decay is lr x wd: none either
+    args, session = eager[0], eager[1]
+    loss_err = grad_err = 0.0
+    grads = []
+    for step in range(NUMBERS_STEPS):
+        xs, ys = train.to_device(train.train_batch(None, args, step, 0), session.device)
+        (loss_e, grad_e), (loss_c, grad_c) = (recorded_step(run, xs, ys) for run in (eager, captured))
+        loss_err = max(loss_err, abs(loss_c - loss_e) / abs(loss_e))
+        grad_err = max(grad_err, relative_error(grad_c, grad_e))
+        grads.append(grad_e)
+    batch_diff = min(relative_error(a, b) for a, b in zip(grads[1:], grads))
+    evaluated = [train.evaluate(run[2], None, run[0], 0, 1, session.device, session.autocast)[0]
+                 for run in (eager, captured)]
+    eval_err = abs(evaluated[1] - evaluated[0]) / abs(evaluated[0])
+    r = {"loss err": loss_err, "grad err": grad_err, "eval err": eval_err, "batch diff": batch_diff,
+         "cudagraph skips": counters["inductor"]["cudagraph_skips"]}
+    return {**r, "ok": numbers_ok(r)}
+
+
+def numbers_ok(r):
+    """Whether captured_numbers' errors `r` pass: the gradients within NUMBERS_FRACTION of two
+    batches' distance, the losses (the steps' and the evaluation's) within LOSS_TOLERANCE, no CUDA
+    graph skipped (inductor ran a graph eagerly: the capture went unchecked)."""
+    return (r["grad err"] <= NUMBERS_FRACTION * r["batch diff"]
+            and max(r["loss err"], r["eval err"]) <= LOSS_TOLERANCE and r["cudagraph skips"] == 0)
+
+
+class Replay:
+    """`fn` captured once and replayed: a torch.cuda.graph on a GPU (after warm-up calls on a side
+    stream, which compile and bind its kernels); elsewhere a stand-in that calls `fn` at each
+    replay, so that everything up to the capture runs on a CPU."""
+
+    def __init__(self, fn, device):
+        if device != "cuda":
+            self.replay = fn
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            fn()
+        self.replay = self.graph.replay
+
+
+def replayed_chain(shape, device, inputs=2):
+    """The fused chain (bench_kernel's fused_network over PARITY's sites; bf16 sources, sublayers
+    tanh(h * w), elementwise: no library kernel that may pick another algorithm under capture),
+    forward and backward, captured once and replayed on `inputs` new sets of inputs and output
+    gradient, each against the same chain run eagerly on them: {"replays", "bitwise", "max diff",
+    "ok"} (bitwise, ok: every output and gradient equal bit for bit; max diff: the largest absolute
+    difference)."""
+    sites, B, T, d, heads = shape
+    gen = torch.Generator().manual_seed(1)
+
+    def draw():  # (s0, qs, gs, w, dout) of one set of inputs, on the CPU's generator
+        return (torch.randn(B, T, d, generator=gen).bfloat16(),
+                0.5 * torch.randn(sites, d, generator=gen), 1 + 0.1 * torch.randn(sites, d, generator=gen),
+                (1 + 0.5 * torch.randn(d, generator=gen)).bfloat16(),
+                torch.randn(B, T, d, generator=gen).bfloat16())
+
+    def leaves(s0, qs, gs, w, dout):
+        return ([t.to(device).requires_grad_() for t in (s0, *qs, *gs)],
+                w.to(device), dout.to(device))
+
+    network = fused_network(0)
+
+    def forward_backward(held, tensors, w, dout):
+        for leaf in tensors:
+            leaf.grad = None       # on a GPU the capture allocates them: each replay writes them anew
+        s0, qs, gs = tensors[0], tensors[1:1 + sites], tensors[1 + sites:]
+        held["out"] = network(s0, qs, gs, heads, lambda h: torch.tanh(h * w))
+        held["out"].backward(dout)
+
+    def results(held, tensors):
+        return [held["out"], tensors[0].grad, torch.stack([t.grad for t in tensors[1:]])]
+
+    static, w, dout = leaves(*draw())
+    held = {}
+    graph = Replay(lambda: forward_backward(held, static, w, dout), device)
+    bitwise, most = True, 0.0
+    for _ in range(inputs):
+        fresh = draw()
+        with torch.no_grad():
+            for leaf, value in zip(static, (fresh[0], *fresh[1], *fresh[2])):
+                leaf.copy_(value)
+            w.copy_(fresh[3])
+            dout.copy_(fresh[4])
+        graph.replay()
+        replayed = [t.detach().clone() for t in results(held, static)]
+        tensors, w_e, dout_e = leaves(*fresh)
+        eager = {}
+        forward_backward(eager, tensors, w_e, dout_e)
+        for a, b in zip(replayed, results(eager, tensors)):
+            bitwise &= torch.equal(a, b)
+            most = max(most, (a.double() - b.double()).abs().max().item())
+    return {"replays": inputs, "bitwise": bitwise, "max diff": most, "ok": bitwise}
+
+
+def numbers_line(row, r):
+    """The printed line of a numbers row (its result `r`, or why there is none)."""
+    name = ("4. CUDA graphs: the fused chain replayed" if row == "replay" else
+            f"4. CUDA graphs: {row.split()[1]}'s captured+accum step against eager (lr 0)")
+    if isinstance(r, str):
+        return f"{name}: {r}"
+    if row == "replay":
+        return (f"{name} on {r['replays']} new inputs: "
+                + ("bit for bit as eager" if r["bitwise"] else f"NOT bitwise: max |diff| {r['max diff']:.1e}"))
+    return (f"{name}: relative errors: loss {r['loss err']:.1e}, gradients {r['grad err']:.1e} (two "
+            f"batches' lie {r['batch diff']:.1e} apart), evaluation {r['eval err']:.1e}; "
+            f"{r['cudagraph skips']} CUDA graph skips: {'ok' if r['ok'] else 'FAILED'}")
+
+
+def numbers_verdict(results):
+    """The numbers rows' verdict: "CUDA graphs: as eager (...)", "CUDA graphs FAILED: ...", or "CUDA
+    graphs: not run (...)"; None where the plan has none."""
+    rows = {row: r for row, r in results.items() if is_numbers(row)}
+    if not rows:
+        return None
+    failed = [row for row, r in rows.items() if isinstance(r, dict) and not r["ok"]
+              or isinstance(r, str) and not r.startswith(("skipped", "stopped"))]
+    not_run = [row for row, r in rows.items() if isinstance(r, str) and row not in failed]
+    if failed:
+        return f"CUDA graphs FAILED: {', '.join(failed)}"
+    return (f"CUDA graphs: not run ({', '.join(not_run)})" if not_run else
+            f"CUDA graphs: as eager ({', '.join(rows)})")
+
+
 # %% A part: its rows measured in a process of its own (python -m scripts.gpu_check --part ROW... --json F)
 
 def step_header(steps, warm):
@@ -477,6 +672,10 @@ def measure_part(rows, path, mode):
             if what == "parity":
                 results[row] = measured("parity", parity, shape, device,
                                         "inductor" if on_gpu else "aot_eager")
+            elif what == "replay":
+                results[row] = measured("replay", replayed_chain, shape, device)
+            elif what == "numbers":
+                results[row] = measured("numbers", captured_numbers, config)
             elif what == "routing":
                 if not any(r.startswith("routing") for r in results):
                     print_routing_header(clock)
@@ -492,7 +691,12 @@ def measure_part(rows, path, mode):
 
 
 def is_step(row):
-    return " " in row and not row.startswith("routing ")
+    return " " in row and not row.startswith(("routing ", "numbers "))
+
+
+def is_numbers(row):
+    """A row of the numbers under CUDA graphs: the replayed chain, or a captured step's."""
+    return row == "replay" or row.startswith("numbers ")
 
 
 def timeout_factor(rows):
@@ -509,6 +713,8 @@ def print_row(row, result, fake):
             print(f"2. parity: {result}")
     elif what == "routing":
         print_routing(config, result, fake)
+    elif is_numbers(row):
+        print(numbers_line(row, result))
     else:
         print_step(what, config, result, fake)
 
@@ -727,6 +933,7 @@ def write_table(out, mode, found, fake, heading, elapsed):
         lines += ["", "| parity dtype | path | out | ds0 | dq | dg | ok |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {d} | {name} | " + " | ".join(f"{x:.1e}" for x in e) + f" | {'yes' if ok else 'NO'} |"
                   for d, name, e, ok in found["parity"]]
+    lines += ["", *(numbers_line(row, r) for row, r in found["numbers"].items())] if found["numbers"] else []
     lines += ["", *([FOOTNOTE.strip(), ""] if fake else []), f"{verdict}; {elapsed:.0f} s in all", ""]
     md, js = out / f"{mode}.md", out / f"{mode}.json"
     write_text(md, "\n".join(lines), then="the table is printed above")  # each whole, or not there
@@ -775,10 +982,13 @@ def run_check(mode="full", budget=None, out=Path("out/gpu_check"), start=None):
     routed = {r.split()[1]: x for r, x in results.items() if r.startswith("routing ")}
     stepped = {tuple(r.split()): x for r, x in results.items() if is_step(r)}
     rows, verdict = table(results.get("parity", []), routed, stepped)
+    numbers = {row: results.get(row, "stopped before it ran") for rows in PLANS[mode] for row in rows
+               if is_numbers(row)}
+    verdict = "; ".join(filter(None, [verdict, numbers_verdict(numbers)]))
     elapsed = time_left.elapsed()
     print_table(rows, verdict, fake, describe(v), elapsed)
     found = {**v, "budget s": budget, "verdict": verdict, "rows": rows,
-             "parity": results.get("parity", [])}
+             "parity": results.get("parity", []), "numbers": numbers}
     for path in write_table(out, mode, found, fake, describe(v), elapsed):
         print(f"written: {path}")
     if stopped is not None:
@@ -849,7 +1059,7 @@ def main(argv=None):
                    help="print each part's expected seconds on an H200, its timeout, the total")
     p.add_argument("--budget", type=budget_seconds, default=None,
                    help="seconds from the start: start no part expected to end past them, kill "
-                        "any at them (default 240, --quick 120)")
+                        "any at them (default 240, --quick 140)")
     p.add_argument("--out", type=Path, default=Path("out/gpu_check"),
                    help="folder for the table, <mode>.md and <mode>.json (default out/gpu_check)")
     p.add_argument("--part", nargs="+", metavar="ROW", help=argparse.SUPPRESS)

@@ -1,5 +1,6 @@
 """On a CUDA GPU: the compiled kernels against mhar.route, bitwise determinism, inductor, no host-device
-synchronization in a fused step, a bf16 fused training step of every routed mode, and train.py on one
+synchronization in a fused step, a bf16 fused training step of every routed mode, the fused chain
+replayed in a CUDA graph and a captured step against eager, and train.py on one
 GPU, alone and under torchrun. Skipped, with the reason, where there is no GPU (the CPU runs the same
 code in the interpreter: test_kernel.py, test_gpu_path.py)."""
 import json
@@ -102,6 +103,24 @@ def test_fused_step_never_synchronizes_the_host():
         gpt_step(model, idx)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_replayed_fused_chain_is_bit_for_bit_eager():
+    """The fused chain at parity's shape (25 sites, d 512) captured in a torch.cuda.graph, its kernels
+    bound before the capture, replayed on new inputs: every output and gradient as eager's."""
+    from scripts import gpu_check
+    r = gpu_check.replayed_chain(gpu_check.PARITY["gpu"], CUDA)
+    assert r["ok"], r
+
+
+def test_a_captured_step_with_accumulation_computes_what_eager_does():
+    """train.py's --compile --fused --compile_mode reduce-overhead --grad_accum 4 step (100m at 4
+    layers) against the eager fused step at lr 0: losses, every gradient, an evaluation, no CUDA
+    graph skipped (gpu_check.captured_numbers)."""
+    from scripts import gpu_check
+    with gpu_check.compile_backend("inductor"):
+        r = gpu_check.captured_numbers("100m-4L")
+    assert r["ok"], r
 
 
 def train_on_one_gpu(tmp_path, launcher):

@@ -5,6 +5,7 @@ part that overruns (killed, with what it started) or crashes is a row and the ne
 it and in bench_kernel.py's check, one line and status 130; SIGTERM and SIGHUP as Ctrl-C, nothing left
 running; an --out that cannot be written, one line and nothing half-written."""
 import builtins
+import contextlib
 import io
 import json
 import os
@@ -49,7 +50,8 @@ def check(tmp_path_factory):
 @interpreted
 def test_every_path_agrees_with_float64(check):
     _, verdict, printed, _ = check
-    assert verdict == "parity: every path within its tolerance", printed
+    assert verdict == ("parity: every path within its tolerance; CUDA graphs: as eager (replay, numbers "
+                       "tiny)"), printed
     for dtype in ("float32", "bfloat16"):
         for path in ("readable", "fused", "compiled"):
             assert f"   {dtype:8} {path:15} " in printed
@@ -128,19 +130,24 @@ def test_a_part_that_ends_exactly_at_the_budget_runs(budget, runs, monkeypatch):
     assert check.fits(25) is (budget >= 32)
 
 
-@pytest.mark.parametrize("mode, most", [("full", 240), ("quick", 120)])
+@pytest.mark.parametrize("mode, most", [("full", 240), ("quick", 140)])
 def test_the_plan_fits_its_minutes_with_every_captured_step(mode, most, capsys):
     """The expected times (docs/kernels.md: how they were estimated), each part's process start
-    included, leave the default budget's run within four minutes (--quick: two) on an H200, with
+    included, leave the default budget's run within four minutes (--quick: 140 s) on an H200, with
     the captured steps of 100m in it, with and without gradient accumulation, each in a process
     of its own; each part's hard timeout at least its expected seconds, never past the budget."""
     parts, total = gpu_check.plan(mode)
     assert total <= most
+    numbers = [["replay"], ["numbers 100m-4L"]]   # the captured numbers next, each part alone
     if mode == "full":  # the kernel timings first, in a part that a later kill cannot cost them
-        assert parts[0][0] == ["routing 100m", "routing 350m", "routing 1b"] and parts[1][0] == ["parity"]
+        assert [rows for rows, _, _ in parts[:4]] == [["routing 100m", "routing 350m", "routing 1b"],
+                                                      *numbers, ["parity"]]
+    else:
+        assert [rows for rows, _, _ in parts[:3]] == [*numbers, ["parity"]]
     alone = [rows[0] for rows, _, timeout in parts if len(rows) == 1 and timeout is not None]
     shape = "100m" if mode == "full" else "100m-4L"
-    assert {f"{shape} captured", f"{shape} captured+accum", f"{shape} compiled+fused"} <= set(alone)
+    assert {f"{shape} captured", f"{shape} compiled+fused", "replay", "numbers 100m-4L"} <= set(alone)
+    assert mode == "quick" or "100m captured+accum" in alone       # --quick's: numbers' step
     assert any({"100m readable", "100m fused"} <= set(rows) for rows, _, t in parts if t)
     start = gpu_check.EXPECTED_S["start"]
     for rows, expected, timeout in parts:
@@ -151,26 +158,28 @@ def test_the_plan_fits_its_minutes_with_every_captured_step(mode, most, capsys):
     gpu_check.main(["--plan"] + (["--quick"] if mode == "quick" else []))
     printed = capsys.readouterr().out.splitlines()
     assert printed[-1].split()[:3] == ["in", "all", str(total)]
-    assert "captured+accum" in "\n".join(printed) and len(printed) == 3 + len(parts) + 1
+    assert ("100m captured+accum" if mode == "full" else "numbers 100m-4L") in "\n".join(printed)
+    assert len(printed) == 3 + len(parts) + 1
 
 
-@pytest.mark.parametrize("budget, runs", [(10 + 27 + 28 + 13, True), (10 + 27 + 28 + 13 - 1, False)],
+@pytest.mark.parametrize("budget, runs", [(10 + 27 + 14 + 30, True), (10 + 27 + 14 + 30 - 1, False)],
                          ids=["three-parts-exactly", "one-second-short"])
 def test_the_plan_runs_a_part_that_ends_exactly_at_the_budget(budget, runs):
-    """The start (10 s), the routing (27 s), parity (28 s) then 100m's eager steps (13 s): a budget
-    of their sum runs all three, and gives each part what is left as its timeout when that is less
-    than its factor times its expected seconds."""
+    """The start (10 s), the routing (27 s), the replay (14 s) then the captured step's numbers
+    (30 s): a budget of their sum runs all three, and gives each part what is left as its timeout
+    when that is less than its factor times its expected seconds."""
     parts, _ = gpu_check.plan("full", budget)
-    assert [p[1] for p in parts[:3]] == [27, 28, 13] and parts[2][0] == gpu_check.PLANS["full"][2]
+    assert [p[1] for p in parts[:3]] == [27, 14, 30] and parts[2][0] == gpu_check.PLANS["full"][2]
     assert parts[0][2] == budget - 10 and parts[1][2] == budget - 10 - 27
-    assert parts[2][2] == (13 if runs else None)
+    assert parts[2][2] == (budget - 10 - 27 - 14 if runs else None)
 
 
 @pytest.mark.parametrize("rows, factor", [
     (["parity"], "COLD"), (["routing 100m", "routing 350m"], "COLD"), (["100m captured"], "COLD"),
     (["100m-4L compiled+fused"], "COLD"), (["350m compiled"], "COLD"),
+    (["replay"], "COLD"), (["numbers 100m-4L"], "COLD"),
     (["100m baseline", "100m readable", "100m fused"], "TIMEOUT"),
-], ids=["parity", "routing", "captured", "compiled-fused", "compiled", "eager"])
+], ids=["parity", "routing", "captured", "compiled-fused", "compiled", "replay", "numbers", "eager"])
 def test_a_part_that_compiles_gets_the_cold_factor(rows, factor):
     """A fresh machine's caches are empty: a part that compiles (parity, the routing's kernels, a
     --compile step) is killed later than an eager one, the budget still bounding it (above)."""
@@ -325,6 +334,9 @@ def test_the_tiny_check_writes_its_table_as_markdown_and_json(check):
     table = [line.split(" | ") for line in md if line.startswith("| tiny")]
     assert [line[1] for line in table] == [row["config"] for row in rows] == list(gpu_check.CONFIGS)
     assert "| float32 | fused |" in "\n".join(md) and md[-1].startswith(verdict)
+    assert "4. CUDA graphs: the fused chain replayed on 2 new inputs: bit for bit as eager" in md
+    assert list(found["numbers"]) == ["replay", "numbers tiny"]
+    assert found["numbers"]["numbers tiny"]["ok"] and found["numbers"]["numbers tiny"]["batch diff"] > 0.1
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -417,10 +429,11 @@ def test_a_terminate_or_hangup_signal_stops_the_check_as_ctrl_c_does(signum, dur
         assert notes == {"baseline": f"stopped by {name}", "readable": f"stopped by {name}",
                          "fused": f"stopped by {name}", "compiled+fused": f"stopped by {name}",
                          "compiled": f"stopped by {name}"}
-        assert found["verdict"] == "parity: every path within its tolerance", found
+        assert found["verdict"] == ("parity: every path within its tolerance; CUDA graphs: not run "
+                                    "(replay, numbers tiny)"), found
     else:
         assert notes == {"routing": f"stopped by {name}"}
-        assert found["verdict"] == f"parity not run: stopped by {name}"
+        assert found["verdict"] == f"parity not run: stopped by {name}; CUDA graphs: not run (replay, numbers tiny)"
     assert f"{found['verdict']}; " in (out / "tiny.md").read_text() and "written: " in printed
 
 
@@ -508,3 +521,102 @@ def test_every_configuration_of_a_shape_steps_at_the_readable_paths_micro_batch(
     args = train.parse_args(gpu_check.step_config(shape, config))[0]
     train.fill_run_sizes(args, 1)
     assert args.batch_size == (1 if shape == "tiny" else train.RUNS[args.preset]["batch_size"])
+
+
+# %% Numbers under CUDA graphs: the checks fail on what they are for
+
+def test_a_captured_step_that_reads_a_stale_batch_fails_the_numbers(monkeypatch):
+    """A replay that reads the first step's batch where the step gives a new one (a stale input
+    address) errs in the gradients by about as much as two batches' gradients differ: not ok."""
+    real, first, calls = train.train_step, [], [0]
+
+    def stale(model, optimizer, xs, ys, *rest):
+        calls[0] += 1
+        first.append((xs, ys)) if not first else None
+        if calls[0] % 2 == 0:        # the captured run's step (recorded_step: eager first)
+            xs, ys = first[0]
+        return real(model, optimizer, xs, ys, *rest)
+    monkeypatch.setattr(train, "train_step", stale)
+    with gpu_check.compile_backend("eager"):
+        r = gpu_check.captured_numbers("tiny")
+    assert calls[0] == 2 * gpu_check.NUMBERS_STEPS
+    assert r["grad err"] > gpu_check.NUMBERS_FRACTION * r["batch diff"] > 0 and not r["ok"], r
+
+
+@pytest.mark.parametrize("changed, ok", [
+    ({}, True), ({"grad err": 0.1 * 0.5}, True), ({"grad err": 0.1 * 0.5 * (1 + 1e-9)}, False),
+    ({"loss err": 1e-2}, True), ({"loss err": 1.01e-2}, False), ({"eval err": 1.01e-2}, False),
+    ({"cudagraph skips": 1}, False), ({"batch diff": 0.0, "grad err": 0.0}, True),
+], ids=["all-zero", "gradients-at-the-bound", "gradients-just-over", "loss-at-the-bound",
+        "loss-just-over", "evaluation-just-over", "one-cudagraph-skip", "one-batch-no-error"])
+def test_the_numbers_pass_within_their_bounds_and_no_further(changed, ok):
+    assert (gpu_check.NUMBERS_FRACTION, gpu_check.LOSS_TOLERANCE) == (0.1, 1e-2)
+    r = {"loss err": 0.0, "grad err": 0.0, "eval err": 0.0, "batch diff": 0.5, "cudagraph skips": 0, **changed}
+    assert gpu_check.numbers_ok(r) is ok
+
+
+@interpreted
+def test_a_replay_that_does_not_recompute_is_not_bitwise(monkeypatch):
+    """The stand-in of a graph whose replay leaves the first inputs' outputs in place (a kernel that
+    reads a stale address): the replayed chain is not bit for bit eager's; the real stand-in is."""
+    shape = gpu_check.PARITY["tiny"]
+    assert gpu_check.replayed_chain(shape, "cpu") == {"replays": 2, "bitwise": True, "max diff": 0.0, "ok": True}
+
+    class Stale:
+        def __init__(self, fn, device):
+            fn()
+            self.replay = lambda: None
+    monkeypatch.setattr(gpu_check, "Replay", Stale)
+    r = gpu_check.replayed_chain(shape, "cpu")
+    assert not r["bitwise"] and not r["ok"] and r["max diff"] > 1e-2, r
+
+
+@pytest.mark.parametrize("results, verdict", [
+    ({"replay": {"ok": True}, "numbers tiny": {"ok": True}}, "CUDA graphs: as eager (replay, numbers tiny)"),
+    ({"replay": {"ok": False}, "numbers tiny": {"ok": True}}, "CUDA graphs FAILED: replay"),
+    ({"replay": {"ok": True}, "numbers tiny": "numbers failed: RuntimeError: x"},
+     "CUDA graphs FAILED: numbers tiny"),
+    ({"replay": "timed out after 56 s"}, "CUDA graphs FAILED: replay"),
+    ({"replay": {"ok": True}, "numbers 100m-4L": "skipped: over the budget"},
+     "CUDA graphs: not run (numbers 100m-4L)"),
+    ({"replay": "stopped by SIGTERM"}, "CUDA graphs: not run (replay)"),
+    ({}, None),
+], ids=["both-ok", "replay-differs", "numbers-crashed", "timed-out", "skipped", "stopped", "none-planned"])
+def test_the_numbers_verdict_fails_on_any_failure_and_says_what_did_not_run(results, verdict):
+    assert gpu_check.numbers_verdict(results) == verdict
+
+
+def test_a_replay_on_a_gpu_warms_up_on_a_side_stream_then_captures_once(monkeypatch):
+    """Replay's CUDA branch with torch.cuda's stream and graph calls faked (no GPU here): three
+    warm-up calls on a side stream that waits for the current one (they compile and bind the kernels
+    outside the capture), the current stream waiting for them, then one call inside the capture;
+    replay is the graph's own."""
+    events = []
+
+    class Stream:
+        def __init__(self, name="side"):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(f"{self.name} waits for {other.name}")
+
+    @contextlib.contextmanager
+    def inside(what):
+        events.append(f"enter {what}")
+        yield
+        events.append(f"leave {what}")
+
+    class CUDAGraph:
+        def replay(self):
+            events.append("replay")
+    current = Stream("current")
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: inside(f"{s.name} stream"))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: inside("capture"))
+    graph = gpu_check.Replay(lambda: events.append("call"), "cuda")
+    assert events == ["side waits for current", "enter side stream", "call", "call", "call",
+                      "leave side stream", "current waits for side", "enter capture", "call", "leave capture"]
+    graph.replay()
+    assert events[-1] == "replay" and len(events) == 11
