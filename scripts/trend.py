@@ -17,7 +17,16 @@ attnres is kept, attnres - attnres-T4 left out). Each is the mean over the seeds
 whole validation split, train.py's score at a run's end) where every run has it, else the tail mean of the
 sampled evaluations. The trend of a difference is its change from the flag's first value to its last: the
 seeds of two widths are different models, so the two means are unpaired, and the change carries Welch's
-standard error sqrt(se_first^2 + se_last^2) and his degrees of freedom.
+standard error sqrt(se_first^2 + se_last^2) and his degrees of freedom; so does the change between every two
+values. Where three seeds' spreads differ between values by more than chance tells apart, the spread pooled
+over the values (each difference's variances weighted by their degrees of freedom: 2 per value of three seeds)
+gives each value's t and the change's a reading to set beside: trend.md tables both, with the ratio of the
+largest spread to the smallest.
+
+Along training. Each difference at every sampled evaluation that both runs of each seed logged (log.jsonl):
+trend.md reads it at the evaluations nearest a quarter, a half, three quarters and the end of each run, and
+paired_differences_along_training.png draws it against the tokens trained, one line per value of the flag
+(a longer run beside a shorter one: python -m scripts.trend runs/d128 runs/d128-long --flag max_steps).
 
 The probe. Where a routed run's folder holds probe.json (python -m scripts.probe --ckpt RUN/ckpt.pt), the table
 adds how much its routing disagrees, against the probe's null (random queries of the same norm): a
@@ -25,7 +34,7 @@ multi-head run's head deviation (mean |α_h - mean over heads|), a single-head r
 KL of its query's slices from the shared α); the mean over the seeds probed, and the mean z.
 
 Writes trend.md, trend.json and, with matplotlib, paired_differences_by_<flag>.png (the differences against
-the flag, ± one standard error; the flag's axis in log scale) into --out_dir. A folder without compare.py's
+the flag, ± one standard error; the flag's axis in log scale) and the figure along training into --out_dir. A folder without compare.py's
 results.json, a flag that does not differ, or a metric some run lacks is one line and exit status 2.
 """
 import os
@@ -166,18 +175,64 @@ def gather(folders, flag=None, metric=None):
         raise UserError("--metric full_val_loss: some runs have no whole-split score (trained before train.py "
                         "scored it); use --metric tail_val_loss")
     points = sorted((dict(folder=str(folder), value=value, differences=differences(results, metric),
-                          disagreement=disagreement(folder, results))
+                          disagreement=disagreement(folder, results), along=along(folder, results))
                      for (folder, results, _), value in zip(read, values)), key=lambda p: p["value"])
     labels = dict.fromkeys(label for p in points for label in p["differences"])
     if not labels:
         raise UserError("the folders hold no paired difference (each comparison trained one method alone): "
                         "compare at least one method with the baseline in each")
-    trend = {}
+    trend, changes, pooled = {}, {}, {}
     for label in labels:
-        at = [p["differences"][label] for p in points if label in p["differences"]]
+        at = [(p["value"], p["differences"][label]) for p in points if label in p["differences"]]
         if len(at) > 1:
-            trend[label] = change(at[0], at[-1])
-    return dict(flag=flag, metric=metric, points=points, trend=trend)
+            trend[label] = change(at[0][1], at[-1][1])
+            changes[label] = {f"{a} → {b}": change(x, y) for i, (a, x) in enumerate(at) for b, y in at[i + 1:]}
+            pooled[label] = pooled_spread(at)
+    return dict(flag=flag, metric=metric, points=points, trend=trend, changes=changes, pooled=pooled)
+
+
+def pooled_spread(at):
+    """A difference's seed spread pooled over the flag's values, [(value, pair)]: the pairs' sample variances
+    weighted by their degrees of freedom, s_p^2 = sum (n_i - 1) s_i^2 / sum (n_i - 1), which is the spread to
+    use where the values' spreads differ more than three seeds each can tell apart from chance. {"ratio": the
+    largest standard deviation over the smallest (None where one is 0), "sd", "df", "at": {value: {"mean", "se",
+    "df", "t"}} with se = s_p / sqrt(n), "change": the first value's to the last's, se = s_p sqrt(1/n_a + 1/n_b)};
+    None where a value has one seed."""
+    if any(pair["se"] is None for _, pair in at):
+        return None
+    sds = [pair["se"] * math.sqrt(pair["n"]) for _, pair in at]
+    df = sum(pair["n"] - 1 for _, pair in at)
+    sd = math.sqrt(sum((pair["n"] - 1) * s ** 2 for (_, pair), s in zip(at, sds)) / df)
+
+    def tested(mean, se):
+        return dict(mean=mean, se=se, df=df, t=mean / se if se else None)
+    (_, first), (_, last) = at[0], at[-1]
+    return dict(ratio=max(sds) / min(sds) if min(sds) > 0 else None, sd=sd, df=df,
+                at={value: tested(pair["mean"], sd / math.sqrt(pair["n"])) for value, pair in at},
+                change=tested(last["mean"] - first["mean"], sd * math.sqrt(1 / first["n"] + 1 / last["n"])))
+
+
+def along(folder, results):
+    """Each paired difference of a comparison folder (differences()' labels) along training, on the sampled
+    evaluations of its runs' log.jsonl: {label: {"steps", "tokens", "mean", "se"}}, each a list over the
+    evaluations that every seed's two runs logged (a run without log.jsonl has none). UserError when a
+    log.jsonl is not train.py's."""
+    rows = results["rows"]
+    logs = {}
+    for row in rows:
+        log = Path(folder) / row["name"] / "log.jsonl"
+        try:
+            logs[row["name"]] = probe.read_log(log) if log.is_file() else []
+        except ValueError as e:  # a line that is not JSON
+            raise UserError(str(e)) from None
+    tokens = {e["step"]: e["tokens"] for log in logs.values() for e in log if "val_loss" in e and "tokens" in e}
+    curves = {f"{variant} - baseline": curve for variant, curve in compare.paired_curves(rows, logs).items()}
+    for routed in results["versus"]:
+        curves.update({f"{variant} - {routed}": curve
+                       for variant, curve in compare.paired_curves(compare.versus(rows, routed), logs).items()
+                       if f"{routed} - {variant}" not in curves})
+    return {label: dict(steps=steps, tokens=[tokens.get(s) for s in steps], mean=means, se=ses)
+            for label, (steps, means, ses) in curves.items() if steps}
 
 
 def metric_name(metric):
@@ -191,6 +246,33 @@ def mean_se(stats):
 
 def welch(c):
     return "—" if c["t"] is None else f"t({c['df']:.1f}) = {c['t']:+.1f}"
+
+
+def changed(c):
+    """"-0.0316 ± 0.0085, t(3.1) = -3.7" of a change (or a pooled difference: its df a whole number)."""
+    if c is None:
+        return "—"
+    return mean_se(c) + ("" if c["t"] is None else f", t({c['df']:.{0 if c['df'] == int(c['df']) else 1}f}) "
+                                                    f"= {c['t']:+.1f}")
+
+
+ALONG_FIGURE = "paired_differences_along_training.png"
+ALONG = (("¼", 0.25), ("½", 0.5), ("¾", 0.75), ("end", 1.0))  # where trend.md reads a difference along training
+
+
+def labels_of(points, key):
+    return list(dict.fromkeys(label for p in points for label in p[key]))
+
+
+def nearest(curve, fraction):
+    """The index of the evaluation nearest `fraction` of the curve's last step (the earlier one at a tie)."""
+    target = fraction * curve["steps"][-1]
+    return min(range(len(curve["steps"])), key=lambda i: abs(curve["steps"][i] - target))
+
+
+def sampled(curve, fraction):
+    i = nearest(curve, fraction)
+    return f"{mean_se(dict(mean=curve['mean'][i], se=curve['se'][i]))} ({curve['steps'][i]})"
 
 
 def report(gathered):
@@ -220,6 +302,31 @@ def report(gathered):
     parts.append(f"The trend: each difference at every {flag}, and its change from the first {flag} it was "
                  f"measured at to the last (unpaired: Welch's standard error and degrees of freedom).\n\n"
                  + compare.markdown(trend_columns, gathered["trend"].items()))
+    pair_names = list(dict.fromkeys(c for changes in gathered["changes"].values() for c in changes))
+    change_columns = ([("difference", lambda lc: lc[0])]
+                      + [(f"change {c}", lambda lc, c=c: changed(lc[1].get(c))) for c in pair_names])
+    parts.append(f"Every change between two values of {flag} (unpaired: Welch's standard error and degrees of "
+                 f"freedom).\n\n" + compare.markdown(change_columns, gathered["changes"].items()))
+    pooled = [(label, p) for label, p in gathered["pooled"].items() if p is not None]
+    if pooled:
+        pooled_columns = ([("difference", lambda lp: lp[0]),
+                           ("spread ratio", lambda lp: "—" if lp[1]["ratio"] is None else f"{lp[1]['ratio']:.1f}"),
+                           ("pooled s.d.", lambda lp: f"{lp[1]['sd']:.4f}")]
+                          + [(f"{flag} {p['value']}", lambda lp, v=p["value"]: changed(lp[1]["at"].get(v)))
+                             for p in points]
+                          + [(f"change {first} → {last}", lambda lp: changed(lp[1]["change"]))])
+        parts.append(f"The same with the seeds' spread pooled over every {flag} (each difference's sample variances "
+                     f"weighted by their degrees of freedom, which the t's then carry): the reading to set beside "
+                     f"the one above where the spreads differ by more than 3x (the spread ratio: the largest "
+                     f"standard deviation over the smallest).\n\n" + compare.markdown(pooled_columns, pooled))
+    along_columns = [("difference", lambda lp: lp[0]), (flag, lambda lp: str(lp[1]))] + [
+        (f"{name} (step)", lambda lp, f=f: sampled(lp[2], f)) for name, f in ALONG]
+    along_rows = [(label, p["value"], p["along"][label]) for label in labels_of(points, "along")
+                  for p in points if label in p["along"]]
+    if along_rows:
+        parts.append("Along training, on the sampled evaluations (log.jsonl): each difference at the evaluation "
+                     "nearest a quarter, a half, three quarters of the run and at its end; mean ± s.e. over the "
+                     "seeds.\n\n" + compare.markdown(along_columns, along_rows))
     probed = dict.fromkeys(v for p in points for v in p["disagreement"])
     if probed:
         def cell(d):
@@ -268,6 +375,36 @@ def plot(plt, gathered, path):
     plt.close(fig)
 
 
+def plot_along(plt, gathered, path):
+    """Each paired difference along training, one panel each: one line per value of the flag against the
+    tokens trained, ± one standard error shaded."""
+    points, labels = gathered["points"], labels_of(gathered["points"], "along")
+    columns = min(3, len(labels))
+    rows = -(-len(labels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.2 * rows), constrained_layout=True,
+                             squeeze=False)
+    for ax, label in zip(axes.flat, labels):
+        ax.axhline(0, color="black", linewidth=0.8)
+        for i, p in enumerate(points):
+            curve = p["along"].get(label)
+            if curve is None:
+                continue
+            ax.plot(curve["tokens"], curve["mean"], "o-", color=f"C{i}", markersize=2.5,
+                    label=f"{gathered['flag']} {p['value']}")
+            if all(se is not None for se in curve["se"]):
+                ax.fill_between(curve["tokens"], [m - e for m, e in zip(curve["mean"], curve["se"])],
+                                [m + e for m, e in zip(curve["mean"], curve["se"])], color=f"C{i}", alpha=0.2,
+                                linewidth=0)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("tokens trained")
+        ax.set_ylabel("Δ sampled val loss")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(labels):]:
+        ax.set_visible(False)
+    fig.savefig(path, dpi=probe.FIGURE_DPI)
+    plt.close(fig)
+
+
 def parse_args(argv=None):
     p = FlagParser(prog="trend.py", description=__doc__.split("\n\n")[0].strip())
     p.add_argument("folders", nargs="+", help="compare.py --out_dir folders, one per value of the flag")
@@ -296,12 +433,15 @@ def main(argv=None):
             (tmp / "trend.json").write_text(json.dumps(gathered, indent=1))
             if plt is not None:
                 plot(plt, gathered, tmp / figure)
+                if any(p["along"] for p in gathered["points"]):
+                    plot_along(plt, gathered, tmp / ALONG_FIGURE)
     except MachineError as e:
         exit_error("trend.py", e, status=1)
     except KeyboardInterrupt:
         exit_error("trend.py", "interrupted (Ctrl-C); nothing written", status=130)
     print(text)
-    written = ["trend.md", "trend.json"] + ([figure] if plt is not None else [])
+    drawn = [figure] + ([ALONG_FIGURE] if any(p["along"] for p in gathered["points"]) else [])
+    written = ["trend.md", "trend.json"] + (drawn if plt is not None else [])
     print(f"\nwrote {', '.join(str(out_dir / w) for w in written)}"
           + ("" if plt is not None else " (the figure: pip install matplotlib, then run again)"))
 

@@ -530,3 +530,131 @@ def test_the_width_studys_table_in_docs_is_trend_py_on_the_committed_results():
         last = gathered["points"][-1]["differences"][DIFFERENCES[label]]["tail_val_loss"]
         problems += [f"{label}, d 256 tail: {problem}" for problem in width_cell_problems(tail, last)]
     assert not problems, "\n".join(problems)
+
+
+# %% Every change, the pooled spread, and the differences along training
+
+def test_every_change_between_two_widths_is_welchs_of_those_two(widths):
+    gathered = trend.gather(widths)
+    for label, changes in gathered["changes"].items():
+        assert list(changes) == ["64 → 128", "64 → 256", "128 → 256"]
+        at = {p["value"]: p["differences"][label] for p in gathered["points"]}
+        for name, c in changes.items():
+            first, last = (int(v) for v in name.split(" → "))
+            assert c == pytest.approx(trend.change(at[first], at[last]))
+        assert changes["64 → 256"] == gathered["trend"][label]
+
+
+def test_the_pooled_spread_weights_each_widths_variance_by_its_degrees_of_freedom(widths):
+    """By hand on GAPS: s_p^2 = (2 s_64^2 + 2 s_128^2 + 2 s_256^2) / 6; each width's se s_p / sqrt(3) with
+    6 degrees of freedom; the change's s_p sqrt(1/3 + 1/3); the ratio of the largest s.d. to the smallest."""
+    pooled = trend.gather(widths)["pooled"]["attnres - baseline"]
+    deltas = {w: GAPS[w]["attnres"] for w in (64, 128, 256)}
+    sds = {w: mean_se(d)[1] * math.sqrt(3) for w, d in deltas.items()}
+    sd = math.sqrt(sum(2 * s ** 2 for s in sds.values()) / 6)
+    assert (pooled["sd"], pooled["df"], pooled["ratio"]) == pytest.approx(
+        (sd, 6, max(sds.values()) / min(sds.values())))
+    for w, d in deltas.items():
+        mean = sum(d) / 3
+        assert pooled["at"][w] == pytest.approx(dict(mean=mean, se=sd / math.sqrt(3), df=6, t=mean / (sd / math.sqrt(3))))
+    change = sum(deltas[256]) / 3 - sum(deltas[64]) / 3
+    assert pooled["change"] == pytest.approx(dict(mean=change, se=sd * math.sqrt(2 / 3), df=6,
+                                                  t=change / (sd * math.sqrt(2 / 3))))
+
+
+@pytest.mark.parametrize("pairs, expected", [
+    ([dict(n=3, mean=0.1, se=0.01), dict(n=3, mean=0.2, se=0.02)], dict(ratio=2.0, df=4)),
+    ([dict(n=2, mean=0.1, se=0.01), dict(n=4, mean=0.2, se=0.01)],          # df 1 + 3; sds 0.01 sqrt 2, 0.02
+     dict(ratio=0.02 / (0.01 * math.sqrt(2)), df=4)),
+    ([dict(n=3, mean=0.1, se=0.0), dict(n=3, mean=0.2, se=0.02)], dict(ratio=None, df=4)),   # one without spread
+    ([dict(n=1, mean=0.1, se=None), dict(n=3, mean=0.2, se=0.02)], None),                  # one seed: no spread
+], ids=["two-widths", "unequal-seeds", "a-zero-spread", "one-seed"])
+def test_the_pooled_spread_at_its_edges(pairs, expected):
+    pooled = trend.pooled_spread(list(zip((64, 128), pairs)))
+    if expected is None:
+        assert pooled is None
+        return
+    assert pooled["ratio"] == (None if expected["ratio"] is None else pytest.approx(expected["ratio"]))
+    assert pooled["df"] == expected["df"]
+    variances = [(p["n"] - 1) * p["se"] ** 2 * p["n"] for p in pairs]
+    assert pooled["sd"] == pytest.approx(math.sqrt(sum(variances) / expected["df"]))
+
+
+def write_logs(folder, offsets, steps=(50, 100, 150, 200), tokens_per_step=100):
+    """log.jsonl of every run of a comparison() folder: a training line and an evaluation at each step, the
+    val loss 2 - step/1000 + offsets[variant][seed] * step / 100."""
+    for run in Path(folder).iterdir():
+        if run.is_dir():
+            variant, seed = run.name.rsplit("-s", 1)
+            lines = []
+            for step in steps:
+                lines.append({"step": step, "loss": 3.0, "tokens": step * tokens_per_step})
+                lines.append({"step": step, "val_loss": 2 - step / 1000 + offsets[variant][int(seed)] * step / 100,
+                              "tokens": step * tokens_per_step})
+            (run / "log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+OFFSETS = {"baseline": [0.0, 0.01, -0.01], "attnres": [0.02, 0.03, 0.01], "attnres-T4": [-0.01, 0.0, -0.03],
+           "mhar-H4": [-0.03, -0.02, -0.05]}
+
+
+def test_the_differences_along_training_are_paired_at_every_evaluation(widths):
+    for folder in widths:
+        write_logs(folder, OFFSETS)
+    gathered = trend.gather(widths)
+    along = gathered["points"][0]["along"]
+    assert list(along) == list(gathered["points"][0]["differences"])      # no reverse of a difference
+    for label, curve in along.items():
+        variant, reference = label.split(" - ")
+        assert curve["steps"] == [50, 100, 150, 200] and curve["tokens"] == [5000, 10000, 15000, 20000]
+        for i, step in enumerate(curve["steps"]):
+            deltas = [(OFFSETS[variant][s] - OFFSETS[reference][s]) * step / 100 for s in range(3)]
+            assert (curve["mean"][i], curve["se"][i]) == pytest.approx(mean_se(deltas), abs=1e-12)
+
+
+def test_a_run_without_its_log_has_no_curve_and_a_torn_one_is_one_line(widths):
+    gathered = trend.gather(widths)
+    assert all(p["along"] == {} for p in gathered["points"])
+    write_logs(widths[0], OFFSETS)
+    log = widths[0] / "mhar-H4-s1" / "log.jsonl"
+    log.write_text("not json\n" + log.read_text())
+    with pytest.raises(trend.UserError, match="line 1 is not JSON"):
+        trend.gather(widths)
+
+
+@pytest.mark.parametrize("steps, fraction, index", [
+    ([50, 100, 150, 200], 0.25, 0), ([50, 100, 150, 200], 0.5, 1), ([50, 100, 150, 200], 1.0, 3),
+    ([100, 200, 300, 400], 0.375, 0), ([750], 0.25, 0), ([50, 100, 150, 200, 250, 300, 350, 400, 450, 500, 550,
+                                                           600, 650, 700, 750], 0.25, 3),
+], ids=["quarter", "half", "end", "tie-the-earlier", "one-evaluation", "750-steps-quarter-is-200"])
+def test_the_evaluation_nearest_a_fraction_of_training(steps, fraction, index):
+    assert trend.nearest({"steps": steps}, fraction) == index
+
+
+def test_the_report_reads_each_difference_at_the_quarters_and_the_figure_is_drawn(widths, tmp_path):
+    for folder in widths:
+        write_logs(folder, OFFSETS)
+    gathered = trend.gather(widths)
+    text = trend.report(gathered)
+    deltas = [(OFFSETS["mhar-H4"][s] - OFFSETS["baseline"][s]) * 2 for s in range(3)]   # at step 200
+    mean, se = mean_se(deltas)
+    assert (f"| mhar-H4 - baseline | 256 | {compare.signed(mean / 4, se / 4)} (50) | "
+            f"{compare.signed(mean / 2, se / 2)} (100) | {compare.signed(mean * 3 / 4, se * 3 / 4)} (150) | "
+            f"{compare.signed(mean, se)} (200) |") in text
+    pooled = gathered["pooled"]["attnres - baseline"]
+    assert f"| attnres - baseline | {pooled['ratio']:.1f} | {pooled['sd']:.4f} | " in text
+    assert "| mhar-H4 - attnres-T4 | — | " in text             # a width without spread: no ratio
+    c = gathered["changes"]["attnres - baseline"]["128 → 256"]
+    assert f"{compare.signed(c['mean'], c['se'])}, t({c['df']:.1f}) = {c['t']:+.1f} |" in text
+    plt = pytest.importorskip("matplotlib.pyplot")
+    trend.plot_along(plt, gathered, tmp_path / "along.png")
+    assert (tmp_path / "along.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+@pytest.mark.parametrize("c, cell", [
+    (dict(mean=-0.0316, se=0.0085, df=3.07, t=-3.72), "-0.0316 ± 0.0085, t(3.1) = -3.7"),
+    (dict(mean=-0.0094, se=0.0083, df=6, t=-1.13), "-0.0094 ± 0.0083, t(6) = -1.1"),
+    (dict(mean=0.1, se=None, df=None, t=None), "+0.1000"), (None, "—"),
+], ids=["welch", "pooled-whole-df", "no-spread", "not-measured"])
+def test_a_changed_cell(c, cell):
+    assert trend.changed(c) == cell
