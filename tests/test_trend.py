@@ -658,3 +658,86 @@ def test_the_report_reads_each_difference_at_the_quarters_and_the_figure_is_draw
 ], ids=["welch", "pooled-whole-df", "no-spread", "not-measured"])
 def test_a_changed_cell(c, cell):
     assert trend.changed(c) == cell
+
+
+# %% The README's width reading, every figure recomputed
+
+FIGURE = re.compile(r"([+-]\d\.\d{4} ± \d\.\d{4})|(t\(\d+(?:\.\d)?\) = [+-]\d+\.\d)")
+
+
+def readme_width_reading(text):
+    """The README's bullet on width ("Width: read with care"), one line, minus signs as ASCII hyphens."""
+    section = text.split("- **Width: read with care.**")[1].split("\n\n")[0].split("\n- ")[0]
+    return " ".join(section.replace("−", "-").split())
+
+
+def quoted_figures(reading):
+    """Each "m ± se" of a reading, with the "t(df) = x" that follows it before the next one (None if none):
+    "m ± se, t(df) = x" or "m ± se"; and the t's that follow no "m ± se" (none should)."""
+    cells, orphans = [], []
+    for match in FIGURE.finditer(reading):
+        if match[1]:
+            cells.append(match[1])
+        elif cells and "t(" not in cells[-1]:
+            cells[-1] += f", {match[2]}"
+        else:
+            orphans.append(match[2])
+    return cells, orphans
+
+
+def trend_figures(gathered):
+    """Every figure trend.py computes of a width study, each as its tables print it: each width's paired
+    difference with its t(2), every change with Welch's t, the pooled ones with t(6), each difference along
+    training at every evaluation; each also without its t."""
+    cells = set()
+    for p in gathered["points"]:
+        cells |= {f"{compare.signed(d['mean'], d['se'])}, {compare.t_of(d)}" for d in p["differences"].values()}
+        cells |= {compare.signed(m, se) for curve in p["along"].values() for m, se in zip(curve["mean"], curve["se"])}
+    cells |= {trend.changed(c) for changes in gathered["changes"].values() for c in changes.values()}
+    cells |= {trend.changed(c) for pooled in gathered["pooled"].values() if pooled
+              for c in [*pooled["at"].values(), pooled["change"]]}
+    return cells | {cell.split(", t(")[0] for cell in cells}
+
+
+def test_every_figure_of_the_readmes_width_reading_is_trend_py_on_the_committed_results():
+    """Each "m ± se" of the README's width bullet, with the t (and degrees of freedom) after it, is a figure
+    that trend.gather computes from results/width-d*/ as committed, to its last digit; so is the ratio of
+    the seed spreads it quotes."""
+    reading = readme_width_reading((ROOT / "README.md").read_text())
+    gathered = trend.gather(WIDTH_FOLDERS)
+    cells, orphans = quoted_figures(reading)
+    assert len(cells) >= 12 and not orphans, (cells, orphans)
+    unknown = [cell for cell in cells if cell not in trend_figures(gathered)]
+    assert not unknown, unknown
+    ratios = {f"{p['ratio']:.1f}" for p in gathered["pooled"].values() if p and p["ratio"]}
+    quoted = re.findall(r"(\d+\.\d) times apart", reading)
+    assert quoted and set(quoted) <= ratios, quoted
+
+
+@pytest.mark.parametrize("edit", [("−0.0436 ± 0.0080", "−0.0437 ± 0.0080"), ("t(3.9) = −5.4", "t(2) = −5.4"),
+                                  ("−0.0316 ± 0.0085", "−0.0316 ± 0.0086"), ("12.9 times", "13.9 times"),
+                                  ("t(6) = −2.3", "t(2) = −2.3"), ("−0.1016 ± 0.0089", "−0.1016 ± 0.0098")],
+                         ids=["a-mean", "a-df", "an-se", "the-ratio", "pooled-df-as-paired", "along-se"])
+def test_a_planted_edit_of_the_readmes_width_reading_is_caught(edit):
+    before, after = (e.replace("−", "-") for e in edit)
+    reading = readme_width_reading((ROOT / "README.md").read_text())
+    assert before in reading
+    reading = reading.replace(before, after, 1)
+    gathered = trend.gather(WIDTH_FOLDERS)
+    cells, _ = quoted_figures(reading)
+    ratios = {f"{p['ratio']:.1f}" for p in gathered["pooled"].values() if p and p["ratio"]}
+    caught = [c for c in cells if c not in trend_figures(gathered)] or \
+        not set(re.findall(r"(\d+\.\d) times apart", reading)) <= ratios
+    assert caught
+
+
+def test_every_figure_of_the_width_studys_reading_in_docs_is_trend_py_on_the_committed_results():
+    """docs/comparison.md's reading of the width study (its decomposition table included): each "m ± se"
+    with the t after it is a figure of trend.gather on results/width-d*/, and so is every t quoted alone."""
+    text = (ROOT / "docs" / "comparison.md").read_text()
+    reading = text.split("The reading, as strong as three seeds a width allow")[1].split("![The paired")[0]
+    cells, orphans = quoted_figures(" ".join(reading.replace("−", "-").split()))
+    figures = trend_figures(trend.gather(WIDTH_FOLDERS))
+    ts = {cell.split(", ")[-1] for cell in figures if ", t(" in cell}
+    assert len(cells) >= 20 and orphans, (cells, orphans)
+    assert not [cell for cell in cells if cell not in figures] and not [t for t in orphans if t not in ts]
