@@ -11,6 +11,7 @@ the paired differences to the baseline and every run's row, and draw the loss cu
         --seeds 0,1,2 --jobs 2 --versus attnres,attnres-T4          # the CPU comparison of the README
     python -m scripts.compare --preset 100m --out_dir runs/100m --nproc_per_node 8   # GPUs: each run under torchrun
     python -m scripts.compare --methods baseline,mhar --eval_tasks hellaswag,lambada_openai  # and benchmarks
+    python -m scripts.compare --preset 100m --methods baseline,mhar --seeds 0,1,2 --plan  # its cost: GPU-hours
 
 Runs. A run is a method (with --route_heads: mhar once per H, named mhar-H<h>), a model shape and a seed.
 A routed method with -T<tau> (attnres-T4, mhar-T0.5) trains at train.py's --route_temperature tau: attnres-T4
@@ -50,6 +51,14 @@ over local files, and writes <run>/eval.json; a run whose eval.json holds the sa
 --eval_limit for its final step is not evaluated again. Every metric becomes a column of the per-run table,
 and its paired difference to the baseline a column of the paired table.
 
+Plan. --plan trains nothing: it prints one line per run, its parameters, the tokens it would train on
+(--max_steps x the global batch x --seq_len, as train.py resolves them), its training FLOPs per token
+(mhar.GPT.flops_per_token(), the model built on the meta device: no memory, no time) and in all, and the hours
+those FLOPs take on one --plan_device at --plan_mfu of its dense bf16 peak (lib/common.PEAK_FLOPS); then the
+total. The hours are an estimate from the FLOP count at that assumed utilisation, not a measurement. Every run
+is planned, also one already finished in --out_dir (which is neither read nor created); no data is read (only
+--data's meta.json, for the vocabulary) and no GPU is needed.
+
 Writes results.md (both tables), results.json, and with matplotlib loss_curves.png (every run) and
 paired_curves.png (each method's paired difference to the baseline at every evaluation, mean ± s.e. over
 the seeds) into --out_dir.
@@ -71,11 +80,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 import mhar
 import prepare
-from lib.common import (ROOT, FlagParser, MachineError, StopSignals, UserError, duration, exit_error, fingerprint,
-                        one_line, output_folder, pick_device, progress, read_checkpoint, seed, staged, training_data,
-                        write_atomically)
+from lib.common import (PEAK_FLOPS, ROOT, FlagParser, MachineError, StopSignals, UserError, duration, exit_error,
+                        fingerprint, one_line, output_folder, pick_device, progress, read_checkpoint, seed, staged,
+                        training_data, write_atomically)
 from scripts import probe
 
 METHODS = ("baseline", "hyper", "attnres", "mhar")
@@ -83,6 +94,7 @@ TEMPERATURE = re.compile(r"(?P<method>attnres|mhar)-T(?P<tau>\d+(\.\d+)?)")  # a
 # the shape fields of mhar.Config that a grid can sweep, and their tags in run names (n_head "nh": "H" is
 # --route_heads)
 SHAPE_FLAGS = {"n_layer": "L", "n_embd": "d", "n_head": "nh", "n_kv_head": "kv", "ffn_hidden": "ffn"}
+PLAN_DEVICE, PLAN_MFU = "NVIDIA H100 80GB HBM3", 0.4  # --plan's GPU (a key of PEAK_FLOPS) and its utilisation
 
 
 @dataclass
@@ -128,6 +140,14 @@ def parse_args(argv=None):
                    help="a folder of task YAML files (tasks over local files)")
     p.add_argument("--eval_limit", type=float, help="at most this many documents per task (< 1: a fraction)")
     p.add_argument("--eval_batch_size", type=int, default=8, help="sequences per forward (default 8)")
+    p.add_argument("--plan", action="store_true",
+                   help="train nothing: print each run's parameters, tokens, training FLOPs and the hours they "
+                        "would take on one --plan_device at --plan_mfu (an estimate, not a measurement); every "
+                        "run is planned, also those already finished in --out_dir, which is not created")
+    p.add_argument("--plan_device", metavar="NAME", help="--plan: the GPU, a name of lib/common.PEAK_FLOPS "
+                                                         f"(default {PLAN_DEVICE!r})")
+    p.add_argument("--plan_mfu", type=float, help="--plan: the model-FLOPs utilisation assumed, in (0, 1] "
+                                                  f"(default {PLAN_MFU})")
     args, train_flags = p.parse_known_args(argv)
     for flag in ("--residual", "--seed", "--resume"):  # (--out_dir is compare.py's own)
         if any(f == flag or f.startswith(flag + "=") for f in train_flags):
@@ -171,6 +191,16 @@ def parse_args(argv=None):
         args.eval_limit = int(args.eval_limit)  # a count; below 1, a fraction (lm-eval's convention)
     if args.eval_batch_size < 1:
         exit_error("compare.py", f"--eval_batch_size must be at least 1, got {args.eval_batch_size}")
+    if not args.plan and (args.plan_device is not None or args.plan_mfu is not None):
+        exit_error("compare.py", "--plan_device and --plan_mfu go with --plan")
+    args.plan_device = PLAN_DEVICE if args.plan_device is None else args.plan_device
+    args.plan_mfu = PLAN_MFU if args.plan_mfu is None else args.plan_mfu
+    if args.plan_device not in PEAK_FLOPS:
+        exit_error("compare.py", f"--plan_device {args.plan_device!r} has no peak in lib/common.PEAK_FLOPS: "
+                                 f"choose from {', '.join(map(repr, PEAK_FLOPS))}")
+    if not 0 < args.plan_mfu <= 1:  # nan too
+        exit_error("compare.py", f"--plan_mfu must be in (0, 1] (a share of the peak, e.g. {PLAN_MFU}), "
+                                 f"got {args.plan_mfu}")
     return args, train_flags
 
 
@@ -248,27 +278,33 @@ def identity_keys():
         ["global_batch"]
 
 
-def resolve_runs(runs, train_flags, world, out_dir):
-    """{run name: the flags train.py would resolve for it (its config.json's "args": the run sizes of its
-    preset, every mhar.Config field), JSON's values}, without writing anything. On the way, every mistake
-    a run would meet in its first second stops the comparison here, with one line: a device that is not
-    there, data that is not there or does not fit the model, --fused without triton. A built-in corpus
-    that is missing is prepared now, once (every run would)."""
+def resolve_runs(runs, train_flags, world, out_dir, plan=False):
+    """({run name: the flags train.py would resolve for it (its config.json's "args": the run sizes of its
+    preset, every mhar.Config field), JSON's values}, the data's fingerprint), without writing anything. On
+    the way, every mistake a run would meet in its first second stops the comparison here, with one line: a
+    device that is not there, data that is not there or does not fit the model, --fused without triton. A
+    built-in corpus that is missing is prepared now, once (every run would). plan (--plan): neither the
+    device nor the data is checked, only --data's meta.json read (the vocabulary; none: the preset's), and
+    the fingerprint is "synthetic"."""
     import train
-    resolved, tokens = {}, None
+    resolved, tokens, meta = {}, None, {}
     for i, run in enumerate(runs):
         args, given = train.parse_args(train_argv(run, train_flags, out_dir))
         args = train.resolve_flags(args, given, world)[0]
         if i == 0:  # the data and the device: every run's
             try:
-                pick_device(args.device)
-                tokens = train.open_data(args, 0, False)
+                if plan:
+                    meta = training_data({"args": vars(args)})[1]
+                else:
+                    pick_device(args.device)
+                    tokens = train.open_data(args, 0, False)
+                    meta = tokens.meta if tokens else {}
             except UserError as e:
                 exit_error("compare.py", e)
-        config = train.model_config(args, tokens.meta if tokens else {})
+        config = train.model_config(args, meta)
         if i == 0:
             train.check_data(tokens, config)  # the vocabulary and --seq_len: the same for every run
-        if config.fused:
+        if config.fused and not plan:
             check_fused()
         resolved[run.name] = json.loads(json.dumps(vars(args)))  # as train.py writes config.json
     return resolved, fingerprint(tokens)
@@ -385,15 +421,25 @@ def prior_run(folder, asked, data_print):
     return "finished" if done else "stopped"
 
 
+def config_of(asked):
+    """The mhar.Config of a run's resolved flags (resolve_runs')."""
+    return mhar.Config(**{f.name: asked[f.name] for f in dataclasses.fields(mhar.Config) if f.name in asked})
+
+
+def tokens_of(asked):
+    """The tokens a run trains on, from its resolved flags: --max_steps x the global batch x --seq_len."""
+    return asked["max_steps"] * asked["global_batch"] * asked["seq_len"]
+
+
 def summary_disagreement(summary, asked):
     """The first number a finished run's summary.json records (its steps, its method, the tokens it saw) that
     the run `asked` (its resolved flags) would not have, as "step 4, not 2"; None when they agree. A number
     the summary does not record (an older train.py's) is not judged."""
-    config = mhar.Config(**{f.name: asked[f.name] for f in dataclasses.fields(mhar.Config) if f.name in asked})
+    config = config_of(asked)
     steps = asked["max_steps"]
     expected = dict(step=steps, max_steps=steps, residual=config.residual, route_heads=config.depth_heads,
                     **({} if asked.get("init_from") else  # a converted run counts its source's tokens too
-                       dict(tokens=steps * asked["global_batch"] * asked["seq_len"])))
+                       dict(tokens=tokens_of(asked))))
     return next((f"{name} {summary[name]!r}, not {value!r}" for name, value in expected.items()
                  if name in summary and summary[name] != value), None)
 
@@ -738,9 +784,62 @@ def planned(runs, train_flags, asked, data_print, out_dir, launcher):
     return commands
 
 
+def plan(runs, asked, peak, mfu):
+    """Per run, what training it costs: dict(name, params, steps, global_batch, seq_len, tokens,
+    flops_per_token, flops, hours), the hours those FLOPs take at `mfu` of `peak` FLOP/s. asked: {run name: its
+    resolved flags} (resolve_runs'). Each model is built on the meta device: its shapes, no memory."""
+    rows = []
+    for run in runs:
+        flags = asked[run.name]
+        with torch.device("meta"):  # unfused: the same weights and FLOPs, without triton
+            model = mhar.GPT(dataclasses.replace(config_of(flags), fused=False))
+        tokens, flops_per_token = tokens_of(flags), model.flops_per_token()
+        flops = flops_per_token * tokens
+        rows.append(dict(name=run.name, params=model.num_params(), steps=flags["max_steps"],
+                         global_batch=flags["global_batch"], seq_len=flags["seq_len"], tokens=tokens,
+                         flops_per_token=flops_per_token, flops=flops, hours=flops / (peak * mfu) / 3600))
+    return rows
+
+
+def hours(h):
+    """Hours to three significant digits below 10 ("0.0412", "9.87"), to the tenth from 10 on ("1,234.5")."""
+    return f"{h:,.1f}" if h >= 10 else f"{h:.3g}"
+
+
+PLAN_COLUMNS = [
+    ("run", lambda r: r["name"]),
+    ("parameters", lambda r: f"{r['params']:,}"),
+    ("steps x batch x seq_len", lambda r: f"{r['steps']:,} x {r['global_batch']} x {r['seq_len']}"),
+    ("tokens", lambda r: f"{r['tokens']:,}"),
+    ("tokens/parameter", lambda r: f"{r['tokens'] / r['params']:.3g}"),
+    ("training FLOPs/token", lambda r: f"{r['flops_per_token']:,}"),
+    ("training FLOPs", lambda r: f"{r['flops']:.4g}"),
+    ("hours", lambda r: hours(r["hours"])),
+]
+
+
+def print_plan(args, train_flags):
+    """--plan: every run of the comparison checked and resolved as for training, then a line per run (plan's
+    table) and the total hours; nothing is trained or written, no data read, no device needed."""
+    runs = runs_of(args)
+    check_shapes(runs, train_flags)
+    asked = resolve_runs(runs, train_flags, args.nproc_per_node, Path(args.out_dir), plan=True)[0]
+    check_duplicates(runs, asked)
+    peak, mfu = PEAK_FLOPS[args.plan_device], args.plan_mfu
+    rows = plan(runs, asked, peak, mfu)
+    what = (f"on one {args.plan_device} ({peak / 1e12:g} TFLOP/s dense bf16 peak) at an assumed MFU of {mfu:g}: "
+            f"an estimate from the FLOP count (mhar.GPT.flops_per_token() x tokens), not a measurement")
+    print(f"Plan: {len(rows)} runs, every one (runs finished in {args.out_dir} are not looked for); hours {what}."
+          f"\n\n{markdown(PLAN_COLUMNS, rows)}\n\ntotal: {hours(sum(r['hours'] for r in rows))} hours {what}")
+
+
 def comparison(argv):
-    """The runs of argv's comparison, checked, trained (or reused) and evaluated; then their tables and figures."""
+    """The runs of argv's comparison, checked, trained (or reused) and evaluated; then their tables and figures;
+    with --plan, their cost instead (print_plan)."""
     args, train_flags = parse_args(argv)
+    if args.plan:
+        print_plan(args, train_flags)
+        return
     try:  # before the first run starts, not when train.py makes the first run's folder
         out_dir = output_folder(args.out_dir, "--out_dir")
     except UserError as e:

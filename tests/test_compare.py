@@ -19,6 +19,7 @@ import torch
 import mhar
 import prepare
 from helpers import PNG_SIGNATURE, ROOT, VOCAB, error_line, files_in, needs, write_task
+from lib.common import PEAK_FLOPS
 from scripts import compare
 
 
@@ -1008,6 +1009,93 @@ def test_compare_as_the_script_takes_signals_again_once_its_runs_end(signum, tmp
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+# ----------------------------------------------------------------------------------------------
+# --plan: each run's parameters, tokens, FLOPs and hours, without training, data or a GPU.
+
+def plan_of(capsys, argv):
+    """compare.py --plan's output: ({run: its table row's cells by column}, the text above the table, the
+    total line)."""
+    compare.main([str(a) for a in [*argv, "--plan"]])
+    head, table, total = capsys.readouterr().out.strip().split("\n\n")
+    header, _, *lines = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()]
+    return {cells[0]: dict(zip(header, cells)) for cells in lines}, head, total
+
+
+def number(cell):
+    return float(cell.replace(",", ""))
+
+
+@pytest.mark.parametrize("flags, device, mfu", [
+    ([], "NVIDIA H100 80GB HBM3", 0.4),
+    (["--plan_device", "NVIDIA A100-SXM4-80GB", "--plan_mfu", "1"], "NVIDIA A100-SXM4-80GB", 1.0),
+    (["--plan_device", "NVIDIA H100 PCIe", "--plan_mfu", "0.25"], "NVIDIA H100 PCIe", 0.25),
+], ids=["default-h100-at-0.4", "a100-at-1", "h100-pcie-at-0.25"])
+def test_the_plan_is_a_line_per_run_of_its_parameters_tokens_flops_and_hours(flags, device, mfu, tmp_path, capsys,
+                                                                             no_run_starts):
+    """Each run's parameters are those of its model built the normal way (the vocabulary of --data's meta.json),
+    its tokens max_steps x the global batch x seq_len, its FLOPs flops_per_token() x tokens, its hours those
+    FLOPs at mfu of the device's peak; the total is their sum, said to be an estimate at the assumed MFU."""
+    meta_only = tmp_path / "data"  # no token files: the plan reads none
+    meta_only.mkdir()
+    (meta_only / "meta.json").write_text(json.dumps({"tokenizer": "none", "vocab_size": VOCAB}))
+    rows, head, total = plan_of(capsys, ["--methods", "baseline,mhar", "--seeds", "0,1", "--data", meta_only,
+                                         "--out_dir", tmp_path / "cmp", *TINY, *flags])
+    assert list(rows) == ["baseline-s0", "mhar-s0", "baseline-s1", "mhar-s1"]
+    tokens, peak, hours = 4 * 8 * 32, PEAK_FLOPS[device], 0  # --max_steps 4 x tiny's global batch 8 x --seq_len 32
+    for name, row in rows.items():
+        model = mhar.GPT(mhar.preset("tiny", vocab_size=VOCAB, seq_len=32, residual=name.split("-")[0]))
+        flops = model.flops_per_token() * tokens
+        assert number(row["parameters"]) == model.num_params()
+        assert (row["steps x batch x seq_len"], number(row["tokens"])) == ("4 x 8 x 32", tokens)
+        assert number(row["training FLOPs/token"]) == model.flops_per_token()
+        assert number(row["training FLOPs"]) == pytest.approx(flops, rel=1e-3)
+        assert number(row["hours"]) == pytest.approx(flops / (peak * mfu) / 3600, rel=5e-3)
+        hours += flops / (peak * mfu) / 3600
+    assert number(total.split()[1]) == pytest.approx(hours, rel=5e-3)
+    for text in (head, total):
+        assert f"on one {device} ({peak / 1e12:g} TFLOP/s" in text and f"assumed MFU of {mfu:g}" in text
+        assert "an estimate from the FLOP count" in text and "not a measurement" in text
+    assert files_in(tmp_path) == ["data", "data/meta.json"]  # no --out_dir
+
+
+@pytest.mark.parametrize("preset, flags, params", [
+    ("tiny", [], "3,318,784"),
+    ("100m", ["--device", "cuda", "--fused"], "63,544,320"),
+], ids=["tiny", "100m-cuda-fused-on-a-cpu"])
+def test_the_plan_writes_nothing_reads_no_data_and_needs_no_gpu(preset, flags, params, tmp_path, monkeypatch, capsys,
+                                                               no_run_starts):
+    """Not the --out_dir, nor the preset's built-in corpus (which training would prepare); --device cuda and
+    --fused are not checked (here without triton: kernel.py's import fails), and a 100m model is built without
+    its memory."""
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.delitem(sys.modules, "kernel", raising=False)
+    monkeypatch.chdir(tmp_path)
+    rows, _, _ = plan_of(capsys, ["--preset", preset, "--methods", "baseline,mhar", *flags])
+    assert rows["mhar-s0"]["parameters"] == params and files_in(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--plan_device", "H100"], "--plan_device 'H100' has no peak in lib/common.PEAK_FLOPS: choose from "
+                                + ", ".join(map(repr, PEAK_FLOPS))),
+    (["--plan_mfu", "0"], "--plan_mfu must be in (0, 1] (a share of the peak, e.g. 0.4), got 0.0"),
+    (["--plan_mfu", "-1"], "--plan_mfu must be in (0, 1] (a share of the peak, e.g. 0.4), got -1.0"),
+    (["--plan_mfu", "1.5"], "--plan_mfu must be in (0, 1] (a share of the peak, e.g. 0.4), got 1.5"),
+    (["--plan_mfu", "nan"], "--plan_mfu must be in (0, 1] (a share of the peak, e.g. 0.4), got nan"),
+    (["--plan_mfu", "inf"], "--plan_mfu must be in (0, 1] (a share of the peak, e.g. 0.4), got inf"),
+    (["--plan_mfu", "high"], "argument --plan_mfu: invalid float value: 'high'"),
+], ids=["unknown_device", "mfu_zero", "mfu_negative", "mfu_above_one", "mfu_nan", "mfu_inf", "mfu_a_word"])
+def test_a_bad_plan_device_or_mfu_is_one_line(argv, message, tmp_path, capsys, no_run_starts):
+    err = error_line(capsys, compare.main, ["--preset", "tiny", "--plan", *argv, "--out_dir", tmp_path / "cmp"])
+    assert err.startswith(f"compare.py: error: {message}"), err
+    assert not (tmp_path / "cmp").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--plan_device", "NVIDIA H200"), ("--plan_mfu", "0.5")])
+def test_the_plans_flags_without_plan_are_one_line(flag, value, capsys):
+    err = error_line(capsys, compare.parse_args, [flag, value])
+    assert err == "compare.py: error: --plan_device and --plan_mfu go with --plan"
 
 
 # ----------------------------------------------------------------------------------------------
