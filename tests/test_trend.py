@@ -741,3 +741,14 @@ def test_every_figure_of_the_width_studys_reading_in_docs_is_trend_py_on_the_com
     ts = {cell.split(", ")[-1] for cell in figures if ", t(" in cell}
     assert len(cells) >= 20 and orphans, (cells, orphans)
     assert not [cell for cell in cells if cell not in figures] and not [t for t in orphans if t not in ts]
+
+
+def test_the_tokens_along_training_are_the_evaluations_own(widths):
+    """An evaluation at a step with no training line (--log_interval not dividing --eval_interval) still has
+    its tokens: read from the evaluation's own line."""
+    write_logs(widths[0], OFFSETS)
+    for log in widths[0].glob("*/log.jsonl"):
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
+        log.write_text("".join(json.dumps(line) + "\n" for line in lines if "val_loss" in line))
+    curve = trend.gather(widths)["points"][1]["along"]["mhar-H4 - baseline"]     # widths[0]: d 128
+    assert curve["tokens"] == [5000, 10000, 15000, 20000]
