@@ -54,7 +54,7 @@ import torch.distributed as dist  # noqa: E402
 
 import mhar  # noqa: E402
 import prepare  # noqa: E402
-from lib import head, hf, midtrain, parallel  # noqa: E402
+from lib import head, hf, midtrain, parallel, rivals  # noqa: E402
 from lib.common import (DEFAULT_CORPUS, CheckpointError, FlagParser, MachineError,  # noqa: E402
                         StopSignals, UserError, AMOUNT, COUNT, RATE, STEPS, adamw, claim_out_dir,
                         decay_rate, estimate_mfu, exit_error, fingerprint, fraction,
@@ -124,7 +124,9 @@ SETTING = "setting"  # the checkpoint's unless given: may change between session
 MACHINE = "machine"  # this session's alone: never taken from a checkpoint
 
 # What a model flag's help says beyond its mhar.Config field's comment (add_model_flags)
-FLAG_NOTES = {"vocab_size": "default: meta.json's vocab_size to a multiple of 64, or the preset's"}
+FLAG_NOTES = {"vocab_size": "default: meta.json's vocab_size to a multiple of 64, or the preset's",
+              "residual": "or a rival of lib/rivals.py: " + " | ".join(f'"{r}"' for r in rivals.RESIDUALS)
+              + " (default mhar)"}
 CONFIG_FIELDS = [f.name for f in dataclasses.fields(mhar.Config)]
 
 
@@ -406,7 +408,7 @@ def model_config(args, meta):
         args.vocab_size = padded_vocab(meta["vocab_size"])
     flags = {name: getattr(args, name) for name in CONFIG_FIELDS}
     try:
-        config = mhar.preset(args.preset, **{k: v for k, v in flags.items() if v is not None})
+        config = rivals.preset(args.preset, **{k: v for k, v in flags.items() if v is not None})
     except (ValueError, TypeError) as e:  # an impossible shape: Config names the field and fix
         die(one_line(e))
     for name in CONFIG_FIELDS:  # what the run records: every field, as resolved
@@ -481,7 +483,7 @@ def build_model(args, config, ckpt, source, session):
             elif source and not pretrained:  # the baseline's weights, routing with closed gates
                 gpt = mhar.GPT.from_baseline(unwrapped(source["model"]), config)
             else:
-                gpt = mhar.GPT(config)
+                gpt = rivals.model(config)
     except (ValueError, TypeError, RuntimeError, ImportError, CheckpointError) as e:
         die(one_line(e))  # e.g. --fused without a GPU, a broken safetensors file
     with memory_for(f"the model and its optimizer on {device}", MODEL_SIZE_FLAGS):

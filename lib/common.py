@@ -588,10 +588,10 @@ def load_model(path, device="cpu", average=False):
     The model is built with fused=False: reading the routing weights and sampling run the readable
     route on any device (a checkpoint trained with --fused on a GPU loads on a CPU).
     """
-    import mhar
+    from lib import rivals
     ckpt = read_checkpoint(path, keys=("model", "config"))
     try:
-        model = mhar.GPT(mhar.Config(**{**ckpt["config"], "fused": False}))
+        model = rivals.model(rivals.config_of({**ckpt["config"], "fused": False}))
         key = "ema" if average and ckpt.get("ema") else "model"
         if "sharded" in ckpt:  # the shards hold 0-d parameters as vectors of one element
             own, folder = model.state_dict(), Path(path).parent / ckpt["sharded"]

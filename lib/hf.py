@@ -485,6 +485,9 @@ def save(model, directory, source=None, dtype=None, max_shard_size=MAX_SHARD_SIZ
     the model's); past max_shard_size they are split into shards and an index, as transformers
     writes them. `directory` is new, empty or an earlier export (export_folder): another model or
     a file of the user's there is one CheckpointError, and nothing is written."""
+    if model.config.residual in ("muddformer", "depth-attention"):  # lib/rivals.py's: no remote code
+        raise ValueError(f"hf.save: {model.config.residual} (lib/rivals.py) has no export: its modeling "
+                         f"code is not written beside the weights; export mhar, attnres, hyper or a baseline")
     safetensors = safetensors_api()
     config, directory, state = model.config, export_folder(directory), model.state_dict()
     dtype = torch_dtype(dtype, state["embed.weight"].dtype, "hf.save")

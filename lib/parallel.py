@@ -41,7 +41,7 @@ from torch.distributed.fsdp import (FSDPModule, MixedPrecisionPolicy, fully_shar
                                     register_fsdp_forward_method)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import mhar
+from lib import rivals
 from lib.common import UserError, pick_device
 
 # -------------------------------------------------------------------------------------------
@@ -217,7 +217,7 @@ def distribute(full, optimizer, device, dtype, make_optimizer):
     carried = carried_state(full, optimizer) if master and optimizer is not None else None
     del full
     with torch.device("meta"):
-        model = vectorize_scalars(mhar.GPT(config[0]))
+        model = vectorize_scalars(rivals.model(config[0]))
     shard(model, device_mesh(device), dtype)
     model.to_empty(device=device)  # allocates each rank's shards, uninitialized
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)

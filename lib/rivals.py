@@ -79,11 +79,20 @@ def check_config(c):
 
 
 def model(config):
+    """The model of any Config: a rival's GPT, or mhar.GPT."""
     return GPT(config) if config.residual in RESIDUALS else mhar.GPT(config)
 
 
 def config_of(fields):
+    """The Config of a dict of its fields (a checkpoint's, a run's config.json): a rival's or mhar's."""
     return Config(**fields) if fields.get("residual") in RESIDUALS else mhar.Config(**fields)
+
+
+def preset(name, **overrides):
+    """mhar.preset, a rival's residual included: preset("100m", residual="muddformer")."""
+    if overrides.get("residual") not in RESIDUALS:
+        return mhar.preset(name, **overrides)
+    return Config(**{**asdict(mhar.preset(name)), **overrides})
 
 
 # ----------------------------------------------------------------------------------------------

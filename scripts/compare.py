@@ -84,12 +84,14 @@ import torch
 
 import mhar
 import prepare
+from lib import rivals
 from lib.common import (PEAK_FLOPS, ROOT, FlagParser, MachineError, StopSignals, UserError, duration, exit_error,
                         fingerprint, one_line, output_folder, pick_device, progress, read_checkpoint, seed, staged,
                         training_data, write_atomically)
 from scripts import probe
 
-METHODS = ("baseline", "hyper", "attnres", "mhar")
+DEFAULT_METHODS = ("baseline", "hyper", "attnres", "mhar")
+METHODS = (*DEFAULT_METHODS, *rivals.RESIDUALS)  # and the rivals: lib/rivals.py (muddformer, depth-attention)
 TEMPERATURE = re.compile(r"(?P<method>attnres|mhar)-T(?P<tau>\d+(\.\d+)?)")  # attnres-T4: --route_temperature 4
 # the shape fields of mhar.Config that a grid can sweep, and their tags in run names (n_head "nh": "H" is
 # --route_heads)
@@ -120,7 +122,8 @@ def parse_args(argv=None):
     # no abbreviations: a flag compare.py does not take goes to train.py as typed (train.py's --seed is not
     # compare.py's --seeds)
     p = FlagParser(prog="compare.py", description=__doc__.split("\n\n")[0].strip(), allow_abbrev=False)
-    p.add_argument("--methods", help=f"comma-separated residual modes (default {','.join(METHODS)}; with "
+    p.add_argument("--methods", help=f"comma-separated residual modes of {','.join(METHODS)} (default "
+                                     f"{','.join(DEFAULT_METHODS)}; with "
                                      "--route_heads: baseline,mhar)")
     p.add_argument("--route_heads", help="comma-separated head counts: train mhar once per H")
     for name in SHAPE_FLAGS:
@@ -160,7 +163,7 @@ def parse_args(argv=None):
                                  "--route_heads 1,2,4")
     if not args.seeds:
         exit_error("compare.py", "--seeds needs at least one seed, e.g. --seeds 0")
-    default = ("baseline", "mhar") if args.route_heads else METHODS
+    default = ("baseline", "mhar") if args.route_heads else DEFAULT_METHODS
     args.methods = (",".join(default) if args.methods is None else args.methods).split(",")
     unknown = [m for m in args.methods if m not in METHODS and not TEMPERATURE.fullmatch(m)]
     if unknown:
@@ -259,7 +262,7 @@ def check_shapes(runs, train_flags):
         args, _ = train.parse_args(train_argv(run, train_flags))
         fields = {k: getattr(args, k) for k in train.CONFIG_FIELDS if getattr(args, k) is not None}
         try:
-            mhar.preset(args.preset, **fields)
+            rivals.preset(args.preset, **fields)
         except (ValueError, TypeError) as e:
             exit_error("compare.py", f"run {run.name} cannot be built at preset {args.preset}: {one_line(e)}")
 
@@ -422,8 +425,8 @@ def prior_run(folder, asked, data_print):
 
 
 def config_of(asked):
-    """The mhar.Config of a run's resolved flags (resolve_runs')."""
-    return mhar.Config(**{f.name: asked[f.name] for f in dataclasses.fields(mhar.Config) if f.name in asked})
+    """The Config (mhar's, or a rival's: lib/rivals.py) of a run's resolved flags (resolve_runs')."""
+    return rivals.config_of({f.name: asked[f.name] for f in dataclasses.fields(mhar.Config) if f.name in asked})
 
 
 def tokens_of(asked):
@@ -792,7 +795,7 @@ def plan(runs, asked, peak, mfu):
     for run in runs:
         flags = asked[run.name]
         with torch.device("meta"):  # unfused: the same weights and FLOPs, without triton
-            model = mhar.GPT(dataclasses.replace(config_of(flags), fused=False))
+            model = rivals.model(dataclasses.replace(config_of(flags), fused=False))
         tokens, flops_per_token = tokens_of(flags), model.flops_per_token()
         flops = flops_per_token * tokens
         rows.append(dict(name=run.name, params=model.num_params(), steps=flags["max_steps"],

@@ -106,6 +106,7 @@ import mhar  # noqa: E402
 from lib.common import (FlagParser, MachineError, UserError, exit_error, ignore_stop_signals,  # noqa: E402
                         load_model, output_folder, pick_device, read_tokens, sample_rows, staged,
                         training_data)
+from lib import rivals  # noqa: E402
 from lib.common import seed as SEED  # noqa: E402
 
 FIGURE_DPI = 110  # README-sized PNGs (tens of KB)
@@ -394,7 +395,7 @@ def run_label(path):
     folder = Path(path) if Path(path).is_dir() else Path(path).parent
     name = folder.resolve().name
     try:
-        config = mhar.Config(**{**json.loads((folder / "config.json").read_text())["config"], "fused": False})
+        config = rivals.config_of({**json.loads((folder / "config.json").read_text())["config"], "fused": False})
     except (OSError, KeyError, TypeError, ValueError):  # no config.json, or not train.py's
         return name
     parts = ([] if config.residual in name else [config.residual]) + ([f"H={config.depth_heads}"] if config.routed else [])

@@ -181,3 +181,24 @@ def test_resuming_an_unsharded_checkpoint_with_fsdp_is_refused(data, tmp_path, c
     train.main(flags(data, tmp_path, "--max_steps", "1"))
     err = error_line(capsys, train.main, ["--resume", "--out_dir", tmp_path, "--fsdp"])
     assert err.startswith("train.py: error: the checkpoint was trained with --fsdp False")
+
+
+def test_the_rival_residuals_shard_as_one_process_trains_them(data, tmp_path):
+    """lib/rivals.py's modes under --fsdp: MUDDFormer's dense connections and Depth-Attention's
+    cross-layer values, 2 ranks x batch 4 against one process at batch 4 x 2 micro-steps: the same
+    losses, the same weights. MUDD's to 1e-2 only: at its start the query and key ways' weights on
+    X_i have a gradient of exactly zero (their inputs are RMS-normed: scale-invariant), ~1e-9 in
+    float, and Adam turns that noise into steps of +-lr whose signs the order of the sums decides
+    (measured: 2e-3 after 5 steps with one rank alone; a connection left unreduced errs by O(1))."""
+    residuals = {"muddformer": 1e-2, "depth-attention": 1e-5}
+    one_node = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", str(ROOT / "train.py")]
+    launch(*[[*one_node, *flags(data, tmp_path / f"fsdp-{r}", "--fsdp", "--residual", r)] for r in residuals])
+    for residual, tolerance in residuals.items():
+        train.main(flags(data, tmp_path / f"one-{residual}", "--grad_accum", "2", "--residual", residual))
+        assert_close_losses(losses(tmp_path / f"fsdp-{residual}"), losses(tmp_path / f"one-{residual}"), rel=1e-5)
+        reference = torch.load(tmp_path / f"one-{residual}" / "ckpt.pt", weights_only=True)["model"]
+        sharded = shards(tmp_path / f"fsdp-{residual}")
+        assert sharded.keys() == reference.keys() and any(k.startswith("connections.") for k in reference) == (
+            residual == "muddformer")
+        for k, v in reference.items():
+            assert rel_err(sharded[k], v) < tolerance, k

@@ -7,6 +7,7 @@ over the model's own weights, a baseline model, a count by hand), and was seen f
 planted by hand in lib/rivals.py before it was kept.
 """
 import dataclasses
+import json
 import math
 
 import pytest
@@ -333,3 +334,85 @@ def test_config_of_and_model_pick_the_class():
     assert tiny("muddformer", route_heads=8, hc_streams=2).route_heads == 8   # unused, as in mhar
     with pytest.raises(ValueError, match=r"^visit: muddformer has no routing sites"):
         rivals.GPT(tiny("muddformer")).hidden(torch.zeros(1, 2, dtype=torch.long), visit=print)
+
+
+# %% In the scripts: train.py, its resume, sample.py, probe.py, export.py and compare.py take them by name
+
+@pytest.fixture(scope="module")
+def rival_runs(data, tmp_path_factory):
+    """{(residual, "whole"): run folder} of a tiny train.py run of each rival and of the baseline, 6 steps;
+    {(residual, "stopped"): ...} of each rival's same run stopped at step 3 and resumed."""
+    import train
+    runs = {}
+    for residual in ("baseline", *rivals.RESIDUALS):
+        for name, extra in (("whole", []), ("stopped", ["--stop_step", "3"]))[:1 if residual == "baseline" else 2]:
+            out = tmp_path_factory.mktemp(f"{residual}-{name}")
+            train.main(["--preset", "tiny", "--data", str(data), "--out_dir", str(out), "--residual", residual,
+                        "--seq_len", "32", "--batch_size", "4", "--max_steps", "6", "--eval_interval", "3",
+                        "--eval_batches", "2", "--log_interval", "1", *extra])
+            runs[residual, name] = out
+        if residual != "baseline":
+            train.main(["--out_dir", str(runs[residual, "stopped"]), "--resume"])
+    return runs
+
+
+@pytest.mark.parametrize("residual", rivals.RESIDUALS)
+def test_train_py_trains_a_rival_and_resumes_it_bitwise(residual, rival_runs):
+    whole, resumed = rival_runs[residual, "whole"], rival_runs[residual, "stopped"]
+    summary = json.loads((whole / "summary.json").read_text())
+    assert summary["finished"] and summary["residual"] == residual and summary["route_heads"] == 0
+    assert json.loads((whole / "config.json").read_text())["config"]["residual"] == residual
+    log = [json.loads(line) for line in (whole / "log.jsonl").read_text().splitlines()]
+    assert (whole / "log.jsonl").read_text().count('"val_loss"') == 2           # steps 3 and 6
+    assert log[-1]["val_loss"] < log[1]["loss"]                     # it learned
+    baseline = [json.loads(line) for line in (rival_runs["baseline", "whole"] / "log.jsonl").read_text().splitlines()]
+    assert log[-1]["val_loss"] != baseline[-1]["val_loss"]           # the rival's model, not the baseline's
+    assert any(k.startswith("connections.") for k in torch.load(whole / "ckpt.pt", weights_only=True)["model"]) == (
+        residual == "muddformer")
+    a = torch.load(whole / "ckpt.pt", weights_only=True)["model"]
+    b = torch.load(resumed / "ckpt.pt", weights_only=True)["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("residual", rivals.RESIDUALS)
+def test_sample_probe_and_export_read_a_rival_run(residual, rival_runs, tmp_path):
+    from helpers import one_error_line, run_script
+    run = rival_runs[residual, "whole"]
+    sampled = run_script("sample.py", "--ckpt", run / "ckpt.pt", "--max_new_tokens", "4", "--num_samples", "1")
+    assert sampled.returncode == 0, sampled.stderr
+    probed = run_script("scripts/probe.py", "--ckpt", run / "ckpt.pt", "--batches", "1")
+    assert probed.returncode == 0 and f"residual={residual} has no routing to probe" in probed.stdout, probed.stderr
+    exported = run_script("scripts/export.py", run / "ckpt.pt", tmp_path / "hf")
+    assert one_error_line(exported, "export.py", 2) == (
+        f"export.py: error: hf.save: {residual} (lib/rivals.py) has no export: its modeling code is not written "
+        f"beside the weights; export mhar, attnres, hyper or a baseline")
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--residual", "muddformer", "--fused"], "Config.fused: muddformer has no routing sites to fuse; drop --fused"),
+    (["--residual", "depth-attention", "--n_layer", "1"],
+     "Config.n_layer: depth-attention with 1 block has no earlier layer to read; use n_layer >= 2"),
+    (["--residual", "muddformer", "--route_temperature", "4"],
+     "Config.route_temperature: muddformer has no routing sites; drop --route_temperature"),
+], ids=["mudd-fused", "depth-one-layer", "mudd-temperature"])
+def test_a_rival_train_py_cannot_build_is_one_line(argv, says, data, tmp_path, capsys):
+    import train
+    from helpers import error_line
+    line = error_line(capsys, train.main, ["--preset", "tiny", "--data", data, "--out_dir", tmp_path / "r", *argv])
+    assert line == f"train.py: error: {says}"
+
+
+def test_compare_takes_the_rivals_as_methods(capsys, tmp_path):
+    """compare.py --methods baseline,muddformer,depth-attention: each a run of its own residual, its parameters
+    the rival model's (--plan builds each on the meta device; nothing trains, nothing is written)."""
+    from scripts import compare
+    compare.main(["--methods", "baseline,muddformer,depth-attention", "--preset", "tiny", "--plan",
+                  "--out_dir", str(tmp_path / "cmp")])
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and "-s0" in line}
+    assert list(rows) == ["baseline-s0", "muddformer-s0", "depth-attention-s0"]
+    for residual in ("baseline", *rivals.RESIDUALS):
+        model = rivals.model(rivals.preset("tiny", residual=residual))
+        assert rows[f"{residual}-s0"][1] == f"{model.num_params():,}"
+    assert not (tmp_path / "cmp").exists()
