@@ -183,6 +183,13 @@ def parse_args(argv=None):
     if missing:
         exit_error("compare.py", f"--versus {missing[0]} is not a routed method of this comparison: choose from "
                                  f"{', '.join(sorted(v for v in variants if not v.startswith('baseline')))}")
+    check_eval_and_plan(args)
+    return args, train_flags
+
+
+def check_eval_and_plan(args):
+    """parse_args' judgement of the lm-eval flags and of --plan's: each mistake one line, status 2; the
+    defaults filled in."""
     args.eval_tasks = [t.strip() for t in (args.eval_tasks or "").split(",") if t.strip()]
     if not args.eval_tasks and (args.eval_include or args.eval_limit is not None):
         exit_error("compare.py", "--eval_include and --eval_limit go with --eval_tasks: name the tasks")
@@ -204,7 +211,6 @@ def parse_args(argv=None):
     if not 0 < args.plan_mfu <= 1:  # nan too
         exit_error("compare.py", f"--plan_mfu must be in (0, 1] (a share of the peak, e.g. {PLAN_MFU}), "
                                  f"got {args.plan_mfu}")
-    return args, train_flags
 
 
 def shapes_of(args):

@@ -80,7 +80,8 @@ def test_a_temperature_method_is_attnres_at_its_route_temperature():
     (["--route_heads", "3", "--preset=tiny"], "run mhar-H3-s0 cannot be built at preset tiny: Config.route_heads"),
     (["--residual", "mhar"], "--residual is set per run by compare.py; leave it out"),
     (["--methods", "baseline,transformer"], "unknown method 'transformer': choose from baseline, hyper, attnres, "
-                                            "mhar, or attnres-T<tau> / mhar-T<tau> (at --route_temperature tau)"),
+                                            "mhar, muddformer, depth-attention, or attnres-T<tau> / mhar-T<tau> (at "
+                                            "--route_temperature tau)"),
     (["--methods", "baseline", "--route_heads", "2"], "--route_heads sweeps mhar's heads: add mhar to --methods"),
     (["--n_kv_head", "1,x"], "--route_heads and the shape flags take comma-separated integers, e.g. "
                              "--route_heads 1,2,4"),
