@@ -752,3 +752,29 @@ def test_the_tokens_along_training_are_the_evaluations_own(widths):
         log.write_text("".join(json.dumps(line) + "\n" for line in lines if "val_loss" in line))
     curve = trend.gather(widths)["points"][1]["along"]["mhar-H4 - baseline"]     # widths[0]: d 128
     assert curve["tokens"] == [5000, 10000, 15000, 20000]
+
+
+def sweep_rows(results):
+    """The d 128 temperature sweep's table as docs/comparison.md writes it, from a comparison's results.json:
+    {tau: [mean whole-split loss, AttnRes at tau - baseline, MHAR H4 - AttnRes at tau]}, minus signs ASCII."""
+    loss = {(r["variant"], r["seed"]): r["full_val_loss"] for r in results["rows"]}
+
+    def paired(a, b):
+        mean, se = mean_se([loss[a, s] - loss[b, s] for s in (0, 1, 2)])
+        return f"{mean:+.4f} ± {se:.4f}, t(2) = {mean / se:+.1f}"
+    variants = {1: "attnres", **{tau: f"attnres-T{tau}" for tau in (2, 4, 8, 16)}}
+    return {str(tau): [f"{sum(loss[v, s] for s in (0, 1, 2)) / 3:.4f}", paired(v, "baseline"), paired("mhar-H4", v)]
+            for tau, v in variants.items()}
+
+
+def test_the_temperature_sweeps_table_in_docs_is_the_committed_runs():
+    """docs/comparison.md's d 128 sweep (every tau on seeds 0-2), recomputed from results/width-d128 as
+    committed; and the tau it says was chosen is the one with the lowest mean."""
+    text = (ROOT / "docs" / "comparison.md").read_text()
+    section = text.split("**The sweep at d 128, seeds 0–2**")[1].split("\n\n| τ |")[1].split("\n\n")[0]
+    written = {cells[0]: cells[1:] for cells in ([c.strip().replace("−", "-") for c in line.strip("|").split("|")]
+                                                 for line in section.splitlines()[2:])}
+    expected = sweep_rows(json.loads((ROOT / "results" / "width-d128" / "results.json").read_text()))
+    assert written == expected
+    chosen = min(expected, key=lambda tau: float(expected[tau][0]))
+    assert f"The choice at d 128: τ = {chosen} " in text
