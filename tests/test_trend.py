@@ -778,3 +778,27 @@ def test_the_temperature_sweeps_table_in_docs_is_the_committed_runs():
     assert written == expected
     chosen = min(expected, key=lambda tau: float(expected[tau][0]))
     assert f"The choice at d 128: τ = {chosen} " in text
+
+
+def rivals_rows(results, width):
+    """The rivals' rows of docs/comparison.md's table at one width, from a comparison's results.json: {(d, method):
+    [method - baseline, method - MHAR H4]}, each "m ± se, t(2) = x" over seeds 0-2, minus signs ASCII."""
+    loss = {(r["variant"], r["seed"]): r["full_val_loss"] for r in results["rows"]}
+
+    def paired(a, b):
+        mean, se = mean_se([loss[a, s] - loss[b, s] for s in (0, 1, 2)])
+        return f"{mean:+.4f} ± {se:.4f}, t(2) = {mean / se:+.1f}"
+    return {(str(width), m): [paired(m, "baseline"), paired(m, "mhar-H4")] for m in ("muddformer", "depth-attention")}
+
+
+def test_the_rivals_table_in_docs_is_the_committed_runs():
+    """docs/comparison.md's table of the rivals, each width's rows recomputed from results/width-d<d> as
+    committed (paired with the baseline and with MHAR H4 of the same seeds)."""
+    text = (ROOT / "docs" / "comparison.md").read_text()
+    section = text.split("### The rivals in the same comparison")[1].split("\n\n| d |")[1].split("\n\n")[0]
+    written = {(cells[0], cells[1]): cells[2:] for cells in
+               ([c.strip().replace("−", "-") for c in line.strip("|").split("|")] for line in section.splitlines()[2:])}
+    expected = {}
+    for width in sorted({int(d) for d, _ in written}):
+        expected |= rivals_rows(json.loads((ROOT / "results" / f"width-d{width}" / "results.json").read_text()), width)
+    assert written and written == expected
