@@ -66,6 +66,7 @@ from pathlib import Path
 import torch
 
 from mhar import ADDED_BY_RESIDUAL, GPT, Config
+from lib import rivals
 from lib.common import ROOT, CheckpointError, FlagParser, MachineError, exit_error, one_line, staged
 
 # Absent fields take the defaults of transformers' Qwen3Config (transformers 5), as it would.
@@ -485,7 +486,7 @@ def save(model, directory, source=None, dtype=None, max_shard_size=MAX_SHARD_SIZ
     the model's); past max_shard_size they are split into shards and an index, as transformers
     writes them. `directory` is new, empty or an earlier export (export_folder): another model or
     a file of the user's there is one CheckpointError, and nothing is written."""
-    if model.config.residual in ("muddformer", "depth-attention"):  # lib/rivals.py's: no remote code
+    if model.config.residual in rivals.RESIDUALS:  # no remote code is written for them
         raise ValueError(f"hf.save: {model.config.residual} (lib/rivals.py) has no export: its modeling "
                          f"code is not written beside the weights; export mhar, attnres, hyper or a baseline")
     safetensors = safetensors_api()
