@@ -30,7 +30,9 @@ values in the anchor layers n < l and in layer l itself, scored with the group's
 Sequence attention then reads (k, vmix); the KV cache stores vmix (per KV head: the baseline's
 size); an anchor's v_n is its own vmix (the mixing is recursive), layer l's own is its raw value.
 Anchors are the layers n = 0, S, 2S, ... with stride S = n_layer // 2 (at least 1), no recent
-window; no parameters are added. Rotary cancels at one position: <R q, R k> = <q, k>. Defaults from
+window; no parameters are added. Config.route_temperature = tau divides the depth logits further,
+s_n / tau (tau = 1: the paper's); tau = 1 / sqrt(head_dim) leaves them undivided, as MHAR's heads'
+(whose logits sum d / H coordinates undivided: at d = 128, H = 4, as many as a head's 32). Rotary cancels at one position: <R q, R k> = <q, k>. Defaults from
 the authors' code (LUMIA-Group/Depth-Attention, README "half the layer count", released 3B config
 stride 24 of 48 layers; modeling_llama_depth_attention.py: GQA by the group's mean query).
 """
@@ -70,10 +72,14 @@ def check_config(c):
     check(c.residual in RESIDUALS, f"residual: {c.residual!r} is not a rival; use one of "
           f"{RESIDUALS} (mhar.Config takes the others; config_of picks)")
     check(not c.fused, f"fused: {c.residual} has no routing sites to fuse; drop --fused")
-    for name in ("route_temperature", "route_block", "delta"):  # at their defaults
+    tempered = ("route_block", "delta") if c.residual == "depth-attention" else ("route_temperature",
+                                                                              "route_block", "delta")
+    for name in tempered:  # at their defaults
         check(getattr(c, name) == getattr(mhar.Config, name),
               f"{name}: {c.residual} has no routing sites; drop --{name}")
-    mhar.check_config(mhar.Config(**{**asdict(c), "residual": "baseline"}))
+    check(0 < c.route_temperature < float("inf"),
+          f"route_temperature: must be a positive number, not {c.route_temperature}")
+    mhar.check_config(mhar.Config(**{**asdict(c), "residual": "baseline", "route_temperature": 1.0}))
     check(c.residual != "depth-attention" or c.n_layer >= 2, f"n_layer: depth-attention with "
           f"{c.n_layer} block has no earlier layer to read; use n_layer >= 2")
 
@@ -148,23 +154,28 @@ class DepthAttention(mhar.Attention):
     """Attention whose values are first mixed over depth; forward(x, at, cache, earlier) -> (output
     (B, T, d), its key and mixed value (B, nkv, T, hd)), earlier: the anchors' (key, value) pairs."""
 
+    def __init__(self, config):
+        super().__init__(config)
+        self.temperature = config.route_temperature  # divides the depth logits beyond 1 / sqrt(hd)
+
     def forward(self, x, at, cache=None, earlier=()):
         x = self.norm(x)
         q, k, v = project(self, x, x, x, at)
         if earlier:
-            v = depth_mix(q, k, v, earlier)
+            v = depth_mix(q, k, v, earlier, self.temperature)
         return attend(self, q, k, v, at, cache), k, v
 
 
-def depth_mix(q, k, v, earlier):
+def depth_mix(q, k, v, earlier, temperature=1.0):
     """Each KV head's value (B, nkv, T, hd) mixed over [earlier..., own] by a softmax over depth of
-    the group's mean query against the keys, at 1 / sqrt(hd); in float32 at least."""
+    the group's mean query against the keys, at 1 / (sqrt(hd) temperature); in float32 at least."""
     B, nh, T, hd = q.shape
     nkv, dtype = k.size(1), torch.promote_types(q.dtype, torch.float32)
     query = q.to(dtype).view(B, nkv, nh // nkv, T, hd).mean(2)                  # (B, nkv, T, hd)
     keys = torch.stack([key for key, _ in earlier] + [k]).to(dtype)             # (N, B, nkv, T, hd)
     values = torch.stack([value for _, value in earlier] + [v]).to(dtype)       # (N, B, nkv, T, hd)
-    alpha = ((keys * query).sum(-1) / math.sqrt(hd)).softmax(dim=0)              # (N, B, nkv, T)
+    scores = (keys * query).sum(-1) / (math.sqrt(hd) * temperature)             # (N, B, nkv, T)
+    alpha = scores.softmax(dim=0)
     return (alpha.unsqueeze(-1) * values).sum(0).to(v.dtype)
 
 

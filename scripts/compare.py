@@ -15,7 +15,8 @@ the paired differences to the baseline and every run's row, and draw the loss cu
 
 Runs. A run is a method (with --route_heads: mhar once per H, named mhar-H<h>), a model shape and a seed.
 A routed method with -T<tau> (attnres-T4, mhar-T0.5) trains at train.py's --route_temperature tau: attnres-T4
-is AttnRes with its logits divided by 4, the temperature control for mhar at H = 4 (docs/methods.md).
+is AttnRes with its logits divided by 4, the temperature control for mhar at H = 4 (docs/methods.md);
+depth-attention-T0.1768 divides Depth-Attention's depth logits by 0.1768 beyond their 1/sqrt(head_dim).
 A shape flag (--n_layer, --n_embd, --n_head, --n_kv_head, --ffn_hidden) given a comma-separated list is a
 grid axis: every method is trained at every combination, and the run's name carries its value
 (mhar-H4-kv2-s0 and baseline-kv2-s0); one value goes to every run and stays out of the names. Every
@@ -92,7 +93,7 @@ from scripts import probe
 
 DEFAULT_METHODS = ("baseline", "hyper", "attnres", "mhar")
 METHODS = (*DEFAULT_METHODS, *rivals.RESIDUALS)  # and the rivals: lib/rivals.py (muddformer, depth-attention)
-TEMPERATURE = re.compile(r"(?P<method>attnres|mhar)-T(?P<tau>\d+(\.\d+)?)")  # attnres-T4: --route_temperature 4
+TEMPERATURE = re.compile(r"(?P<method>attnres|mhar|depth-attention)-T(?P<tau>\d+(\.\d+)?)")  # attnres-T4: tau 4
 # the shape fields of mhar.Config that a grid can sweep, and their tags in run names (n_head "nh": "H" is
 # --route_heads)
 SHAPE_FLAGS = {"n_layer": "L", "n_embd": "d", "n_head": "nh", "n_kv_head": "kv", "ffn_hidden": "ffn"}
@@ -168,7 +169,7 @@ def parse_args(argv=None):
     unknown = [m for m in args.methods if m not in METHODS and not TEMPERATURE.fullmatch(m)]
     if unknown:
         exit_error("compare.py", f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}, or "
-                                 f"attnres-T<tau> / mhar-T<tau> (at --route_temperature tau)")
+                                 f"attnres-T<tau> / mhar-T<tau> / depth-attention-T<tau> (at --route_temperature tau)")
     if len(set(args.methods)) < len(args.methods):
         exit_error("compare.py", f"--methods names a method twice: {','.join(args.methods)}")
     if args.route_heads and "mhar" not in args.methods:

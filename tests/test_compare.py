@@ -66,11 +66,14 @@ def test_the_kv_by_heads_grid_pairs_each_cell_with_the_baseline_of_its_shape_and
 
 
 def test_a_temperature_method_is_attnres_at_its_route_temperature():
-    listed, train_flags = runs("--methods", "baseline,attnres,attnres-T4,mhar-T0.5", "--seeds", "1")
+    listed, train_flags = runs("--methods", "baseline,attnres,attnres-T4,mhar-T0.5,depth-attention-T0.25",
+                               "--seeds", "1")
     assert [(r.name, r.method, r.baseline) for r in listed] == [
         ("baseline-s1", "baseline", None), ("attnres-s1", "attnres", "baseline"),
-        ("attnres-T4-s1", "attnres", "baseline"), ("mhar-T0.5-s1", "mhar", "baseline")]
+        ("attnres-T4-s1", "attnres", "baseline"), ("mhar-T0.5-s1", "mhar", "baseline"),
+        ("depth-attention-T0.25-s1", "depth-attention", "baseline")]
     assert listed[2].flags == ["--residual", "attnres", "--route_temperature", "4", "--seed", "1"]
+    assert listed[4].flags == ["--residual", "depth-attention", "--route_temperature", "0.25", "--seed", "1"]
     compare.check_shapes(listed, train_flags)  # every one builds
 
 
@@ -80,8 +83,8 @@ def test_a_temperature_method_is_attnres_at_its_route_temperature():
     (["--route_heads", "3", "--preset=tiny"], "run mhar-H3-s0 cannot be built at preset tiny: Config.route_heads"),
     (["--residual", "mhar"], "--residual is set per run by compare.py; leave it out"),
     (["--methods", "baseline,transformer"], "unknown method 'transformer': choose from baseline, hyper, attnres, "
-                                            "mhar, muddformer, depth-attention, or attnres-T<tau> / mhar-T<tau> (at "
-                                            "--route_temperature tau)"),
+                                            "mhar, muddformer, depth-attention, or attnres-T<tau> / mhar-T<tau> / "
+                                            "depth-attention-T<tau> (at --route_temperature tau)"),
     (["--methods", "baseline", "--route_heads", "2"], "--route_heads sweeps mhar's heads: add mhar to --methods"),
     (["--n_kv_head", "1,x"], "--route_heads and the shape flags take comma-separated integers, e.g. "
                              "--route_heads 1,2,4"),
@@ -538,11 +541,14 @@ def test_a_torn_summary_is_a_run_that_did_not_finish(summary, with_ckpt, data, t
 @pytest.mark.parametrize("argv, message", [
     (["--methods", "baseline,mhar-T2,mhar-T2.0"], "mhar-T2-s0 and mhar-T2.0-s0 are the same run"),
     (["--methods", "baseline,mhar,mhar-T1"], "mhar-s0 and mhar-T1-s0 are the same run"),
+    (["--methods", "baseline,depth-attention,depth-attention-T1"],
+     "depth-attention-s0 and depth-attention-T1-s0 are the same run"),
     (["--methods", "baseline", "--seeds", "0,0"], "baseline-s0 is asked for twice"),
     (["--methods", "baseline", "--seeds", "0", "--baseline_seeds", "1,1"], "baseline-s1 is asked for twice"),
     (["--route_heads", "4,4"], "mhar-H4-s0 is asked for twice"),
     (["--methods", "baseline", "--n_kv_head", "2,2"], "baseline-kv2-s0 is asked for twice"),
-], ids=["temperature_spelled_twice", "temperature_at_its_default", "seed_twice", "baseline_seed_twice",
+], ids=["temperature_spelled_twice", "temperature_at_its_default", "depth_temperature_at_its_default",
+        "seed_twice", "baseline_seed_twice",
         "heads_twice", "grid_value_twice"])
 def test_two_runs_that_train_alike_are_refused(argv, message, data, tmp_path, capsys, no_run_starts):
     err = error_line(capsys, compare.main, [*argv, "--out_dir", tmp_path / "cmp", "--data", data, *TINY])

@@ -18,7 +18,8 @@ from lib import rivals
 from helpers import rel_err
 
 WIDE = dict(n_head=6, n_kv_head=2, head_dim=8, tie_embeddings=False, rope_theta=1e6)  # 6 x 8 != 64
-SHAPES = {"4x16-gqa2": {}, "6x8-untied": WIDE, "4x16-mha": dict(n_kv_head=4)}
+SHAPES = {"4x16-gqa2": {}, "6x8-untied": WIDE, "4x16-mha": dict(n_kv_head=4),
+          "4x16-gqa2-T0.3": dict(route_temperature=0.3)}  # depth logits / (sqrt(hd) 0.3)
 
 
 def tiny(residual, **overrides):
@@ -117,7 +118,7 @@ def mudd_loop(model, idx):
 
 def depth_loop(model, idx):
     """Depth-Attention (arXiv:2606.05014): in layer l, KV head g's value becomes the softmax over
-    depth n in [anchors before l, l] of <mean of its group's queries, k_n,g> / sqrt(hd) mixing v_n,g,
+    depth n in [anchors before l, l] of <mean of its group's queries, k_n,g> / (sqrt(hd) tau) mixing v_n,g,
     anchors every (n_layer // 2)-th layer from 0 keeping their mixed values. The scores use rotated
     q and k, as the authors' code (unrotated would differ by the float32 tables' cos^2 + sin^2 - 1)."""
     c, eps = model.config, model.config.norm_eps
@@ -133,7 +134,8 @@ def depth_loop(model, idx):
                 mean_query = rotate(sum(q[g * group:(g + 1) * group]) / group, model)
                 keys = [rotate(key[g], model) for key, _ in anchors] + [rotate(k[g], model)]
                 values = [value[g] for _, value in anchors] + [v[g]]
-                scores = torch.stack([(mean_query * key).sum(-1) / math.sqrt(c.head_width)
+                scale = math.sqrt(c.head_width) * c.route_temperature
+                scores = torch.stack([(mean_query * key).sum(-1) / scale
                                       for key in keys])
                 alpha = scores.softmax(0)
                 v[g] = sum(alpha[n, ..., None] * values[n] for n in range(len(values)))
@@ -147,7 +149,8 @@ def depth_loop(model, idx):
 LOOPS = {"muddformer": mudd_loop, "depth-attention": depth_loop}
 CASES = [("muddformer", 3, "4x16-gqa2"), ("muddformer", 3, "6x8-untied"), ("muddformer", 2, "4x16-mha"),
          ("depth-attention", 3, "4x16-gqa2"), ("depth-attention", 4, "6x8-untied"),
-         ("depth-attention", 4, "4x16-mha"), ("depth-attention", 2, "4x16-gqa2")]
+         ("depth-attention", 4, "4x16-mha"), ("depth-attention", 2, "4x16-gqa2"),
+         ("depth-attention", 3, "4x16-gqa2-T0.3")]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2], ids=lambda s: f"seed{s}")
@@ -311,6 +314,8 @@ def test_flops_per_token(n_layer, sources):
     ("muddformer", dict(fused=True), "fused", "drop --fused"),
     ("depth-attention", dict(fused=True), "fused", "drop --fused"),
     ("muddformer", dict(route_temperature=2.0), "route_temperature", "drop --route_temperature"),
+    ("depth-attention", dict(route_temperature=0.0), "route_temperature", "positive"),
+    ("depth-attention", dict(route_temperature=float("inf")), "route_temperature", "positive"),
     ("depth-attention", dict(route_block=2), "route_block", "drop --route_block"),
     ("muddformer", dict(delta=True), "delta", "drop --delta"),
     ("depth-attention", dict(n_layer=1), "n_layer", "use n_layer >= 2"),
