@@ -479,18 +479,25 @@ def mean_se_pair(deltas):
 def test_the_readmes_headline_table_is_the_committed_results():
     """Every figure of the README's "What it shows" table, recomputed from the committed results: the forced
     compromise's paired differences from results/compromise/results.json, the CPU comparison's from
-    results/compare-bytes/results.json, the width study's by trend.gather from results/width-d*/."""
+    results/compare-bytes/results.json, the width study's by trend.gather from results/width-d*/, the rivals'
+    from results/width-d128/results.json (whole-split losses paired by seed)."""
     rows = headline_rows((ROOT / "README.md").read_text())
     runs = json.loads((ROOT / "results" / "compromise" / "results.json").read_text())["runs"]
     cpu = json.loads((ROOT / "results" / "compare-bytes" / "results.json").read_text())
     cpu_pairs = {(p["variant"], p["baseline"]): p for p in cpu["pairs"] + cpu["versus"]["attnres-T4"]}
     width = {p["value"]: p["differences"] for p in trend.gather(WIDTH_FOLDERS)["points"]}
+    loss = {(r["variant"], r["seed"]): r["full_val_loss"] for r in
+            json.loads((ROOT / "results" / "width-d128" / "results.json").read_text())["rows"]}
+    rivals = {(a, b): mean_se_pair([loss[a, s] - loss[b, s] for s in (0, 1, 2)])
+              for a in ("muddformer", "depth-attention") for b in ("baseline", "mhar-H4")}
     expected = [
         (compromise_pair(runs, "mhar", "attnres"), True),
         (compromise_pair(runs, "mhar-rotated", "attnres-rotated"), True),
         (cpu_pairs[("mhar-H4", "baseline")], True), (cpu_pairs[("mhar-H4", "attnres-T4")], True),
         (width[256]["mhar-H4 - baseline"], True), (width[256]["mhar-H4 - attnres-T4"], True),
-        (width[64]["mhar-H4 - baseline"], False)]
+        (width[64]["mhar-H4 - baseline"], False),
+        (rivals[("muddformer", "baseline")], True), (rivals[("depth-attention", "baseline")], True),
+        (rivals[("muddformer", "mhar-H4")], False)]
     assert len(rows) == len(expected), rows
     problems = [f"{key}: {value!r}, the results say {headline_cell(pair, resolved)!r}"
                 for (key, value), (pair, resolved) in zip(rows.items(), expected)
