@@ -506,8 +506,11 @@ def plot_width_disagreement(plt, summary, path, title):
 
 def plot_loss_curves(plt, runs, path):
     """Left: whole runs (train loss smoothed over ~10% of its points, the raw points faint; validation loss as
-    dots). Right: the second half, smoothed, where methods separate."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
+    dots). Right: the second half, smoothed, where methods separate. One legend entry a run, below both, the
+    figure as much taller as its rows (a comparison of 30 runs had its legend cover the plot)."""
+    columns = 5
+    rows = -(-len(runs) // columns)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8 + 0.2 * rows), layout="constrained")
     last = max((e["step"] for _, _, log in runs for e in log), default=1)
     late = []  # the values drawn in the second half, for its y-range
     for i, (_, label, log) in enumerate(runs):
@@ -519,20 +522,21 @@ def plot_loss_curves(plt, runs, path):
         val_steps, val_loss = [e["step"] for e in val_log], [e["val_loss"] for e in val_log]
         axes[0].plot(steps, loss, color=color, alpha=0.15, linewidth=0.6)
         for ax in axes:
-            ax.plot(smoothed_steps, smoothed, color=color, label=f"{label} train")
-            ax.plot(val_steps, val_loss, "o--", color=color, markersize=4, linewidth=0.8, label=f"{label} val")
+            ax.plot(smoothed_steps, smoothed, color=color, label=label if ax is axes[0] else None)
+            ax.plot(val_steps, val_loss, "o--", color=color, markersize=4, linewidth=0.8)
         late += [v for step, v in zip(smoothed_steps + val_steps, smoothed + val_loss)
                  if step >= last / 2 and math.isfinite(v)]
     if late:
         margin = 0.1 * (max(late) - min(late)) + 0.01
         axes[1].set_xlim(last / 2, last * 1.02)
         axes[1].set_ylim(min(late) - margin, max(late) + margin)
-    axes[0].set_title("loss")
+    axes[0].set_title("loss (lines: train, smoothed; dots: validation)")
     axes[1].set_title("second half")
     for ax in axes:
         ax.set_xlabel("step")
     axes[0].set_ylabel("cross-entropy (nats/token)")
-    axes[1].legend(fontsize=7)
+    if runs:
+        fig.legend(loc="outside lower center", ncols=min(columns, len(runs)), fontsize=7)
     fig.savefig(path, dpi=FIGURE_DPI)
     plt.close(fig)
 

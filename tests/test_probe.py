@@ -483,3 +483,25 @@ def test_the_terminal_report_says_each_number_where_it_belongs(tmp_path):
         "run mhar: 30 steps, val loss 2.5000 (best 2.2500)",
         "run baseline: 10 steps",
         f"wrote {tmp_path / 'probe.json'}, depth_map.png"]
+
+
+@pytest.mark.parametrize("count", [0, 1, 5, 6, 30], ids=lambda n: f"{n}-runs")
+def test_the_loss_curves_have_one_legend_entry_a_run_below_the_plots(count, tmp_path, recwarn, monkeypatch):
+    """One entry a run (not two: train and val), in a figure legend below both axes, the figure taller by its rows;
+    30 runs once had 60 entries covering the plot, and constrained layout gave up with a warning."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    log = [{"step": s, "loss": 3 - s / 500} for s in range(25, 751, 25)]
+    log += [{"step": s, "val_loss": 3.1 - s / 500} for s in range(50, 751, 50)]
+    runs = [(tmp_path, f"run{i}", log) for i in range(count)]
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)       # keep the figure to read its legend
+    probe.plot_loss_curves(plt, runs, tmp_path / "loss_curves.png")
+    (fig,) = figures
+    assert (tmp_path / "loss_curves.png").read_bytes()[:8] == PNG_SIGNATURE
+    legends = fig.legends
+    assert [t.get_text() for legend in legends for t in legend.get_texts()] == [f"run{i}" for i in range(count)]
+    assert all(not ax.get_legend() for ax in fig.axes)
+    rows = -(-count // 5)
+    assert fig.get_figheight() == pytest.approx(3.8 + 0.2 * rows)
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)], [str(w.message) for w in recwarn]
+    close(fig)
