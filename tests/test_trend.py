@@ -810,3 +810,16 @@ def test_the_rivals_table_in_docs_is_the_committed_runs():
     for width in sorted({int(d) for d, _ in written}):
         expected |= rivals_rows(json.loads((ROOT / "results" / f"width-d{width}" / "results.json").read_text()), width)
     assert written and written == expected
+
+
+
+def test_depth_attention_at_mhars_temperature_against_its_own_is_the_committed_runs():
+    """docs/comparison.md's sentence pairing depth-attention-T0.1768 with depth-attention, per width, recomputed."""
+    text = (ROOT / "docs" / "comparison.md").read_text().replace("−", "-")
+    cells = []
+    for width in (64, 128):
+        results = json.loads((ROOT / "results" / f"width-d{width}" / "results.json").read_text())
+        loss = {(r["variant"], r["seed"]): r["full_val_loss"] for r in results["rows"]}
+        mean, se = mean_se([loss["depth-attention-T0.1768", s] - loss["depth-attention", s] for s in (0, 1, 2)])
+        cells.append(f"{mean:+.4f} ± {se:.4f}, t(2) = {mean / se:+.1f} at d {width}")
+    assert f"`depth-attention`, paired): {cells[0]}; {cells[1]}." in text
