@@ -823,3 +823,18 @@ def test_depth_attention_at_mhars_temperature_against_its_own_is_the_committed_r
         mean, se = mean_se([loss["depth-attention-T0.1768", s] - loss["depth-attention", s] for s in (0, 1, 2)])
         cells.append(f"{mean:+.4f} ± {se:.4f}, t(2) = {mean / se:+.1f} at d {width}")
     assert f"`depth-attention`, paired): {cells[0]}; {cells[1]}." in text
+
+
+def test_the_d256_sweep_sentence_in_docs_is_the_committed_runs():
+    """docs/comparison.md's d 256 sweep: each tau's mean whole-split loss over seeds 0-2 and the choice (the lowest),
+    recomputed from results/width-d256/results.json."""
+    text = (ROOT / "docs" / "comparison.md").read_text()
+    rows = json.loads((ROOT / "results" / "width-d256" / "results.json").read_text())["rows"]
+    loss = {(r["variant"], r["seed"]): r["full_val_loss"] for r in rows}
+    means = {tau: sum(loss[variant, s] for s in (0, 1, 2)) / 3
+             for tau, variant in (("1", "attnres"), ("4", "attnres-T4"), ("8", "attnres-T8"), ("16", "attnres-T16"))}
+    sentence = ", ".join(f"τ = {tau} {mean:.4f}" for tau, mean in means.items())
+    others = {v: sum(loss[v, s] for s in (0, 1, 2)) / 3 for v in ("baseline", "mhar-H4")}
+    assert f"whole-split means {sentence} (the baseline {others['baseline']:.4f}, MHAR H4 {others['mhar-H4']:.4f})" \
+        in text.replace("\n", " ")
+    assert f"The choice at d 256: τ = {min(means, key=means.get)}," in text.replace("\n", " ")
