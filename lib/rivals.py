@@ -34,7 +34,8 @@ window; no parameters are added. Config.route_temperature = tau divides the dept
 s_n / tau (tau = 1: the paper's); tau = 1 / sqrt(head_dim) leaves them undivided, as MHAR's heads'
 (whose logits sum d / H coordinates undivided: at d = 128, H = 4, as many as a head's 32).
 Rotary cancels at one position: <R q, R k> = <q, k>. Defaults from the authors' code
-(LUMIA-Group/Depth-Attention, README "half the layer count", released 3B config stride 24 of 48 layers; modeling_llama_depth_attention.py: GQA by the group's mean query).
+(LUMIA-Group/Depth-Attention, README "half the layer count", released 3B config stride 24 of 48
+layers; modeling_llama_depth_attention.py: GQA by the group's mean query).
 """
 
 import math
